@@ -1,0 +1,1 @@
+"""Prompt and preference sources, ordering, sharding and the resumable data cursor."""

@@ -1,0 +1,281 @@
+"""The recipe as frozen attrs classes: one class per TOML table, one default and help text per key.
+
+Nothing here imports torch. Empty strings (and empty lists, zero counts) mean "not set": TOML has
+no null, and this keeps a resolved recipe round-trippable.
+"""
+
+from typing import Any, Literal
+
+import attrs
+
+
+def key(default: Any, help: str) -> Any:
+    """A recipe key: its one default and its one help text (which feeds the JSON schema)."""
+    if isinstance(default, list | dict):
+        factory = (lambda d=default: type(d)(d))  # noqa: E731 - fresh copy per instance
+        return attrs.field(factory=factory, metadata={"help": help})
+    return attrs.field(default=default, metadata={"help": help})
+
+
+def table(cls: type, help: str) -> Any:
+    return attrs.field(factory=cls, metadata={"help": help})
+
+
+CursorResume = Literal["strict", "auto", "off"]
+
+
+@attrs.frozen
+class RunConfig:
+    name: str = key("run", "Name of the run, shown in the UI and the summary.")
+    output_dir: str = key(
+        "runs/run", "Folder for checkpoints, metrics.jsonl and recipe.resolved.toml."
+    )
+    seed: int = key(0, "Seed for data order, sampling and initialisation.")
+    max_steps: int = key(100, "Number of optimizer steps (one step = one batch of prompts or pairs).")
+    deterministic: bool = key(
+        True, "Use deterministic torch algorithms so a resumed run reproduces bitwise on CPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = key(
+        "auto", "Where the policy trains: auto picks cuda when available, else cpu."
+    )
+
+
+@attrs.frozen
+class ModelConfig:
+    path: str = key(
+        "builtin:tiny-arith",
+        "A local Hugging Face model folder, or builtin:tiny-arith, builtin:tiny-arith-char, "
+        "builtin:tiny-arith-teacher, builtin:smollm2-135m-instruct.",
+    )
+    model_type: str = key(
+        "", "Overrides config.json's model_type when picking the built-in DataPacker."
+    )
+    trust_remote_code: bool = key(False, "Allow the model folder's own Python code to run.")
+    dtype: Literal["float32", "bfloat16", "float16"] = key(
+        "float32", "Parameter dtype of the policy (float32 on CPU)."
+    )
+
+
+@attrs.frozen
+class ValidationConfig:
+    enabled: bool = key(True, "Evaluate on a held-out set and check it does not overlap training.")
+    size: int = key(64, "Number of held-out items (built-in sources) or the cap on a given source.")
+    factory: str = key("", "Dotted path of a held-out dataset factory (same contract as data.factory).")
+    factory_kwargs: dict[str, Any] = key({}, "Keyword arguments for the held-out factory.")
+    path: str = key("", "Local file or folder of the held-out set (jsonl/json/parquet/csv).")
+    split: str = key("", "Split of the held-out file or hub dataset; empty: same as data.split.")
+    jsonl_path: str = key("", "DPO: a jsonl file of held-out preference pairs.")
+
+
+@attrs.frozen
+class DataConfig:
+    factory: str = key("", "Dotted path of a callable returning a map-style dataset.")
+    factory_kwargs: dict[str, Any] = key({}, "Keyword arguments for data.factory (free-form).")
+    path: str = key("", "A local jsonl/json/parquet/csv file or folder, read through datasets.")
+    name: str = key("", "A datasets hub name (needs network or a local cache).")
+    config: str = key("", "Configuration name of the hub dataset.")
+    revision: str = key("", "Revision of the hub dataset; part of the cursor fingerprint.")
+    split: str = key("train", "Split to read from data.path or data.name.")
+    prompt_column: str = key("prompt", "Column holding the prompt.")
+    response_column: str = key("", "Column holding the reference answer, if any.")
+    items_fn: str = key("", "Dotted callable applied to each raw row (row in, row out) before columns are read.")
+    shuffle: bool = key(True, "Shuffle the order each epoch (a pure function of seed and epoch).")
+    cursor_resume: CursorResume = key(
+        "auto",
+        "strict: require a saved cursor with the same fingerprint; auto: resume it when present; "
+        "off: continue the model without restoring the data position.",
+    )
+    count: int = key(2000, "Built-in arithmetic: number of training prompts.")
+    min_operand: int = key(0, "Built-in arithmetic: smallest operand.")
+    max_operand: int = key(20, "Built-in arithmetic: largest operand.")
+    operators: list[str] = key(["+", "-"], "Built-in arithmetic: operators to draw from (+, -, *).")
+    image_column: str = key("", "PPO only: column holding images.")
+    video_column: str = key("", "PPO only: column holding videos.")
+    id_column: str = key("", "PPO only: column holding a stable item id.")
+    metadata_columns: list[str] = key([], "PPO only: allowlist of extra columns carried into the trajectory.")
+    jsonl_path: str = key("", "DPO only: a jsonl file of (prompt, chosen, rejected) objects.")
+    tar_path: str = key("", "DPO only: a tar archive of preference samples (read in memory).")
+    synthetic_pairs: int = key(0, "DPO only: number of built-in arithmetic preference pairs.")
+    chosen_key: str = key("", "DPO: key of the preferred answer; empty accepts chosen or winner.")
+    rejected_key: str = key("", "DPO: key of the rejected answer; empty accepts rejected or loser.")
+    validation: ValidationConfig = table(ValidationConfig, "The held-out set.")
+
+
+@attrs.frozen
+class DataPackerConfig:
+    factory: str = key(
+        "", "Dotted zero-argument callable returning the student's DataPacker; empty: by model_type."
+    )
+    teacher_model_factory: str = key(
+        "", "OPD cross_token_multimodal only: DataPacker factory of the teacher model."
+    )
+
+
+@attrs.frozen
+class GRPOConfig:
+    kind: Literal["grpo"] = key("grpo", "Group Relative Policy Optimization.")
+    prompts_per_step: int = key(8, "Prompts drawn from the cursor per step.")
+    group_size: int = key(8, "Completions sampled per prompt (at least 2).")
+    ppo_epochs: int = key(1, "Passes over each batch of rollouts.")
+    minibatches: int = key(1, "Optimizer steps per pass (the batch is split this many ways).")
+    clip_eps_low: float = key(0.2, "Lower clip of the importance ratio: 1 - eps_low.")
+    clip_eps_high: float = key(0.2, "Upper clip of the importance ratio: 1 + eps_high.")
+    scale_rewards: Literal["group", "batch", "none"] = key(
+        "group", "Divide advantages by the group's std, the batch's std, or not at all."
+    )
+    loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = key(
+        "token_mean",
+        "token_mean: mean over all tokens of the batch; seq_mean: mean per sequence then over "
+        "sequences; dr_grpo: sum divided by a constant (max_new_tokens x sequences).",
+    )
+    kl_beta: float = key(0.0, "Weight of the k3 KL to the frozen reference (0 disables the reference).")
+    old_logprobs: Literal["policy", "engine"] = key(
+        "policy", "Where the behaviour logprobs come from: recomputed by the policy, or the engine's."
+    )
+    shared_prefix_filter: bool = key(
+        False, "Drop completions whose token prefix repeats another's in the group (needs a packer)."
+    )
+
+
+@attrs.frozen
+class DPOConfig:
+    kind: Literal["dpo"] = key("dpo", "Direct Preference Optimization.")
+    pairs_per_step: int = key(16, "Preference pairs per optimizer step.")
+    beta: float = key(0.1, "Inverse temperature of the implicit reward.")
+    loss: Literal["sigmoid", "ipo"] = key("sigmoid", "sigmoid (DPO) or ipo (squared loss).")
+    label_smoothing: float = key(0.0, "Conservative DPO: assumed rate of flipped labels (0 to 0.5).")
+    precompute_reference: bool = key(
+        False, "Compute the reference logprobs once for the whole dataset and cache them."
+    )
+
+
+@attrs.frozen
+class PPOConfig:
+    kind: Literal["ppo"] = key("ppo", "Proximal Policy Optimization with a learned critic.")
+    prompts_per_step: int = key(16, "Prompts drawn from the cursor per step.")
+    samples_per_prompt: int = key(1, "Completions sampled per prompt.")
+    ppo_epochs: int = key(2, "Passes over each batch of rollouts.")
+    minibatches: int = key(2, "Optimizer steps per pass.")
+    clip_eps: float = key(0.2, "Clip of the policy ratio.")
+    value_clip_eps: float = key(0.2, "Clip of the value update around the old values.")
+    vf_coef: float = key(0.5, "Weight of the value loss.")
+    gamma: float = key(1.0, "Discount factor of GAE.")
+    lam: float = key(0.95, "Lambda of GAE.")
+    kl_coef: float = key(0.05, "Per-token KL penalty folded into the reward.")
+    whiten_advantages: bool = key(True, "Normalise advantages to zero mean, unit variance.")
+    critic_path: str = key(
+        "", "A separate model folder for the critic; empty: a value head on a copy of the policy."
+    )
+    critic_lr: float = key(0.0, "Learning rate of the critic; 0 uses train.lr.")
+
+
+@attrs.frozen
+class OPDConfig:
+    kind: Literal["opd"] = key("opd", "On-policy distillation: per-token reverse KL to a teacher.")
+    mode: Literal["same_tokenizer", "cross_token_multimodal"] = key(
+        "same_tokenizer",
+        "same_tokenizer: the teacher scores the student's ids; cross_token_multimodal: the "
+        "teacher has its own tokenizer and is aligned on character spans.",
+    )
+    teacher_path: str = key("builtin:tiny-arith-teacher", "The teacher model (folder or builtin:).")
+    prompts_per_step: int = key(8, "Prompts drawn from the cursor per step.")
+    samples_per_prompt: int = key(2, "Completions sampled per prompt.")
+    ppo_epochs: int = key(1, "Passes over each batch of rollouts.")
+    clip_eps: float = key(0.2, "Clip of the importance ratio.")
+    kl_coef: float = key(1.0, "Weight of the reverse-KL advantage.")
+    full_kl: bool = key(
+        False, "Add the full-distribution reverse KL as a loss term (same vocabulary only)."
+    )
+
+
+AlgoConfig = GRPOConfig | DPOConfig | PPOConfig | OPDConfig
+ALGO_KINDS: dict[str, type] = {
+    "grpo": GRPOConfig,
+    "dpo": DPOConfig,
+    "ppo": PPOConfig,
+    "opd": OPDConfig,
+}
+
+
+@attrs.frozen
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = key("hf", "hf: transformers generate in process; vllm: vllm.LLM.")
+    max_new_tokens: int = key(16, "Most tokens generated per completion.")
+    temperature: float = key(1.0, "Sampling temperature.")
+    top_p: float = key(1.0, "Nucleus sampling threshold.")
+    top_k: int = key(0, "Top-k sampling; 0 disables it.")
+    batch_size: int = key(64, "Prompts per generate call (hf engine).")
+    gpu_memory_utilization: float = key(0.3, "vllm on GPU: fraction of GPU memory for the engine.")
+    enable_sleep_mode: bool = key(False, "vllm on GPU: free engine memory between rollouts.")
+    vllm_kv_cache_gb: float = key(1.0, "vllm on CPU: KV cache size in GiB.")
+
+
+@attrs.frozen
+class RewardConfig:
+    functions: list[str] = key(
+        ["arithmetic_exact"],
+        "Reward functions: built-in names (arithmetic_exact, format) or dotted callables "
+        "(completions, items) -> list[float].",
+    )
+    weights: list[float] = key([], "One weight per function; empty: all 1.0.")
+
+
+@attrs.frozen
+class TrainConfig:
+    optimizer: Literal["adamw"] = key("adamw", "The optimizer.")
+    lr: float = key(1e-5, "Peak learning rate.")
+    weight_decay: float = key(0.0, "AdamW weight decay.")
+    adam_beta1: float = key(0.9, "AdamW beta1.")
+    adam_beta2: float = key(0.999, "AdamW beta2.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = key(
+        "constant", "Shape of the learning rate after warm-up."
+    )
+    warmup_steps: int = key(0, "Linear warm-up steps.")
+    grad_accum_steps: int = key(1, "Micro-batches accumulated per optimizer step.")
+    max_grad_norm: float = key(1.0, "Clip the gradient norm to this; 0 disables clipping.")
+    precision: Literal["no", "bf16", "fp16"] = key("no", "Mixed precision passed to Accelerate.")
+    eval_every: int = key(10, "Evaluate on the held-out set every N steps (0: only start and end).")
+
+
+@attrs.frozen
+class CheckpointConfig:
+    every_steps: int = key(25, "Write a checkpoint every N steps (and always at the end).")
+    keep_last: int = key(2, "Keep this many checkpoints; older ones are deleted.")
+    resume: Literal["auto", "never"] = key(
+        "auto", "auto: continue from the latest complete checkpoint in run.output_dir."
+    )
+
+
+@attrs.frozen
+class LaunchConfig:
+    backend: Literal["local", "torchrun", "ray"] = key(
+        "local", "local: one process; torchrun: one process per rank; ray: roles as Ray actors."
+    )
+    num_processes: int = key(1, "Policy ranks (torchrun / ray).")
+    ray_address: str = key("", "Address of a running Ray cluster; empty starts a local one.")
+
+
+@attrs.frozen
+class LoggingConfig:
+    every_steps: int = key(1, "Write metrics every N steps.")
+    tensorboard: bool = key(False, "Also write TensorBoard event files.")
+    sample_every: int = key(10, "Show a sample prompt and completion every N steps (0: never).")
+
+
+@attrs.frozen
+class Recipe:
+    run: RunConfig = table(RunConfig, "Name, output folder, seed and length of the run.")
+    model: ModelConfig = table(ModelConfig, "The policy model.")
+    data: DataConfig = table(DataConfig, "Where prompts (or preference pairs) come from.")
+    data_packer: DataPackerConfig = table(DataPackerConfig, "How items become model inputs.")
+    algo: AlgoConfig = attrs.field(factory=GRPOConfig, metadata={"help": "The algorithm, tagged by kind."})
+    rollout: RolloutConfig = table(RolloutConfig, "The rollout engine and sampling.")
+    reward: RewardConfig = table(RewardConfig, "Reward functions (GRPO, PPO).")
+    train: TrainConfig = table(TrainConfig, "Optimizer and evaluation.")
+    checkpoint: CheckpointConfig = table(CheckpointConfig, "Checkpoints and resume.")
+    launch: LaunchConfig = table(LaunchConfig, "Where the roles run.")
+    logging: LoggingConfig = table(LoggingConfig, "Metrics and the live view.")
+
+
+# Keys whose tables are free-form: any sub-key is accepted (no "+" prefix needed in overrides).
+FREEFORM_KEYS = frozenset({"data.factory_kwargs", "data.validation.factory_kwargs"})
