@@ -28,10 +28,14 @@ class Problem:
         parts = [f"{where}: " if where else "", f"{self.key}: " if self.key else "", self.message]
         if self.got is not _MISSING:
             parts.append(f" (got {_show(self.got)})")
-        line = "".join(parts).rstrip(".") + "."
+        line = _sentence("".join(parts))
         if self.hint:
-            line += " " + self.hint.rstrip(".") + "."
+            line += " " + _sentence(self.hint[:1].upper() + self.hint[1:])
         return line
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith((".", "?", "!")) else text + "."
 
 
 def _show(value: object) -> str:

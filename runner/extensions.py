@@ -51,7 +51,8 @@ def load_callable(dotted: str, *, key: str = "") -> Callable[..., Any]:
         if not callable(obj):
             raise _error(key, dotted, f"is a {type(obj).__name__}, not a callable")
         return obj
-    raise _error(key, dotted, f"no module named {parts[0]!r} ({error})",
+    missing = getattr(error, "name", None) or parts[0]
+    raise _error(key, dotted, f"cannot import it: no module named {missing!r}",
                  hint="check the spelling and that its folder is on PYTHONPATH")
 
 

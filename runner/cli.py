@@ -1,0 +1,91 @@
+"""posttrain-run: parse arguments -> load the recipe -> validate -> plan -> run.
+
+This is the only place that renders errors for users and picks exit codes:
+0 success, 1 runtime failure, 2 recipe or validation error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from runner import __version__
+from runner.errors import RecipeError, RunnerError
+
+EXIT_OK, EXIT_FAILURE, EXIT_RECIPE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain-run",
+        description="Run a post-training recipe (GRPO, DPO, PPO, OPD) described by one TOML file.",
+        epilog="Overrides: KEY=VALUE with dotted keys, e.g. algo.group_size=4 "
+        "data.factory_kwargs.count=1000. Values are TOML literals; anything else is a string.",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--validate-manifest", action="store_true",
+                      help="check the recipe only: no user code, no torch (fast)")
+    mode.add_argument("--validate", action="store_true",
+                      help="also import every dotted path and bind its arguments")
+    mode.add_argument("--dry-run", action="store_true",
+                      help="also build the data sources and packers and show the plan; no training")
+    parser.add_argument("--plain", action="store_true",
+                        help="plain log lines instead of the live display")
+    parser.add_argument("--version", action="version", version=f"posttrain-run {__version__}")
+    parser.add_argument("recipe", help="the recipe file (TOML)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Like `python -m`, make the working directory importable so extension modules next to the
+    # recipe resolve by their dotted path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return _dispatch(args)
+    except RecipeError as exc:
+        for line in exc.lines():
+            print(line, file=sys.stderr)
+        return EXIT_RECIPE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except RunnerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from runner.recipe import load_recipe, make_plan
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    plan = make_plan(recipe)
+    if args.validate_manifest:
+        print(f"{args.recipe}: recipe is valid ({recipe.algo.kind}, {plan.max_steps} steps)")
+        return EXIT_OK
+
+    from runner.preflight import validate_extensions
+
+    problems = validate_extensions(recipe)
+    if problems:
+        raise RecipeError(problems, source=args.recipe)
+    if args.validate:
+        print(f"{args.recipe}: recipe and extensions are valid ({recipe.algo.kind})")
+        return EXIT_OK
+    if args.dry_run:
+        from runner.preview import show_dry_run
+
+        show_dry_run(recipe, plan, source=args.recipe, overrides=args.overrides, plain=args.plain)
+        return EXIT_OK
+
+    from runner.train import run_recipe
+
+    return run_recipe(recipe, plan, source=args.recipe, overrides=args.overrides, plain=args.plain)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

