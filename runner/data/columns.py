@@ -1,0 +1,103 @@
+"""Column mapping: a raw row (a mapping with the source's own column names) -> ObsBundle.
+
+``prompt_column`` becomes ``ObsBundle.prompt`` and ``response_column`` ``.reference``. PPO also
+maps ``image_column``, ``video_column`` and ``id_column``, and copies only the columns listed in
+``metadata_columns`` into ``.metadata``: any other field of the row stays behind.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from runner.errors import Problem, RecipeError
+from runner.recipe.schema import DataConfig
+from runner.types import ObsBundle
+
+_PPO_ONLY = ("image_column", "video_column", "id_column", "metadata_columns")
+
+
+@attrs.frozen
+class ColumnMap:
+    """Which raw column feeds which ObsBundle field; "" means the field stays empty."""
+
+    prompt: str
+    response: str = ""
+    image: str = ""
+    video: str = ""
+    id: str = ""
+    metadata: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """Canonical text of the mapping, e.g. ``prompt=question response=answer``.
+
+        Part of the cursor fingerprint: renaming a column changes what an index means.
+        """
+        pairs = [("prompt", self.prompt), ("response", self.response), ("image", self.image),
+                 ("video", self.video), ("id", self.id), ("metadata", ",".join(self.metadata))]
+        return " ".join(f"{name}={value}" for name, value in pairs if value)
+
+    def apply(self, row: Mapping[str, Any], *, where: str) -> ObsBundle:
+        """The canonical item of ``row``; ``where`` names the row in errors (e.g. "row 3 of ...")."""
+        get = _Getter(row, where)
+        return ObsBundle(
+            prompt=get(self.prompt, "data.prompt_column"),
+            reference=_as_text(get(self.response, "data.response_column")) if self.response else "",
+            images=_as_tuple(get(self.image, "data.image_column")) if self.image else (),
+            videos=_as_tuple(get(self.video, "data.video_column")) if self.video else (),
+            id=str(get(self.id, "data.id_column")) if self.id else "",
+            metadata={name: get(name, "data.metadata_columns") for name in self.metadata},
+        )
+
+
+def column_map(data: DataConfig, algo_kind: str) -> ColumnMap:
+    """The mapping a recipe asks for. PPO-only keys outside PPO are refused, not ignored."""
+    if algo_kind != "ppo":
+        stray = [k for k in _PPO_ONLY if getattr(data, k)]
+        if stray:
+            raise RecipeError([Problem(f"data.{k}", f"only used by PPO, but algo.kind is "
+                                       f"{algo_kind!r}", got=getattr(data, k), hint="remove it")
+                               for k in stray])
+        return ColumnMap(prompt=data.prompt_column, response=data.response_column)
+    return ColumnMap(prompt=data.prompt_column, response=data.response_column,
+                     image=data.image_column, video=data.video_column, id=data.id_column,
+                     metadata=tuple(data.metadata_columns))
+
+
+class _Getter:
+    def __init__(self, row: Mapping[str, Any], where: str) -> None:
+        self.row, self.where = row, where
+
+    def __call__(self, column: str, key: str) -> Any:
+        try:
+            return self.row[column]
+        except KeyError:
+            raise missing_column(column, key, self.where, list(self.row)) from None
+
+
+def missing_column(column: str, key: str, where: str, columns: list[str]) -> RecipeError:
+    shown = ", ".join(repr(c) for c in columns[:20]) + (" ..." if len(columns) > 20 else "")
+    return RecipeError([Problem(
+        key, f"column {column!r} is not in {where} (its columns: {shown or 'none'})",
+        hint=f"set {key} to one of its columns, or reshape rows with data.items_fn")])
+
+
+def _as_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list | dict | tuple):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    return (value,)

@@ -1,0 +1,168 @@
+"""Reading prompt rows from local files and hub datasets through ``datasets``.
+
+A local path is a file (``.jsonl``/``.json``, ``.parquet``, ``.csv``) or a folder of such files
+(one format per folder; ``datasets`` picks the split from file names like ``train.jsonl``,
+``test.jsonl``; a folder without such names is one ``train`` split). A single file is one split
+under whatever name ``split`` gives.
+
+A hub name needs the network or the local ``datasets`` cache. Before asking the hub, the host is
+probed once with a short timeout; when it does not answer, only the cache is tried, so a run
+without network fails at once with the dataset named instead of retrying for half a minute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from runner.errors import Problem, RecipeError
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+PROBE_TIMEOUT_S = 3.0
+
+
+def local_files(path: str, *, key: str) -> tuple[str, list[Path]]:
+    """The ``datasets`` builder and the data files of ``path`` (sorted), or a RecipeError."""
+    root = Path(path)
+    supported = ", ".join(sorted(BUILDERS))
+    if root.is_file():
+        builder = BUILDERS.get(root.suffix.lower())
+        if builder is None:
+            raise RecipeError([Problem(key, f"unsupported file type {root.suffix or '(none)'!r}",
+                                       got=path, hint=f"use one of {supported}")])
+        return builder, [root]
+    if not root.is_dir():
+        raise RecipeError([Problem(key, "no such file or folder", got=path,
+                                   hint="paths are relative to the working directory")])
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS)
+    builders = {BUILDERS[p.suffix.lower()] for p in files}
+    if len(builders) != 1:
+        found = "no data files" if not builders else f"mixed formats {sorted(builders)}"
+        raise RecipeError([Problem(key, f"the folder holds {found}", got=path,
+                                   hint=f"put files of one type ({supported}) in the folder")])
+    return builders.pop(), files
+
+
+def digest_files(root: str, files: list[Path]) -> tuple[int, str]:
+    """Total size in bytes and sha256 over (relative name, content) of every data file."""
+    digest, total, base = hashlib.sha256(), 0, Path(root)
+    for file in files:
+        name = file.name if file == base else str(file.relative_to(base))
+        digest.update(name.encode() + b"\0")
+        with file.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+                total += len(chunk)
+        digest.update(b"\0")
+    return total, digest.hexdigest()
+
+
+def load_local(path: str, split: str, *, key: str, split_key: str) -> tuple[Any, dict[str, str]]:
+    """A ``datasets.Dataset`` of ``split`` of ``path``, and its identity parts.
+
+    The parts are the path as written, the total size and the content sha256 of its data files.
+    """
+    builder, files = local_files(path, key=key)
+    size, sha = digest_files(path, files)
+    import datasets
+
+    try:
+        if len(files) == 1 and Path(path).is_file():
+            ds = datasets.load_dataset(builder, data_files={split: str(files[0])}, split=split)
+        else:
+            ds = datasets.load_dataset(builder, data_dir=path, split=split)
+    except ValueError as exc:
+        if "split" in str(exc).lower():
+            raise RecipeError([Problem(split_key, f"{path}: {exc}", got=split)]) from exc
+        raise _unreadable(key, path, exc) from exc
+    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds on a bad file
+        raise _unreadable(key, path, exc) from exc
+    return ds, {"path": path, "file_size": str(size), "content_sha256": sha, "split": split}
+
+
+def _unreadable(key: str, path: str, exc: Exception) -> RecipeError:
+    cause = exc.__cause__ or exc
+    return RecipeError([Problem(key, f"datasets could not read {path}: {type(cause).__name__}: "
+                                f"{str(cause)[:300]}", hint="check the file is valid for its type")])
+
+
+def load_hub(name: str, config: str, revision: str, split: str, *, key: str) -> Any:
+    """The ``split`` of hub dataset ``name``; fails fast with the name when it cannot be had."""
+    import datasets
+    import datasets.config
+
+    label = name + (f" (config {config!r})" if config else "") + (
+        f" at revision {revision!r}" if revision else "")
+    args: dict[str, Any] = {"split": split}
+    if config:
+        args["name"] = config
+    if revision:
+        args["revision"] = revision
+    offline_set = bool(datasets.config.HF_HUB_OFFLINE)
+    unreachable = None if offline_set else hub_unreachable()
+    try:
+        if offline_set or unreachable:
+            with _offline():
+                return datasets.load_dataset(name, **args)
+        return datasets.load_dataset(name, **args)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds; all mean "not loadable"
+        if offline_set:
+            why = "it is not in the local datasets cache and offline mode is set (HF_HUB_OFFLINE)"
+        elif unreachable:
+            why = f"the hub cannot be reached ({unreachable}) and it is not in the local cache"
+        else:
+            why = f"{type(exc).__name__}: {str(exc)[:300]}"
+        raise RecipeError([Problem(key, f"cannot load hub dataset {label}: {why}",
+                                   hint="download it once where the network is available, or "
+                                   "save it to a local file and set data.path instead")]) from exc
+
+
+def hub_unreachable(timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when a TCP connection to the hub (or the HTTPS proxy) opens within ``timeout``;
+    otherwise why not. Runs in a thread so a hanging name lookup cannot stall the caller."""
+    from huggingface_hub import constants
+
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    url = urlparse(proxy or constants.ENDPOINT)
+    host = url.hostname or ""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    outcome: list[str] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append("")
+        except OSError as exc:
+            outcome.append(f"{host}:{port}: {exc}")
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    if not outcome:
+        return f"{host}:{port}: no answer within {timeout:.0f} s"
+    return outcome[0] or None
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """Cache-only ``datasets`` and ``huggingface_hub`` for the duration (their flags are
+    module constants read at call time)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = (datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE,
+             constants.HF_HUB_OFFLINE)
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        (datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE,
+         constants.HF_HUB_OFFLINE) = saved

@@ -1,0 +1,247 @@
+"""Prompt sources for GRPO, PPO and OPD: built-in arithmetic, a local file, a hub dataset, or a
+user factory, all behind one map-style ``PromptSource``.
+
+Which source (``[data]``, at most one of factory / path / name):
+- none: the built-in arithmetic prompts, ``data.count`` of them from the training split;
+- ``path``: a local file or folder read by ``datasets`` (see ``runner.data.files``);
+- ``name``: a hub dataset (``config``, ``revision``, ``split``);
+- ``factory``: ``factory(**factory_kwargs)`` returning rows (mappings) by index.
+
+The held-out source (``[data.validation]``): its ``factory`` or ``path``; for a hub dataset, the
+same name with ``validation.split``; for the built-in prompts, ``validation.size`` problems of the
+arithmetic held-out split. A training source of another kind with no held-out source is an error
+rather than a silent switch to arithmetic. Given held-out sources are capped at
+``validation.size`` items (their first ones).
+
+``item(i)`` reads row ``i``, applies ``items_fn`` (row in, row out) and the column mapping; rows
+are read only when asked for, never in bulk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from runner.data import arithmetic, contract
+from runner.data.columns import ColumnMap, column_map
+from runner.data.cursor import fingerprint_of
+from runner.data.files import load_hub, load_local
+from runner.data.membership import check_overlap
+from runner.errors import Problem, RecipeError
+from runner.extensions import load_callable
+from runner.recipe.schema import DataConfig
+from runner.types import ObsBundle
+
+ARITHMETIC_SEED = 0  # fixed: the built-in prompts are a pure function of the [data] keys
+Row = Mapping[str, Any]
+
+
+class PromptSource:
+    """A map-style prompt source: ``len``, ``raw(i)``, ``item(i) -> ObsBundle`` and its identity.
+
+    ``identity`` holds the parts that say where the rows come from (``source`` plus e.g.
+    ``factory`` and ``factory_kwargs``); the fingerprint adds the indexing semantics (columns,
+    items_fn, shuffle) and the length.
+    """
+
+    def __init__(self, fetch: Callable[[int], Row], length: int, *, kind: str, label: str,
+                 identity: dict[str, str], columns: ColumnMap, shuffle: bool,
+                 items_fn: Callable[[Row], Any] | None = None, items_fn_path: str = "",
+                 membership: Callable[[], tuple[str, ...]] | None = None) -> None:
+        self._fetch, self._length = fetch, length
+        self.kind, self.label, self.identity = kind, label, dict(identity)
+        self.columns, self.shuffle = columns, shuffle
+        self._items_fn, self.items_fn_path = items_fn, items_fn_path
+        self._membership = membership
+
+    def __len__(self) -> int:
+        return self._length
+
+    def raw(self, i: int) -> Row:
+        """Row ``i`` as the source gives it (before items_fn)."""
+        if not 0 <= i < self._length:
+            raise IndexError(f"index {i} is outside 0..{self._length - 1} of {self.label}")
+        return self._fetch(i)
+
+    def item(self, i: int) -> ObsBundle:
+        """Row ``i`` in canonical form: items_fn applied, then the column mapping."""
+        row = self.raw(i)
+        where = f"row {i} of {self.label}"
+        if self._items_fn is not None:
+            row = _apply_items_fn(self._items_fn, self.items_fn_path, row, i)
+            where += " after data.items_fn"
+        return self.columns.apply(row, where=where)
+
+    def fingerprint_parts(self) -> dict[str, str]:
+        return {**self.identity, "columns": self.columns.describe(),
+                "items_fn": self.items_fn_path, "shuffle": str(self.shuffle).lower(),
+                "length": str(self._length)}
+
+    def fingerprint(self) -> str:
+        return fingerprint_of(self.fingerprint_parts())
+
+    def membership_ids(self) -> tuple[str, ...]:
+        """Stable ids of the items for the train/held-out overlap check; reads no item."""
+        if self._membership is None:
+            raise RecipeError([Problem("data.validation", f"{self.label} has no membership ids")])
+        return self._membership()
+
+    def describe(self) -> dict[str, str]:
+        return {"kind": self.kind, "size": str(self._length), "identity": self.label}
+
+
+def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = False
+                        ) -> PromptSource:
+    """The training source (or, with ``validation``, the held-out source) a recipe describes."""
+    columns = column_map(data, algo_kind)
+    items_fn = load_callable(data.items_fn, key="data.items_fn") if data.items_fn else None
+    common = {"shuffle": data.shuffle, "items_fn": items_fn, "items_fn_path": data.items_fn}
+    need_ids = data.validation.enabled
+    if not validation:
+        if data.factory:
+            return _from_factory(data.factory, data.factory_kwargs, "data.factory", columns,
+                                 need_fp=algo_kind == "ppo", need_ids=need_ids, **common)
+        if data.path:
+            return _from_path(data.path, data.split, ("data.path", "data.split"), columns,
+                              **common)
+        if data.name:
+            return _from_hub(data, data.split, columns, **common)
+        return _builtin(data, "train", data.count, **common)
+    v = data.validation
+    if v.jsonl_path:
+        raise RecipeError([Problem("data.validation.jsonl_path", "only used by DPO",
+                                   got=v.jsonl_path, hint="use data.validation.path")])
+    if v.factory:
+        return _from_factory(v.factory, v.factory_kwargs, "data.validation.factory", columns,
+                             need_fp=False, need_ids=need_ids, limit=v.size, **common)
+    if v.path:
+        return _from_path(v.path, v.split or data.split,
+                          ("data.validation.path", "data.validation.split"), columns,
+                          limit=v.size, **common)
+    if data.name and v.split:
+        return _from_hub(data, v.split, columns, limit=v.size, **common)
+    if not (data.factory or data.path or data.name):
+        return _builtin(data, "held_out", v.size, **common)
+    train_key = "data.factory" if data.factory else "data.path" if data.path else "data.name"
+    raise RecipeError([Problem(
+        "data.validation", f"validation is on but no held-out set is given for the {train_key} "
+        "training source", hint="set data.validation.factory or data.validation.path (for a hub "
+        "dataset data.validation.split), or data.validation.enabled=false")])
+
+
+def build_prompt_sources(data: DataConfig, algo_kind: str
+                         ) -> tuple[PromptSource, PromptSource | None]:
+    """Training and held-out sources (None when validation is off), columns checked on the
+    first row of each and the two checked not to overlap: what a run does before training."""
+    train = build_prompt_source(data, algo_kind)
+    check_columns(train)
+    if not data.validation.enabled:
+        return train, None
+    held_out = build_prompt_source(data, algo_kind, validation=True)
+    check_columns(held_out)
+    check_overlap(train, held_out)
+    return train, held_out
+
+
+def check_columns(source: PromptSource) -> None:
+    """Map the first row; a missing column is a RecipeError naming it and the columns there."""
+    source.item(0)
+
+
+def _builtin(data: DataConfig, split: str, count: int, **common: Any) -> PromptSource:
+    ops = tuple(data.operators)
+    try:
+        problems = arithmetic.problems(split, count, data.min_operand, data.max_operand, ops,
+                                       seed=ARITHMETIC_SEED)
+    except ValueError as exc:
+        key = "data.operators" if "operator" in str(exc) else "data.min_operand"
+        raise RecipeError([Problem(key, str(exc))]) from exc
+    rows = [{"prompt": p.question, "answer": str(p.answer), "key": p.key} for p in problems]
+    spec = (f"arithmetic split={split} operands={data.min_operand}..{data.max_operand} "
+            f"operators={''.join(ops)} seed={ARITHMETIC_SEED}")
+    return PromptSource(rows.__getitem__, len(rows), kind="builtin",
+                        label=f"built-in arithmetic ({split})",
+                        identity={"source": "builtin", "builtin": spec},
+                        columns=ColumnMap(prompt="prompt", response="answer"),
+                        membership=lambda: tuple(p.key for p in problems), **common)
+
+
+def _from_path(path: str, split: str, keys: tuple[str, str], columns: ColumnMap, *,
+               limit: int | None = None, **common: Any) -> PromptSource:
+    ds, identity = load_local(path, split, key=keys[0], split_key=keys[1])
+    return _from_dataset(ds, kind="path", label=path, identity={"source": "path", **identity},
+                         columns=columns, limit=limit, key=keys[0], **common)
+
+
+def _from_hub(data: DataConfig, split: str, columns: ColumnMap, *, limit: int | None = None,
+              **common: Any) -> PromptSource:
+    ds = load_hub(data.name, data.config, data.revision, split, key="data.name")
+    identity = {"source": "name", "name": data.name, "config": data.config,
+                "revision": data.revision, "split": split}
+    label = f"hub {data.name}" + (f"/{data.config}" if data.config else "") + f" [{split}]"
+    return _from_dataset(ds, kind="name", label=label, identity=identity, columns=columns,
+                         limit=limit, key="data.name", **common)
+
+
+def _from_dataset(ds: Any, *, kind: str, label: str, identity: dict[str, str],
+                  columns: ColumnMap, limit: int | None, key: str, **common: Any) -> PromptSource:
+    length = len(ds) if limit is None else min(len(ds), limit)
+    if length == 0:
+        raise RecipeError([Problem(key, f"{label} has no rows")])
+
+    def membership() -> tuple[str, ...]:
+        # Hash of the raw prompt column: text only, no other column (no media) is decoded.
+        if columns.prompt not in ds.column_names:
+            raise RecipeError([Problem("data.prompt_column", f"membership ids of {label} hash "
+                                       f"the raw column {columns.prompt!r}, which it lacks",
+                                       hint="name a raw column in data.prompt_column")])
+        values = ds.select(range(length))[columns.prompt]
+        return tuple(_text_id(value) for value in values)
+
+    return PromptSource(ds.__getitem__, length, kind=kind, label=label, identity=identity,
+                        columns=columns, membership=membership, **common)
+
+
+def _from_factory(dotted: str, kwargs: Mapping[str, Any], key: str, columns: ColumnMap, *,
+                  need_fp: bool, need_ids: bool, limit: int | None = None, **common: Any
+                  ) -> PromptSource:
+    from runner.extensions import call_factory
+
+    obj = call_factory(dotted, key=key, kwargs=kwargs)
+    length = contract.check_dataset(obj, dotted=dotted, key=key)
+    if limit is not None:
+        length = min(length, limit)
+    identity = {"source": "factory", "factory": dotted, "factory_kwargs": _canonical(kwargs)}
+    own = contract.cursor_fingerprint(obj, dotted=dotted, key=key, required=need_fp)
+    if own is not None:
+        identity["cursor_fingerprint"] = own
+    if need_ids:
+        contract.require_membership_hook(obj, dotted=dotted, key=key)
+    call = f"{dotted}({', '.join(f'{k}={v!r}' for k, v in sorted(kwargs.items()))})"
+    return PromptSource(
+        lambda i: contract.get_row(obj, i, dotted=dotted, key=key), length, kind="factory",
+        label=call, identity=identity, columns=columns,
+        membership=lambda: contract.membership_ids(obj, dotted=dotted, key=key), **common)
+
+
+def _apply_items_fn(fn: Callable[[Row], Any], path: str, row: Row, i: int) -> Row:
+    try:
+        out = fn(row)
+    except Exception as exc:  # noqa: BLE001 - user code may raise anything
+        raise contract.extension_error("data.items_fn", path, f"raised {type(exc).__name__} on "
+                                       f"row {i}: {exc}") from exc
+    if not isinstance(out, Mapping):
+        raise contract.extension_error("data.items_fn", path, f"returned a {type(out).__name__} "
+                                       f"for row {i}, not a mapping", hint="return the row dict")
+    return out
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+
+
+def _text_id(value: Any) -> str:
+    text = value if isinstance(value, str) else _canonical(value)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:24]
