@@ -1,0 +1,15 @@
+"""DataPackers: how canonical items become model inputs, on the rollout and the policy side."""
+
+from runner.packers.base import DataPacker, PolicyBatch, RLPolicyInput, collate
+from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
+from runner.packers.registry import PACKERS_BY_MODEL_TYPE, build_packer
+
+__all__ = [
+    "PACKERS_BY_MODEL_TYPE",
+    "DataPacker",
+    "DecoderOnlyLLMDataPacker",
+    "PolicyBatch",
+    "RLPolicyInput",
+    "build_packer",
+    "collate",
+]

@@ -1,0 +1,63 @@
+"""The RolloutEngine protocol and the values that cross it.
+
+An engine generates ``n`` completions per prompt (prompts are token ids made by the packer),
+returns token ids, text, per-token logprobs and finish reasons, takes new weights from the policy
+without restarting, and closes. Logprobs are those of the sampling distribution at the given
+temperature, before top-p/top-k truncation: ``log_softmax(logits / temperature)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class SamplingConfig:
+    n: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int = 0
+    greedy: bool = False
+
+
+@attrs.frozen
+class Completion:
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "stop" (ended on EOS, which is the last token) or "length"
+
+
+@attrs.frozen
+class RolloutOutput:
+    prompt_ids: tuple[int, ...]
+    completions: tuple[Completion, ...]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    name: str
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
+        """``len(prompts)`` outputs, each with ``sampling.n`` completions; deterministic in the seed."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the policy's current weights (Hugging Face parameter names)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def trim_at_eos(ids: Sequence[int], eos_token_id: int) -> tuple[list[int], str]:
+    """Cut a generated sequence after its first EOS (kept); no EOS means it hit the length limit."""
+    ids = list(ids)
+    if eos_token_id in ids:
+        return ids[: ids.index(eos_token_id) + 1], "stop"
+    return ids, "length"

@@ -1,0 +1,23 @@
+"""Build the engine a recipe asks for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.recipe.schema import Recipe
+from runner.rollout.base import RolloutEngine
+
+
+def make_engine(recipe: Recipe, model_path: Path, *, max_model_len: int = 512) -> RolloutEngine:
+    r = recipe.rollout
+    if r.engine == "vllm":
+        from runner.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(str(model_path), seed=recipe.run.seed, max_model_len=max_model_len,
+                          gpu_memory_utilization=r.gpu_memory_utilization,
+                          enable_sleep_mode=r.enable_sleep_mode, kv_cache_gb=r.vllm_kv_cache_gb,
+                          trust_remote_code=recipe.model.trust_remote_code)
+    from runner.rollout.hf import HFEngine
+
+    return HFEngine.from_path(str(model_path), dtype=recipe.model.dtype, batch_size=r.batch_size,
+                              trust_remote_code=recipe.model.trust_remote_code)

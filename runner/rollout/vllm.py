@@ -1,0 +1,97 @@
+"""The ``vllm`` engine: ``vllm.LLM`` in this process (colocated with the policy).
+
+vLLM is imported only when this engine is built. The engine core runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that weights can be loaded straight into the model
+with ``LLM.apply_model`` without restarting it. On CPU the model runs in float32 (bf16 falls
+back to a slow path on AVX2) and the KV cache size comes from ``rollout.vllm_kv_cache_gb``.
+Logprobs are requested in ``processed_logprobs`` mode: after temperature scaling, which is what
+the policy recomputes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from runner.rollout.base import Completion, RolloutOutput, SamplingConfig, trim_at_eos
+
+
+def _on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 512,
+                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False,
+                 kv_cache_gb: float = 1.0, trust_remote_code: bool = False) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if _on_cpu():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {}
+        if not _on_cpu():
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
+                          enable_sleep_mode=enable_sleep_mode)
+        self.sleep_between_rollouts = enable_sleep_mode and not _on_cpu()
+        self.llm = LLM(model=str(model_path), dtype="float32" if _on_cpu() else "auto", seed=seed,
+                       enforce_eager=True, max_model_len=max_model_len,
+                       trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
+                       **kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.eos_token_id = int(self.tokenizer.eos_token_id)
+        self._asleep = False
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._wake()
+        s = sampling
+        params = [
+            SamplingParams(n=s.n, temperature=0.0 if s.greedy else s.temperature,
+                           top_p=1.0 if s.greedy else s.top_p,
+                           top_k=0 if s.greedy or s.top_k == 0 else s.top_k,
+                           max_tokens=s.max_new_tokens, logprobs=0, seed=s.seed * 1_000_003 + i,
+                           stop_token_ids=[self.eos_token_id], skip_special_tokens=True)
+            for i in range(len(prompts))
+        ]
+        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        result = []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            completions = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids, finish = trim_at_eos(c.token_ids, self.eos_token_id)
+                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids, strict=False)]
+                completions.append(Completion(tuple(ids), self.tokenizer.decode(ids, skip_special_tokens=True),
+                                              tuple(lps), finish))
+            result.append(RolloutOutput(tuple(int(t) for t in prompt), tuple(completions)))
+        self._sleep()
+        return result
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = [(name, t.detach().to("cpu", copy=True)) for name, t in named_tensors]
+        self._wake()
+        self.llm.apply_model(lambda model: model.load_weights(iter(weights)))
+        self.llm.reset_prefix_cache()
+        self._sleep()
+
+    def _sleep(self) -> None:
+        if self.sleep_between_rollouts and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        del llm

@@ -1,0 +1,1 @@
+"""Checkpoints (atomic, pickle-free) and resume."""

@@ -1,0 +1,223 @@
+"""Atomic checkpoints: written to a temporary folder, then renamed into place.
+
+Layout of ``<output_dir>/checkpoints/``::
+
+    step-000020/            one complete checkpoint
+      model/                the policy as a Hugging Face folder (safetensors) + tokenizer files
+      extra_models/NAME/    other trained modules (e.g. the PPO critic), safetensors
+      optimizer.safetensors optimizer tensors;   optimizer.json  its param groups and layout
+      optimizer-NAME.*      optimizers of the extra modules
+      rng.safetensors       torch RNG state;     state.json  step, cursor, scheduler, python/numpy RNG
+      metrics.jsonl         the metrics rows written up to this step
+      COMPLETE              written last, inside the temporary folder, before the rename
+    latest                  name of the newest complete checkpoint (replaced atomically)
+
+Loading never unpickles: tensors come from safetensors, everything else from JSON.
+A crash at any point leaves earlier checkpoints untouched; a half-written one stays under a
+``.tmp-`` name that resume ignores and the next save removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+@attrs.frozen
+class TrainingState:
+    """Everything besides module weights that a resumed run needs, as JSON-able values."""
+
+    step: int
+    cursor: dict[str, Any] | None
+    scheduler: dict[str, Any]
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+
+# --- RNG ----------------------------------------------------------------------------------------
+
+def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    py = random.getstate()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": [py[0], list(py[1]), py[2]],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+    return state, {"torch": torch.get_rng_state()}
+
+
+def restore_rng(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+
+
+# --- optimizer ----------------------------------------------------------------------------------
+
+def optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    sd = optimizer.state_dict()
+    tensors, layout = {}, {}
+    for index, slots in sd["state"].items():
+        layout[str(index)] = {}
+        for name, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{name}"] = value.detach().cpu().contiguous()
+                layout[str(index)][name] = "tensor"
+            else:
+                layout[str(index)][name] = value
+    return {"param_groups": sd["param_groups"], "state": layout}, tensors
+
+
+def optimizer_from_files(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    state = {}
+    for index, slots in meta["state"].items():
+        state[int(index)] = {name: tensors[f"{index}.{name}"] if value == "tensor" else value
+                             for name, value in slots.items()}
+    # JSON has no tuples: give back the tuples (e.g. AdamW's betas) the optimizer wrote.
+    groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
+              for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+# --- save / load --------------------------------------------------------------------------------
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=1, sort_keys=True), encoding="utf-8")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    state: TrainingState,
+    metrics_rows: list[dict[str, Any]],
+    extra_modules: dict[str, torch.nn.Module] | None = None,
+    extra_optimizers: dict[str, torch.optim.Optimizer] | None = None,
+    keep_last: int = 2,
+) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically; returns its folder."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(TMP_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / step_dirname(step)
+    tmp = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
+    tmp.mkdir()
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp / "model")
+    for name, module in (extra_modules or {}).items():
+        (tmp / "extra_models" / name).mkdir(parents=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
+                  tmp / "extra_models" / name / "model.safetensors")
+    for prefix, opt in [("optimizer", optimizer)] + [
+            (f"optimizer-{name}", o) for name, o in (extra_optimizers or {}).items()]:
+        opt_meta, opt_tensors = optimizer_to_files(opt)
+        save_file(opt_tensors, tmp / f"{prefix}.safetensors")
+        _write_json(tmp / f"{prefix}.json", opt_meta)
+    rng_state, rng_tensors = capture_rng()
+    save_file(rng_tensors, tmp / "rng.safetensors")
+    _write_json(tmp / "state.json", {**attrs.asdict(state), "rng": rng_state})
+    with open(tmp / "metrics.jsonl", "w", encoding="utf-8") as f:
+        for row in metrics_rows:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    (tmp / COMPLETE).write_text(str(step))
+    _fsync_dir(tmp)
+    if final.exists():  # a checkpoint of this step from an earlier lineage: replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _point_latest(root, final.name)
+    _prune(root, keep_last)
+    return final
+
+
+def _point_latest(root: Path, name: str) -> None:
+    tmp = root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"
+    tmp.write_text(name)
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    complete = complete_checkpoints(root)
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint folders under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The folder named by ``latest`` when complete, else the newest complete one."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / COMPLETE).is_file():
+            return candidate
+    complete = complete_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+@attrs.frozen
+class LoadedCheckpoint:
+    path: Path
+    state: TrainingState
+    rng: dict[str, Any]
+    rng_tensors: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    metrics_rows: list[dict[str, Any]]
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+    def extra_state(self, name: str) -> dict[str, torch.Tensor]:
+        return load_file(self.path / "extra_models" / name / "model.safetensors")
+
+    def extra_optimizer_state(self, name: str) -> dict[str, Any]:
+        return _load_optimizer(self.path, f"optimizer-{name}")
+
+
+def _load_optimizer(path: Path, prefix: str) -> dict[str, Any]:
+    return optimizer_from_files(json.loads((path / f"{prefix}.json").read_text()),
+                                load_file(path / f"{prefix}.safetensors"))
+
+
+def load_checkpoint(path: Path) -> LoadedCheckpoint:
+    raw = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    rng = raw.pop("rng")
+    state = TrainingState(**raw)
+    optimizer_state = _load_optimizer(path, "optimizer")
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line]
+    return LoadedCheckpoint(path, state, rng, load_file(path / "rng.safetensors"), optimizer_state, rows)

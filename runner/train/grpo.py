@@ -1,0 +1,156 @@
+"""The GRPO loop (Shao et al. 2024, DeepSeekMath): sample a group of completions per prompt,
+score them, normalise rewards within each group, and take clipped policy-gradient steps.
+
+One step: prompts from the cursor -> ``group_size`` completions each -> rewards -> advantages ->
+``ppo_epochs`` x ``minibatches`` optimizer steps -> new weights to the engine -> metrics, eval,
+checkpoint. Everything random is seeded from (run seed, step), so a resumed run repeats the
+uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from runner.algorithms.grpo import GRPOLossInputs, group_advantages, grpo_loss
+from runner.recipe.schema import GRPOConfig
+from runner.rewards import build_rewards
+from runner.train.policy import batch_logprobs, completion_grid, optimizer_step, split_even
+from runner.train.rollouts import Trajectory, evaluate, roll_out, sampling, score
+from runner.train.session import PromptRun, step_seed
+
+
+def run_grpo(run: PromptRun) -> dict[str, Any]:
+    recipe, algo = run.recipe, run.recipe.algo
+    assert isinstance(algo, GRPOConfig)
+    rewards = build_rewards(recipe.reward)
+    reference = _reference_model(run) if algo.kl_beta > 0 else None
+    first_eval = last_eval = None
+    step = run.start_step
+    if run.val_items and step == 0:
+        first_eval = evaluate(run.engine, run.rollout_packer, run.val_items, recipe.rollout, rewards, 0)
+        run.metrics.write({"step": 0, **first_eval})
+    run.reporter.start(recipe.run.name, recipe.run.max_steps, step)
+    try:
+        while step < recipe.run.max_steps:
+            step += 1
+            row = {"step": step, **_one_step(run, algo, rewards, reference, step)}
+            if run.val_items and (_every(step, recipe.train.eval_every) or step == recipe.run.max_steps):
+                last_eval = evaluate(run.engine, run.rollout_packer, run.val_items, recipe.rollout,
+                                     rewards, 0)
+                row.update(last_eval)
+            if _every(step, recipe.logging.every_steps) or step == recipe.run.max_steps:
+                run.metrics.write(row)
+            run.reporter.step(step, row)
+            if _every(step, recipe.checkpoint.every_steps) or step == recipe.run.max_steps:
+                run.save(step)
+    except KeyboardInterrupt:
+        run.reporter.message(f"interrupted: writing a checkpoint at step {step - 1}")
+        if step - 1 > run.start_step:
+            run.save(step - 1)
+        raise
+    return {"first_eval": first_eval, "last_eval": last_eval, "step": step}
+
+
+def _every(step: int, n: int) -> bool:
+    return n > 0 and step % n == 0
+
+
+def _one_step(run: PromptRun, algo: GRPOConfig, rewards: Any, reference: Any, step: int) -> dict[str, Any]:
+    recipe = run.recipe
+    t0 = time.perf_counter()
+    items = run.stream.next_batch(algo.prompts_per_step)
+    traj = roll_out(run.engine, run.rollout_packer, items,
+                    sampling(recipe.rollout, algo.group_size, step_seed(recipe.run.seed, step)))
+    t1 = time.perf_counter()
+    traj = score(traj, rewards, step)
+    t2 = time.perf_counter()
+    metrics = _update(run, algo, traj, reference, step)
+    t3 = time.perf_counter()
+    run.sync_weights()
+    t4 = time.perf_counter()
+    if recipe.logging.sample_every and step % recipe.logging.sample_every == 0:
+        run.reporter.sample(step, str(traj.items[0].prompt), traj.texts[0], traj.rewards[0])
+    r = torch.tensor(traj.rewards)
+    return {
+        "reward/mean": float(r.mean()), "reward/max": float(r.max()), **traj.reward_parts,
+        "completion_len": traj.n_tokens / len(traj.completions), **metrics,
+        "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
+        "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9),
+        "perf/train_tok_s": algo.ppo_epochs * traj.n_tokens / max(t3 - t2, 1e-9),
+    }
+
+
+def _update(run: PromptRun, algo: GRPOConfig, traj: Trajectory, reference: Any, step: int
+            ) -> dict[str, float]:
+    recipe, acc = run.recipe, run.accelerator
+    model = run.policy.model
+    device = acc.device
+    adv_B = group_advantages(torch.tensor(traj.rewards), algo.group_size, algo.scale_rewards)
+    inputs = traj.policy_inputs(run.policy_packer)
+    batch = run.policy_packer.collate(inputs).to(device)
+    width = batch.input_ids_BT.shape[1] - 1
+    temperature = recipe.rollout.temperature
+    with torch.no_grad():
+        if algo.old_logprobs == "engine":
+            old_BT = completion_grid(inputs, [c.logprobs for c in traj.completions], width).to(device)
+        else:
+            old_BT = batch_logprobs(model, batch, temperature)[0]
+        ref_BT = batch_logprobs(reference, batch, temperature)[0] if reference is not None else None
+    n = len(inputs)
+    history: list[dict[str, float]] = []
+    for epoch in range(algo.ppo_epochs):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(
+            step_seed(recipe.run.seed, step, salt=1 + epoch)))
+        for mb in split_even(n, algo.minibatches):
+            rows = order[mb]
+            micro = [rows[s] for s in split_even(len(rows), recipe.train.grad_accum_steps)]
+            total_tokens = int(batch.loss_mask_BT[rows, 1:].sum())
+
+            def loss_fn(idx: torch.Tensor, rows=rows, total_tokens=total_tokens) -> torch.Tensor:
+                sub = _select(batch, idx)
+                lp_BT, mask_BT = batch_logprobs(model, sub, temperature)
+                w = lp_BT.shape[1]
+                loss, m = grpo_loss(GRPOLossInputs(
+                    logprobs_BT=lp_BT, old_logprobs_BT=old_BT[idx, :w], adv_B=adv_B[idx].to(device),
+                    ref_logprobs_BT=None if ref_BT is None else ref_BT[idx, :w], mask_BT=mask_BT,
+                    max_tokens=recipe.rollout.max_new_tokens), algo)
+                history.append(m)
+                share = (int(mask_BT.sum()) / max(1, total_tokens) if algo.loss_agg == "token_mean"
+                         else len(idx) / len(rows))
+                return loss * share
+
+            grad_norm = optimizer_step(acc, model, run.policy.optimizer,
+                                       [lambda i=i: loss_fn(i) for i in micro], recipe.train.max_grad_norm)
+            history.append({"grad_norm": grad_norm})
+    run.policy.scheduler.step()
+    out = _mean_metrics(history)
+    out["lr"] = run.policy.scheduler.get_last_lr()[0]
+    out["adv_abs_mean"] = float(adv_B.abs().mean())
+    return out
+
+
+def _select(batch: Any, idx: torch.Tensor) -> Any:
+    """Rows ``idx`` of a padded batch, trimmed to their longest sequence."""
+    import attrs
+
+    width = int(batch.attention_mask_BT[idx].sum(-1).max())
+    return attrs.evolve(batch, **{name: getattr(batch, name)[idx, :width] for name in
+                                  ("input_ids_BT", "attention_mask_BT", "position_ids_BT",
+                                   "loss_mask_BT", "seq_ids_BT")})
+
+
+def _mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for h in history for k in h})
+    return {k: sum(h[k] for h in history if k in h) / sum(1 for h in history if k in h) for k in keys}
+
+
+def _reference_model(run: PromptRun) -> Any:
+    from runner.models import load_causal_lm
+
+    ref = load_causal_lm(run.model_path, dtype=run.recipe.model.dtype,
+                         trust_remote_code=run.recipe.model.trust_remote_code)
+    ref.requires_grad_(False)
+    return ref.eval().to(run.accelerator.device)

@@ -1,0 +1,110 @@
+"""The policy side, shared by every algorithm: forward passes to token logprobs, the optimizer and
+LR schedule, and one optimizer step through Accelerate (micro-batches, clipping)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from runner.algorithms.logprobs import token_logprobs
+from runner.packers.base import PolicyBatch, RLPolicyInput
+from runner.recipe.schema import TrainConfig
+
+
+def forward_logits(model: Any, batch: PolicyBatch) -> torch.Tensor:
+    """Logits predicting token t+1 from tokens <= t: shape [B, T-1, V], float32."""
+    if batch.packed:  # one row, position ids restart per sequence; the model builds a block mask
+        out = model(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT)
+    else:
+        out = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
+                    position_ids=batch.position_ids_BT)
+    return out.logits[:, :-1].float()
+
+
+def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs_BT, mask_BT) of each token given its prefix, on the shifted grid [B, T-1].
+
+    ``mask_BT`` marks completion tokens that the loss is taken on. Logits are divided by the
+    sampling temperature so the values match the engine's sampling distribution.
+    """
+    logits = forward_logits(model, batch) / temperature
+    lp_BT = token_logprobs(logits, batch.input_ids_BT[:, 1:])
+    return lp_BT, batch.loss_mask_BT[:, 1:].bool()
+
+
+def completion_grid(inputs: Sequence[RLPolicyInput], values: Sequence[Sequence[float]],
+                    width: int) -> torch.Tensor:
+    """Place per-completion-token values on the shifted grid [B, width] (0 elsewhere).
+
+    Completion token j of sequence b sits at input position n_prompt + j, i.e. grid column
+    n_prompt + j - 1 (its logit is produced by the previous token).
+    """
+    grid = torch.zeros(len(inputs), width, dtype=torch.float32)
+    for b, (x, vals) in enumerate(zip(inputs, values, strict=True)):
+        n = min(len(vals), len(x.input_ids) - x.n_prompt_tokens)
+        start = x.n_prompt_tokens - 1
+        grid[b, start:start + n] = torch.tensor(list(vals[:n]), dtype=torch.float32)
+    return grid
+
+
+def make_optimizer(model: Any, cfg: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr or cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             weight_decay=cfg.weight_decay, foreach=False)
+
+
+def lr_factor(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak LR after ``step`` scheduler steps: linear warm-up, then the shape."""
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(1, total_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        if cfg.lr_schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if cfg.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
+                   ) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, total_steps))
+
+
+def scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, Any]:
+    """The JSON-able part of a LambdaLR's state (the lambdas are rebuilt from the recipe)."""
+    return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+
+
+def optimizer_step(accelerator: Any, model: Any, optimizer: torch.optim.Optimizer,
+                   micro_losses: Sequence[Callable[[], torch.Tensor]], max_grad_norm: float) -> float:
+    """Backward each micro-batch's (already weighted) loss, clip, step; returns the grad norm.
+
+    Gradients of all but the last micro-batch are not synchronised across ranks.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    for i, loss_fn in enumerate(micro_losses):
+        if i < len(micro_losses) - 1:
+            with accelerator.no_sync(model):
+                accelerator.backward(loss_fn())
+        else:
+            accelerator.backward(loss_fn())
+    norm = float("nan")
+    if max_grad_norm > 0:
+        norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    return norm
+
+
+def split_even(n: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices covering range(n), sizes differing by at most one."""
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
