@@ -7,7 +7,9 @@ compares ids; it never reads or decodes an item.
 
 from __future__ import annotations
 
-from typing import Protocol
+import hashlib
+import json
+from typing import Any, Protocol
 
 from runner.errors import Problem, RecipeError
 
@@ -36,3 +38,9 @@ def check_overlap(train: HasMembership, held_out: HasMembership) -> None:
         f"the training set {train.label}: {shown}{more}",
         hint="use a held-out set disjoint from training (data.validation.factory or "
         "data.validation.path), or set data.validation.enabled=false")])
+
+
+def text_id(value: Any) -> str:
+    """A membership id from item text (or JSON-able content): ``sha256:`` + 24 hex digits."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=repr)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:24]

@@ -19,7 +19,6 @@ are read only when asked for, never in bulk.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,7 +27,7 @@ from runner.data import arithmetic, contract
 from runner.data.columns import ColumnMap, column_map
 from runner.data.cursor import fingerprint_of
 from runner.data.files import load_hub, load_local
-from runner.data.membership import check_overlap
+from runner.data.membership import check_overlap, text_id
 from runner.errors import Problem, RecipeError
 from runner.extensions import load_callable
 from runner.recipe.schema import DataConfig
@@ -198,7 +197,7 @@ def _from_dataset(ds: Any, *, kind: str, label: str, identity: dict[str, str],
                                        f"the raw column {columns.prompt!r}, which it lacks",
                                        hint="name a raw column in data.prompt_column")])
         values = ds.select(range(length))[columns.prompt]
-        return tuple(_text_id(value) for value in values)
+        return tuple(text_id(value) for value in values)
 
     return PromptSource(ds.__getitem__, length, kind=kind, label=label, identity=identity,
                         columns=columns, membership=membership, **common)
@@ -241,7 +240,3 @@ def _apply_items_fn(fn: Callable[[Row], Any], path: str, row: Row, i: int) -> Ro
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
 
-
-def _text_id(value: Any) -> str:
-    text = value if isinstance(value, str) else _canonical(value)
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:24]

@@ -1,0 +1,271 @@
+"""Preference pairs for DPO: where ``(prompt, chosen, rejected)`` items come from.
+
+Sources (``DatasetPreferenceEnv`` picks one):
+- a factory returning items ``(prompt, winner, loser)`` by index;
+- a jsonl file: one JSON object per line with the prompt under ``data.prompt_column`` and the
+  answers under ``data.chosen_key`` / ``data.rejected_key`` (by default ``chosen`` or
+  ``winner``, and ``rejected`` or ``loser``); blank lines are skipped;
+- a tar archive (plain or compressed): every regular member whose name ends in ``.json`` is one
+  sample, an object with the same keys as a jsonl line; samples are taken in member-name order
+  and other regular members (a README, a licence) are ignored. Members are read one by one into
+  memory, nothing is extracted to disk, and an archive holding a member with an absolute path,
+  a ``..`` component, a link or a device is refused as a whole;
+- built-in arithmetic pairs: the correct answer preferred to a wrong one.
+
+Chosen and rejected must have the same payload shape: both text, both mappings with the same
+keys (values compared the same way), or both lists of the same length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tarfile
+from collections.abc import Callable, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import attrs
+
+from runner.data import arithmetic, contract
+from runner.data.cursor import fingerprint_of
+from runner.data.files import digest_files
+from runner.data.membership import text_id
+from runner.errors import ExtensionError, Problem, RecipeError
+
+Triple = tuple[Any, Any, Any]
+
+
+@attrs.frozen
+class PreferencePair:
+    """One DPO item: ``chosen`` is preferred to ``rejected`` as an answer to ``prompt``."""
+
+    prompt: Any
+    chosen: Any
+    rejected: Any
+    id: str
+
+
+@attrs.frozen
+class PairKeys:
+    """Field names of a file sample; empty answer keys accept the two usual spellings."""
+
+    prompt: str = "prompt"
+    chosen: str = ""
+    rejected: str = ""
+
+    def describe(self) -> str:
+        return (f"prompt={self.prompt} chosen={self.chosen or 'chosen|winner'} "
+                f"rejected={self.rejected or 'rejected|loser'}")
+
+
+class PairSource:
+    """A map-style source of preference pairs with its identity and membership ids."""
+
+    def __init__(self, fetch: Callable[[int], Triple], length: int, *, kind: str, label: str,
+                 identity: dict[str, str], shuffle: bool, split: str, key: str,
+                 membership: Callable[[], tuple[str, ...]], checked: bool = False) -> None:
+        self._fetch, self._length = fetch, length
+        self.kind, self.label, self.identity = kind, label, dict(identity)
+        self.shuffle, self.split, self.key = shuffle, split, key
+        self._membership, self._checked = membership, checked
+
+    def __len__(self) -> int:
+        return self._length
+
+    def pair(self, i: int) -> PreferencePair:
+        if not 0 <= i < self._length:
+            raise IndexError(f"index {i} is outside 0..{self._length - 1} of {self.label}")
+        prompt, chosen, rejected = self._fetch(i)
+        if not self._checked:
+            mismatch = shape_mismatch(chosen, rejected)
+            if mismatch:
+                raise _shape_error(self.key, self.label, f"item {i}", mismatch)
+        return PreferencePair(prompt, chosen, rejected, id=f"{self.split}-{i}")
+
+    def fingerprint_parts(self) -> dict[str, str]:
+        return {**self.identity, "shuffle": str(self.shuffle).lower(),
+                "length": str(self._length)}
+
+    def fingerprint(self) -> str:
+        return fingerprint_of(self.fingerprint_parts())
+
+    def membership_ids(self) -> tuple[str, ...]:
+        """Stable ids for the train/held-out overlap check; reads no item of a factory."""
+        return self._membership()
+
+    def describe(self) -> dict[str, str]:
+        return {"kind": self.kind, "size": str(self._length), "identity": self.label}
+
+
+def shape_mismatch(chosen: Any, rejected: Any, where: str = "") -> str:
+    """Why two payloads differ in shape, or "" when they match."""
+    at = f" at {where}" if where else ""
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        return ""
+    if isinstance(chosen, Mapping) and isinstance(rejected, Mapping):
+        if set(chosen) != set(rejected):
+            return f"chosen has keys {sorted(chosen)} but rejected {sorted(rejected)}{at}"
+        for k in sorted(chosen):
+            inner = shape_mismatch(chosen[k], rejected[k], f"{where}[{k!r}]")
+            if inner:
+                return inner
+        return ""
+    if isinstance(chosen, list | tuple) and isinstance(rejected, list | tuple):
+        if len(chosen) != len(rejected):
+            return f"chosen has {len(chosen)} elements but rejected {len(rejected)}{at}"
+        for n, (c, r) in enumerate(zip(chosen, rejected, strict=True)):
+            inner = shape_mismatch(c, r, f"{where}[{n}]")
+            if inner:
+                return inner
+        return ""
+    if type(chosen) is not type(rejected):
+        return f"chosen is a {type(chosen).__name__} but rejected a {type(rejected).__name__}{at}"
+    return ""
+
+
+def _shape_error(key: str, label: str, where: str, mismatch: str) -> RecipeError:
+    problem = Problem(key, f"{label}: {where}: chosen and rejected differ in shape: {mismatch}",
+                      hint="give both answers the same payload shape (both text, or both "
+                      "mappings with the same keys)")
+    return (ExtensionError if key.endswith("factory") else RecipeError)([problem])
+
+
+def factory_pairs(dotted: str, kwargs: Mapping[str, Any], *, key: str, shuffle: bool,
+                  split: str, need_ids: bool, limit: int | None = None) -> PairSource:
+    from runner.extensions import call_factory
+
+    obj = call_factory(dotted, key=key, kwargs=kwargs)
+    length = contract.check_dataset(obj, dotted=dotted, key=key)
+    length = length if limit is None else min(length, limit)
+    identity = {"source": "factory", "factory": dotted,
+                "factory_kwargs": json.dumps(kwargs, sort_keys=True, default=repr)}
+    own = contract.cursor_fingerprint(obj, dotted=dotted, key=key, required=False)
+    if own is not None:
+        identity["cursor_fingerprint"] = own
+    if need_ids:
+        contract.require_membership_hook(obj, dotted=dotted, key=key)
+
+    def fetch(i: int) -> Triple:
+        item = contract.get_item(obj, i, dotted=dotted, key=key)
+        if isinstance(item, str | bytes | Mapping) or not (
+                isinstance(item, tuple | list) and len(item) == 3):
+            raise contract.extension_error(key, dotted, f"item {i} is a {type(item).__name__}, "
+                                           "not a (prompt, winner, loser) triple")
+        return tuple(item)
+
+    call = f"{dotted}({', '.join(f'{k}={v!r}' for k, v in sorted(kwargs.items()))})"
+    return PairSource(fetch, length, kind="factory", label=call, identity=identity,
+                      shuffle=shuffle, split=split, key=key,
+                      membership=lambda: contract.membership_ids(obj, dotted=dotted, key=key))
+
+
+def file_pairs(path: str, keys: PairKeys, *, kind: str, key: str, shuffle: bool, split: str,
+               limit: int | None = None) -> PairSource:
+    """Pairs of a jsonl file (``kind="jsonl"``) or a tar archive (``kind="tar"``)."""
+    file = Path(path)
+    if not file.is_file():
+        raise RecipeError([Problem(key, "no such file", got=path)])
+    samples = _read_jsonl(file, key) if kind == "jsonl" else _read_tar(file, key)
+    if not samples:
+        raise RecipeError([Problem(key, f"{path} holds no preference pairs")])
+    triples = [_triple(sample, keys, key, path, where) for where, sample in samples]
+    triples = triples if limit is None else triples[:limit]
+    size, sha = digest_files(path, [file])
+    identity = {"source": kind, "path": path, "file_size": str(size), "content_sha256": sha,
+                "keys": keys.describe()}
+    return PairSource(triples.__getitem__, len(triples), kind=kind, label=path,
+                      identity=identity, shuffle=shuffle, split=split, key=key, checked=True,
+                      membership=lambda: tuple(text_id(t[0]) for t in triples))
+
+
+def _read_jsonl(file: Path, key: str) -> list[tuple[str, Any]]:
+    samples = []
+    with file.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                samples.append((f"line {number}", json.loads(line.rstrip("\r\n"))))
+            except json.JSONDecodeError as exc:
+                raise RecipeError([Problem(key, f"{file} line {number}: not valid JSON "
+                                           f"({exc.msg} at column {exc.colno})",
+                                           hint="write one JSON object per line")]) from exc
+    return samples
+
+
+def _read_tar(file: Path, key: str) -> list[tuple[str, Any]]:
+    samples = []
+    try:
+        archive = tarfile.open(file, mode="r:*")
+    except tarfile.TarError as exc:
+        raise RecipeError([Problem(key, f"{file} is not a readable tar archive ({exc})")]) from exc
+    with archive:
+        for member in archive:  # one member at a time, read into memory
+            name, parts = member.name, PurePosixPath(member.name).parts
+            if name.startswith(("/", "\\")) or ".." in parts or (parts and ":" in parts[0]):
+                raise _unsafe(key, file, name, "has an absolute path or a '..' component")
+            if member.issym() or member.islnk() or member.isdev() or member.isfifo():
+                raise _unsafe(key, file, name, "is a link or a device, not a regular file")
+            if not member.isfile() or not name.endswith(".json"):
+                continue
+            handle = archive.extractfile(member)
+            assert handle is not None  # regular files always have data
+            try:
+                samples.append((f"member {name!r}", json.loads(handle.read())))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise RecipeError([Problem(key, f"{file} member {name!r}: not valid JSON "
+                                           f"({exc})")]) from exc
+    return sorted(samples, key=lambda s: s[0])
+
+
+def _unsafe(key: str, file: Path, name: str, why: str) -> RecipeError:
+    return RecipeError([Problem(key, f"{file} member {name!r} {why}; the archive is refused",
+                                hint="pack samples as plain .json files under relative paths")])
+
+
+def _triple(sample: Any, keys: PairKeys, key: str, path: str, where: str) -> Triple:
+    if not isinstance(sample, dict):
+        raise RecipeError([Problem(key, f"{path} {where}: expected a JSON object, got a "
+                                   f"{type(sample).__name__}")])
+
+    def pick(names: tuple[str, ...], setting: str) -> Any:
+        for name in names:
+            if name in sample:
+                return sample[name]
+        raise RecipeError([Problem(key, f"{path} {where}: no {' or '.join(map(repr, names))} key (its "
+                                   f"keys: {', '.join(map(repr, sample))})",
+                                   hint=f"set {setting} to the right key")])
+
+    prompt = pick((keys.prompt,), "data.prompt_column")
+    chosen = pick((keys.chosen,) if keys.chosen else ("chosen", "winner"), "data.chosen_key")
+    rejected = pick((keys.rejected,) if keys.rejected else ("rejected", "loser"),
+                    "data.rejected_key")
+    mismatch = shape_mismatch(chosen, rejected)
+    if mismatch:
+        raise _shape_error(key, path, where, mismatch)
+    return prompt, chosen, rejected
+
+
+def synthetic_pairs(count: int, split: str, *, lo: int, hi: int, ops: tuple[str, ...],
+                    shuffle: bool, key: str) -> PairSource:
+    """Arithmetic pairs: the right answer preferred to one off by 1 to 3 (a fixed function of
+    the problem)."""
+    try:
+        problems = arithmetic.problems(split, count, lo, hi, ops, seed=0)
+    except ValueError as exc:
+        raise RecipeError([Problem("data.operators" if "operator" in str(exc)
+                                   else "data.min_operand", str(exc))]) from exc
+
+    def fetch(i: int) -> Triple:
+        p = problems[i]
+        digest = hashlib.sha256(p.key.encode()).digest()
+        offset = (digest[0] % 3 + 1) * (1 if digest[1] % 2 else -1)
+        return p.question, str(p.answer), str(p.answer + offset)
+
+    spec = f"arithmetic-pairs split={split} operands={lo}..{hi} operators={''.join(ops)} seed=0"
+    return PairSource(fetch, len(problems), kind="builtin", label=f"built-in arithmetic pairs "
+                      f"({split})", identity={"source": "builtin", "builtin": spec},
+                      shuffle=shuffle, split=split, key=key, checked=True,
+                      membership=lambda: tuple(p.key for p in problems))
+
