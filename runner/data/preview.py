@@ -1,0 +1,53 @@
+"""The data rows of ``--dry-run``: build the sources as a run would, and say what they hold.
+
+Building them runs every check a run makes before training (factory contract, columns on the
+first row, train/held-out overlap), so a dry run fails where the run would.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from runner.data.preference import DatasetPreferenceEnv
+from runner.data.sources import build_prompt_sources
+from runner.recipe.schema import Recipe
+
+ITEM_CHARS = 200
+
+
+def describe_data(recipe: Recipe) -> list[tuple[str, str]]:
+    """(label, value) rows: source, size, first item, order, fingerprint, held-out set."""
+    data = recipe.data
+    if recipe.algo.kind == "dpo":
+        env = DatasetPreferenceEnv(data, seed=recipe.run.seed)
+        train, held_out, first = env.train, env.held_out, env.train.pair(0)
+    else:
+        train, held_out = build_prompt_sources(data, recipe.algo.kind)
+        first = train.item(0)
+    info = train.describe()
+    order = f"shuffled each epoch (seed {recipe.run.seed})" if data.shuffle else "file order"
+    rows = [
+        ("data source", f"{info['kind']}: {info['identity']}"),
+        ("dataset size", info["size"]),
+        ("first item", canonical(first)),
+        ("order", order),
+        ("fingerprint", train.fingerprint()[:16]),
+        ("cursor resume", data.cursor_resume),
+    ]
+    if held_out is None:
+        rows.append(("held-out", "off"))
+    else:
+        held = held_out.describe()
+        rows.append(("held-out", f"{held['size']} items, {held['kind']}: {held['identity']}"))
+    return rows
+
+
+def canonical(item: Any) -> str:
+    """An item as compact JSON of its non-empty fields, cut to ITEM_CHARS characters."""
+    fields = {k: v for k, v in attrs.asdict(item, recurse=False).items()
+              if v not in ("", (), {}, None)}
+    text = json.dumps(fields, ensure_ascii=False, default=repr)
+    return text if len(text) <= ITEM_CHARS else text[:ITEM_CHARS - 3] + "..."
