@@ -119,6 +119,19 @@ def test_builtin_train_and_held_out_are_disjoint_and_pure():
         train.fingerprint()
 
 
+def mutate(row):
+    row["prompt"] += "!"
+    return row
+
+
+def test_builtin_rows_take_ppo_columns_and_survive_a_mutating_items_fn():
+    src = build_prompt_source(data(id_column="key", items_fn=f"{HERE}.mutate"), "ppo")
+    first, again = src.item(0), src.item(0)
+    assert first == again and first.prompt.endswith("?!") and not first.prompt.endswith("!!")
+    a, op, b = first.prompt.removeprefix("What is ").removesuffix("?!").split()
+    assert first.id == f"{a}{op}{b}"
+
+
 def test_builtin_bad_operator_is_a_recipe_error():
     with pytest.raises(RecipeError, match="data.operators: unknown operator '/'"):
         build_prompt_source(data(operators=["/"]), "grpo")
@@ -159,6 +172,12 @@ def test_folder_with_splits(tmp_path):
     assert len(build_prompt_source(d, "grpo")) == 1
     with pytest.raises(RecipeError, match="data.split: .*Unknown split"):
         build_prompt_source(attrs.evolve(d, split="dev"), "grpo")
+
+
+def test_two_sources_at_once_are_refused(tmp_path):
+    with pytest.raises(RecipeError, match="data.path: data.factory and data.path are mutually "
+                       "exclusive"):
+        build_prompt_source(data(factory=f"{HERE}.rows", path="x.jsonl"), "grpo")
 
 
 def test_missing_file_and_unknown_type(tmp_path):

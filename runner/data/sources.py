@@ -2,7 +2,8 @@
 user factory, all behind one map-style ``PromptSource``.
 
 Which source (``[data]``, at most one of factory / path / name):
-- none: the built-in arithmetic prompts, ``data.count`` of them from the training split;
+- none: the built-in arithmetic prompts, ``data.count`` of them from the training split (their
+  prompt and reference columns are fixed; ``prompt_column``/``response_column`` do not apply);
 - ``path``: a local file or folder read by ``datasets`` (see ``runner.data.files``);
 - ``name``: a hub dataset (``config``, ``revision``, ``split``);
 - ``factory``: ``factory(**factory_kwargs)`` returning rows (mappings) by index.
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import attrs
 
 from runner.data import arithmetic, contract
 from runner.data.columns import ColumnMap, column_map
@@ -94,6 +97,12 @@ class PromptSource:
 def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = False
                         ) -> PromptSource:
     """The training source (or, with ``validation``, the held-out source) a recipe describes."""
+    if algo_kind == "dpo":
+        raise ValueError("DPO reads preference pairs: use runner.data.preference")
+    chosen = [k for k in ("factory", "path", "name") if getattr(data, k)]
+    if len(chosen) > 1:
+        raise RecipeError([Problem(f"data.{chosen[1]}", " and ".join(f"data.{k}" for k in chosen)
+                                   + " are mutually exclusive", hint="keep one source")])
     columns = column_map(data, algo_kind)
     items_fn = load_callable(data.items_fn, key="data.items_fn") if data.items_fn else None
     common = {"shuffle": data.shuffle, "items_fn": items_fn, "items_fn_path": data.items_fn}
@@ -107,7 +116,7 @@ def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = 
                               **common)
         if data.name:
             return _from_hub(data, data.split, columns, **common)
-        return _builtin(data, "train", data.count, **common)
+        return _builtin(data, "train", data.count, columns, **common)
     v = data.validation
     if v.jsonl_path:
         raise RecipeError([Problem("data.validation.jsonl_path", "only used by DPO",
@@ -122,7 +131,7 @@ def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = 
     if data.name and v.split:
         return _from_hub(data, v.split, columns, limit=v.size, **common)
     if not (data.factory or data.path or data.name):
-        return _builtin(data, "held_out", v.size, **common)
+        return _builtin(data, "held_out", v.size, columns, **common)
     train_key = "data.factory" if data.factory else "data.path" if data.path else "data.name"
     raise RecipeError([Problem(
         "data.validation", f"validation is on but no held-out set is given for the {train_key} "
@@ -135,12 +144,12 @@ def build_prompt_sources(data: DataConfig, algo_kind: str
     """Training and held-out sources (None when validation is off), columns checked on the
     first row of each and the two checked not to overlap: what a run does before training."""
     train = build_prompt_source(data, algo_kind)
+    held_out = None
+    if data.validation.enabled:
+        held_out = build_prompt_source(data, algo_kind, validation=True)
+        check_overlap(train, held_out)  # ids only: reads no item
+        check_columns(held_out)
     check_columns(train)
-    if not data.validation.enabled:
-        return train, None
-    held_out = build_prompt_source(data, algo_kind, validation=True)
-    check_columns(held_out)
-    check_overlap(train, held_out)
     return train, held_out
 
 
@@ -149,7 +158,10 @@ def check_columns(source: PromptSource) -> None:
     source.item(0)
 
 
-def _builtin(data: DataConfig, split: str, count: int, **common: Any) -> PromptSource:
+def _builtin(data: DataConfig, split: str, count: int, columns: ColumnMap, **common: Any
+             ) -> PromptSource:
+    """Rows ``{"prompt", "answer", "key"}``: prompt and reference columns are fixed, PPO's
+    image / video / id / metadata columns apply as configured (e.g. ``id_column = "key"``)."""
     ops = tuple(data.operators)
     try:
         problems = arithmetic.problems(split, count, data.min_operand, data.max_operand, ops,
@@ -160,10 +172,10 @@ def _builtin(data: DataConfig, split: str, count: int, **common: Any) -> PromptS
     rows = [{"prompt": p.question, "answer": str(p.answer), "key": p.key} for p in problems]
     spec = (f"arithmetic split={split} operands={data.min_operand}..{data.max_operand} "
             f"operators={''.join(ops)} seed={ARITHMETIC_SEED}")
-    return PromptSource(rows.__getitem__, len(rows), kind="builtin",
+    return PromptSource(lambda i: dict(rows[i]), len(rows), kind="builtin",
                         label=f"built-in arithmetic ({split})",
                         identity={"source": "builtin", "builtin": spec},
-                        columns=ColumnMap(prompt="prompt", response="answer"),
+                        columns=attrs.evolve(columns, prompt="prompt", response="answer"),
                         membership=lambda: tuple(p.key for p in problems), **common)
 
 
