@@ -62,7 +62,11 @@ class DataPacker(ABC):
     pad_token_id: int = 0
 
     def setup(self, model_path: str) -> None:
-        """Load what the packer needs from the model folder (tokenizer, processor)."""
+        """Load what the packer needs from the model folder (tokenizer, processor).
+
+        The base class needs nothing; subclasses override it.
+        """
+        return None
 
     @abstractmethod
     def get_rollout_input(self, item: ObsBundle) -> Any:

@@ -11,25 +11,43 @@ from runner.recipe.schema import Recipe
 from runner.ui import make_reporter
 
 
-def _grpo(recipe: Recipe, plan: RunPlan, reporter: Any, source: str, overrides: Sequence[str]) -> dict:
-    from runner.train.grpo import run_grpo
-    from runner.train.session import open_prompt_run
+def _prompt_algorithm(name: str) -> Callable[..., dict]:
+    """A GRPO / PPO / OPD run: assemble the PromptRun, run the algorithm's loop, close."""
 
-    run = open_prompt_run(recipe, plan, reporter, source, overrides)
-    try:
-        return run_grpo(run) | {"metrics": run.metrics.rows}
-    finally:
-        run.metrics.close()
-        run.engine.close()
+    def run(recipe: Recipe, plan: RunPlan, reporter: Any, source: str, overrides: Sequence[str]) -> dict:
+        import importlib
+
+        from runner.train.session import open_prompt_run
+
+        loop = getattr(importlib.import_module(f"runner.train.{name}"), f"run_{name}")
+        prompt_run = open_prompt_run(recipe, plan, reporter, source, overrides)
+        try:
+            return loop(prompt_run) | {"metrics": prompt_run.metrics.rows}
+        finally:
+            prompt_run.metrics.close()
+            prompt_run.engine.close()
+
+    return run
 
 
-LOOPS: dict[str, Callable[..., dict]] = {"grpo": _grpo}
+def _dpo(recipe: Recipe, plan: RunPlan, reporter: Any, source: str, overrides: Sequence[str]) -> dict:
+    from runner.train.dpo import run_dpo
+
+    return run_dpo(recipe, plan, reporter, source, overrides)
+
+
+LOOPS: dict[str, Callable[..., dict]] = {
+    "grpo": _prompt_algorithm("grpo"),
+    "dpo": _dpo,
+    "ppo": _prompt_algorithm("ppo"),
+    "opd": _prompt_algorithm("opd"),
+}
 
 
 def run_recipe(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
                plain: bool) -> int:
     """Run a validated recipe to the end; returns the exit code (0)."""
-    from runner.errors import RecipeError, Problem
+    from runner.errors import Problem, RecipeError
     from runner.train.session import TerminateAsInterrupt
 
     if recipe.algo.kind not in LOOPS:

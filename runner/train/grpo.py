@@ -17,45 +17,18 @@ import torch
 from runner.algorithms.grpo import GRPOLossInputs, group_advantages, grpo_loss
 from runner.recipe.schema import GRPOConfig
 from runner.rewards import build_rewards
+from runner.train.loop import run_prompt_loop
 from runner.train.policy import batch_logprobs, completion_grid, optimizer_step, split_even
-from runner.train.rollouts import Trajectory, evaluate, roll_out, sampling, score
+from runner.train.rollouts import Trajectory, roll_out, sampling, score
 from runner.train.session import PromptRun, step_seed
 
 
 def run_grpo(run: PromptRun) -> dict[str, Any]:
-    recipe, algo = run.recipe, run.recipe.algo
+    algo = run.recipe.algo
     assert isinstance(algo, GRPOConfig)
-    rewards = build_rewards(recipe.reward)
-    reference = _reference_model(run) if algo.kl_beta > 0 else None
-    first_eval = last_eval = None
-    step = run.start_step
-    if run.val_items and step == 0:
-        first_eval = evaluate(run.engine, run.rollout_packer, run.val_items, recipe.rollout, rewards, 0)
-        run.metrics.write({"step": 0, **first_eval})
-    run.reporter.start(recipe.run.name, recipe.run.max_steps, step)
-    try:
-        while step < recipe.run.max_steps:
-            step += 1
-            row = {"step": step, **_one_step(run, algo, rewards, reference, step)}
-            if run.val_items and (_every(step, recipe.train.eval_every) or step == recipe.run.max_steps):
-                last_eval = evaluate(run.engine, run.rollout_packer, run.val_items, recipe.rollout,
-                                     rewards, 0)
-                row.update(last_eval)
-            if _every(step, recipe.logging.every_steps) or step == recipe.run.max_steps:
-                run.metrics.write(row)
-            run.reporter.step(step, row)
-            if _every(step, recipe.checkpoint.every_steps) or step == recipe.run.max_steps:
-                run.save(step)
-    except KeyboardInterrupt:
-        run.reporter.message(f"interrupted: writing a checkpoint at step {step - 1}")
-        if step - 1 > run.start_step:
-            run.save(step - 1)
-        raise
-    return {"first_eval": first_eval, "last_eval": last_eval, "step": step}
-
-
-def _every(step: int, n: int) -> bool:
-    return n > 0 and step % n == 0
+    rewards = build_rewards(run.recipe.reward)
+    reference = reference_model(run) if algo.kl_beta > 0 else None
+    return run_prompt_loop(run, lambda step: _one_step(run, algo, rewards, reference, step), rewards)
 
 
 def _one_step(run: PromptRun, algo: GRPOConfig, rewards: Any, reference: Any, step: int) -> dict[str, Any]:
@@ -110,7 +83,7 @@ def _update(run: PromptRun, algo: GRPOConfig, traj: Trajectory, reference: Any, 
             total_tokens = int(batch.loss_mask_BT[rows, 1:].sum())
 
             def loss_fn(idx: torch.Tensor, rows=rows, total_tokens=total_tokens) -> torch.Tensor:
-                sub = _select(batch, idx)
+                sub = select_rows(batch, idx)
                 lp_BT, mask_BT = batch_logprobs(model, sub, temperature)
                 w = lp_BT.shape[1]
                 loss, m = grpo_loss(GRPOLossInputs(
@@ -126,13 +99,13 @@ def _update(run: PromptRun, algo: GRPOConfig, traj: Trajectory, reference: Any, 
                                        [lambda i=i: loss_fn(i) for i in micro], recipe.train.max_grad_norm)
             history.append({"grad_norm": grad_norm})
     run.policy.scheduler.step()
-    out = _mean_metrics(history)
+    out = mean_metrics(history)
     out["lr"] = run.policy.scheduler.get_last_lr()[0]
     out["adv_abs_mean"] = float(adv_B.abs().mean())
     return out
 
 
-def _select(batch: Any, idx: torch.Tensor) -> Any:
+def select_rows(batch: Any, idx: torch.Tensor) -> Any:
     """Rows ``idx`` of a padded batch, trimmed to their longest sequence."""
     import attrs
 
@@ -142,12 +115,13 @@ def _select(batch: Any, idx: torch.Tensor) -> Any:
                                    "loss_mask_BT", "seq_ids_BT")})
 
 
-def _mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
+def mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted({k for h in history for k in h})
     return {k: sum(h[k] for h in history if k in h) / sum(1 for h in history if k in h) for k in keys}
 
 
-def _reference_model(run: PromptRun) -> Any:
+def reference_model(run: PromptRun) -> Any:
+    """A frozen copy of the starting policy (the model the run began from, not the checkpoint)."""
     from runner.models import load_causal_lm
 
     ref = load_causal_lm(run.model_path, dtype=run.recipe.model.dtype,

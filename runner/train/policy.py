@@ -107,4 +107,4 @@ def optimizer_step(accelerator: Any, model: Any, optimizer: torch.optim.Optimize
 def split_even(n: int, parts: int) -> list[slice]:
     """``parts`` contiguous slices covering range(n), sizes differing by at most one."""
     bounds = [round(i * n / parts) for i in range(parts + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]

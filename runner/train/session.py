@@ -21,8 +21,14 @@ from runner.data.cursor import DataCursor, check_resume
 from runner.recipe.plan import RunPlan
 from runner.recipe.resolved import write_resolved
 from runner.recipe.schema import Recipe
-from runner.state.checkpoint import (LoadedCheckpoint, TrainingState, latest_checkpoint,
-                                     load_checkpoint, restore_rng, save_checkpoint)
+from runner.state.checkpoint import (
+    LoadedCheckpoint,
+    TrainingState,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 from runner.train.policy import make_optimizer, make_scheduler, scheduler_state
 from runner.ui import MetricsLog, Reporter
 

@@ -1,0 +1,60 @@
+"""The step loop shared by every algorithm: eval, metrics, live view, checkpoints, Ctrl-C.
+
+An algorithm supplies ``one_step(step) -> metrics`` and, when it has a held-out set,
+``held_out() -> metrics``; this module decides when to evaluate, log and checkpoint, and turns
+an interrupt into a checkpoint of the last finished step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from runner.recipe.schema import Recipe
+from runner.rewards import RewardSet
+from runner.train.rollouts import evaluate
+from runner.train.session import PromptRun
+from runner.ui import MetricsLog, Reporter
+
+
+def every(step: int, n: int) -> bool:
+    return n > 0 and step % n == 0
+
+
+def run_loop(recipe: Recipe, start_step: int, metrics: MetricsLog, reporter: Reporter,
+             one_step: Callable[[int], dict[str, Any]], save: Callable[[int], Any],
+             held_out: Callable[[], dict[str, float]] | None) -> dict[str, Any]:
+    last = recipe.run.max_steps
+    step = start_step
+    if held_out is not None and step == 0:
+        metrics.write({"step": 0, **held_out()})
+    reporter.start(recipe.run.name, last, step)
+    try:
+        while step < last:
+            step += 1
+            row = {"step": step, **one_step(step)}
+            if held_out is not None and (every(step, recipe.train.eval_every) or step == last):
+                row.update(held_out())
+            if every(step, recipe.logging.every_steps) or step == last:
+                metrics.write(row)
+            reporter.step(step, row)
+            if every(step, recipe.checkpoint.every_steps) or step == last:
+                save(step)
+    except KeyboardInterrupt:
+        done = step - 1
+        if done > start_step:
+            reporter.message(f"interrupted: writing a checkpoint at step {done}")
+            save(done)
+        raise
+    return {"step": step}
+
+
+def run_prompt_loop(run: PromptRun, one_step: Callable[[int], dict[str, Any]],
+                    rewards: RewardSet | None, save: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """``run_loop`` for the rollout algorithms: held-out greedy accuracy through the engine."""
+
+    def held_out() -> dict[str, float]:
+        return evaluate(run.engine, run.rollout_packer, run.val_items, run.recipe.rollout, rewards, 0)
+
+    return run_loop(run.recipe, run.start_step, run.metrics, run.reporter, one_step,
+                    save or run.save, held_out if run.val_items else None)

@@ -1,0 +1,161 @@
+"""The on-policy distillation loop (Agarwal et al. 2024, GKD; Lu & Thinking Machines 2025).
+
+The student samples completions; the teacher scores the student's tokens; the per-token reverse
+KL estimate ``logp_student - logp_teacher`` of each sampled token, negated, is its advantage in
+a clipped policy-gradient step. ``same_tokenizer`` mode scores the student's ids directly.
+``cross_token_multimodal`` mode lets the teacher have its own tokenizer: a student-codec packer
+(built from the student's factory) decodes the completion, the teacher packer re-encodes the
+prompt and the completion text, and the teacher's token logprobs are summed onto the student
+tokens whose character spans hold them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.algorithms.logprobs import token_logprobs
+from runner.algorithms.opd import OPDLossInputs, align_to_student, opd_loss
+from runner.errors import Problem, RecipeError
+from runner.packers.base import RLPolicyInput, collate
+from runner.recipe.schema import OPDConfig
+from runner.rewards import build_rewards
+from runner.train.grpo import mean_metrics, select_rows
+from runner.train.loop import run_prompt_loop
+from runner.train.policy import batch_logprobs, completion_grid, forward_logits, optimizer_step
+from runner.train.rollouts import Trajectory, roll_out, sampling, score
+from runner.train.session import PromptRun, step_seed
+
+
+class Teacher:
+    """The frozen teacher with what it needs to score student completions."""
+
+    def __init__(self, run: PromptRun, algo: OPDConfig) -> None:
+        from runner.models import load_causal_lm, read_model_type, resolve_model_path
+        from runner.packers import build_packer
+
+        self.path: Path = resolve_model_path(algo.teacher_path)
+        self.model = load_causal_lm(self.path, trust_remote_code=run.recipe.model.trust_remote_code)
+        self.model.requires_grad_(False).eval().to(run.accelerator.device)
+        self.mode = algo.mode
+        self.device = run.accelerator.device
+        self.pad_token_id = run.policy_packer.pad_token_id
+        if algo.mode == "same_tokenizer":
+            check_same_vocab(run.policy_packer.vocab_size, self.model.config.vocab_size,
+                             self.path, run.model_path)
+            self.student_codec = self.packer = None
+        else:  # built only in this mode
+            factory = run.recipe.data_packer.factory
+            self.student_codec = build_packer(run.model_path, _student_type(run), factory)
+            self.packer = build_packer(self.path, read_model_type(self.path),
+                                       run.recipe.data_packer.teacher_model_factory,
+                                       key="data_packer.teacher_model_factory")
+
+    @torch.no_grad()
+    def logprobs(self, traj: Trajectory, inputs: Sequence[RLPolicyInput], width: int,
+                 temperature: float) -> torch.Tensor:
+        """Teacher logprobs of each student completion token, on the student's grid [B, width]."""
+        if self.mode == "same_tokenizer":
+            batch = collate(inputs, self.pad_token_id).to(self.device)
+            return batch_logprobs(self.model, batch, temperature)[0][:, :width]
+        values = [self._aligned(item, c) for item, c in zip(traj.items, traj.completions, strict=True)]
+        return completion_grid(inputs, values, width).to(self.device)
+
+    def _aligned(self, item: Any, completion: Any) -> list[float]:
+        codec, packer = self.student_codec, self.packer
+        ids = list(completion.token_ids)
+        prefix = [len(codec.decode(ids[:k])) for k in range(len(ids) + 1)]
+        student_spans = list(zip(prefix, prefix[1:], strict=False))
+        text = codec.decode(ids)
+        prompt_ids = packer.encode_rollout_input(packer.get_rollout_input(item))
+        enc = packer.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        teacher_ids = list(enc["input_ids"])
+        teacher_spans = [tuple(s) for s in enc["offset_mapping"]]
+        if completion.finish_reason == "stop":
+            teacher_ids.append(packer.eos_token_id)
+            teacher_spans.append((len(text), len(text)))
+        if not teacher_ids:
+            return [0.0] * len(ids)
+        x = RLPolicyInput(tuple(prompt_ids) + tuple(teacher_ids), (0,) * len(prompt_ids)
+                          + (1,) * len(teacher_ids), len(prompt_ids))
+        lp_BT, mask_BT = batch_logprobs(self.model, packer.collate([x]).to(self.device))
+        return align_to_student(student_spans, teacher_spans, lp_BT[mask_BT].tolist())
+
+
+def check_same_vocab(student: int, teacher: int, teacher_path: Path, student_path: Path) -> None:
+    if student > teacher:
+        raise RecipeError([Problem(
+            "algo.mode", f"same_tokenizer needs one vocabulary, but the student has {student} "
+            f"tokens ({student_path}) and the teacher {teacher} ({teacher_path})",
+            got="same_tokenizer", hint="use mode = 'cross_token_multimodal' for a teacher with "
+            "its own tokenizer")])
+
+
+def _student_type(run: PromptRun) -> str:
+    from runner.models import read_model_type
+
+    return run.recipe.model.model_type or read_model_type(run.model_path)
+
+
+def run_opd(run: PromptRun) -> dict[str, Any]:
+    algo = run.recipe.algo
+    assert isinstance(algo, OPDConfig)
+    teacher = Teacher(run, algo)
+    rewards = build_rewards(run.recipe.reward)
+    return run_prompt_loop(run, lambda step: _one_step(run, algo, teacher, rewards, step), rewards)
+
+
+def _one_step(run: PromptRun, algo: OPDConfig, teacher: Teacher, rewards: Any, step: int) -> dict[str, Any]:
+    recipe, acc = run.recipe, run.accelerator
+    T = recipe.rollout.temperature
+    t0 = time.perf_counter()
+    items = run.stream.next_batch(algo.prompts_per_step)
+    traj = roll_out(run.engine, run.rollout_packer, items,
+                    sampling(recipe.rollout, algo.samples_per_prompt, step_seed(recipe.run.seed, step)))
+    traj = score(traj, rewards, step)
+    t1 = time.perf_counter()
+    inputs = traj.policy_inputs(run.policy_packer)
+    batch = run.policy_packer.collate(inputs).to(acc.device)
+    model = run.policy.model
+    with torch.no_grad():
+        old_BT, mask_BT = batch_logprobs(model, batch, T)
+    teacher_BT = teacher.logprobs(traj, inputs, old_BT.shape[1], T)
+    t2 = time.perf_counter()
+    history: list[dict[str, float]] = []
+    for _ in range(algo.ppo_epochs):
+        rows = torch.arange(len(inputs))
+
+        def loss_fn(rows: torch.Tensor = rows) -> torch.Tensor:
+            sub = select_rows(batch, rows)
+            logits = forward_logits(model, sub) / T
+            lp_BT = token_logprobs(logits, sub.input_ids_BT[:, 1:])
+            w = lp_BT.shape[1]
+            full = algo.full_kl
+            loss, m = opd_loss(OPDLossInputs(
+                logprobs_BT=lp_BT, old_logprobs_BT=old_BT[rows, :w], teacher_logprobs_BT=teacher_BT[rows, :w],
+                mask_BT=sub.loss_mask_BT[:, 1:].bool(), student_logits_BTV=logits if full else None,
+                teacher_logits_BTV=_teacher_logits(teacher, sub, T, logits.shape[-1]) if full else None),
+                algo)
+            history.append(m)
+            return loss
+
+        history.append({"grad_norm": optimizer_step(acc, model, run.policy.optimizer, [loss_fn],
+                                                    recipe.train.max_grad_norm)})
+    run.policy.scheduler.step()
+    t3 = time.perf_counter()
+    run.sync_weights()
+    t4 = time.perf_counter()
+    r = torch.tensor(traj.rewards)
+    return {"reward/mean": float(r.mean()), **traj.reward_parts, **mean_metrics(history),
+            "time/rollout": t1 - t0, "time/teacher": t2 - t1, "time/update": t3 - t2,
+            "time/sync": t4 - t3, "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
+
+
+@torch.no_grad()
+def _teacher_logits(teacher: Teacher, batch: Any, temperature: float, vocab: int) -> torch.Tensor:
+    """Teacher logits over the student's vocabulary (a padded teacher vocabulary is cut)."""
+    return forward_logits(teacher.model, batch)[..., :vocab] / temperature
