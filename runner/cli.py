@@ -76,6 +76,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.validate:
         print(f"{args.recipe}: recipe and extensions are valid ({recipe.algo.kind})")
         return EXIT_OK
+    from runner.ui.quiet import quiet_libraries
+
+    quiet_libraries()
     if args.dry_run:
         from runner.preview import show_dry_run
 

@@ -1,7 +1,8 @@
 """``--dry-run``: show what a recipe would do, without training.
 
-Sections: the plan (layout, batch sizes, paths) and the fully resolved recipe; later stages add
-the data source and the packed rollout input.
+Sections: the plan (layout, batch sizes, paths); the data (built exactly as a run builds it, so
+every data check runs); the model and its DataPacker with the first item packed as the rollout
+engine would receive it; and the fully resolved recipe.
 """
 
 from __future__ import annotations
@@ -17,7 +18,44 @@ from runner.recipe.schema import Recipe
 
 def plan_sections(recipe: Recipe, plan: RunPlan) -> list[tuple[str, list[tuple[str, str]]]]:
     """The (title, rows) sections of the dry-run."""
-    return [("Plan", plan.rows() + [("recipe hash", recipe_hash(recipe)[:16])])]
+    from runner.data.preview import describe_data
+
+    return [("Plan", plan.rows() + [("recipe hash", recipe_hash(recipe)[:16])]),
+            ("Data", describe_data(recipe)),
+            ("Model and packing", packing_rows(recipe))]
+
+
+def packing_rows(recipe: Recipe) -> list[tuple[str, str]]:
+    """Build the model folder and the student's packer; pack the first training item."""
+    from runner.data.preference import DatasetPreferenceEnv
+    from runner.data.sources import build_prompt_source
+    from runner.models import read_model_type, resolve_model_path
+    from runner.packers import build_packer
+    from runner.types import ObsBundle
+
+    path = resolve_model_path(recipe.model.path)
+    model_type = recipe.model.model_type or read_model_type(path)
+    packer = build_packer(path, model_type, recipe.data_packer.factory)
+    rows = [("model", f"{recipe.model.path} -> {path}"), ("model_type", model_type),
+            ("data packer", f"{type(packer).__module__}.{type(packer).__qualname__}"
+             + (f" (from {recipe.data_packer.factory})" if recipe.data_packer.factory else
+                " (model_type registry)"))]
+    if recipe.algo.kind == "dpo":
+        pair = DatasetPreferenceEnv(recipe.data, seed=recipe.run.seed).train.pair(0)
+        chosen, rejected = packer.get_preference_input(ObsBundle(pair.prompt), pair.chosen, pair.rejected)
+        rows += [("chosen sequence", repr(packer.decode(chosen.input_ids, skip_special_tokens=False))),
+                 ("rejected sequence", repr(packer.decode(rejected.input_ids, skip_special_tokens=False))),
+                 ("tokens (chosen)", str(len(chosen.input_ids)))]
+        return rows
+    item = build_prompt_source(recipe.data, recipe.algo.kind).item(0)
+    rollout_input = packer.get_rollout_input(item)
+    ids = packer.encode_rollout_input(rollout_input)
+    rows += [("rollout input", repr(rollout_input)), ("prompt tokens", f"{len(ids)}: {ids[:24]}"
+                                                       + (" ..." if len(ids) > 24 else ""))]
+    if recipe.algo.kind == "opd":
+        teacher = resolve_model_path(recipe.algo.teacher_path)
+        rows.append(("teacher", f"{recipe.algo.teacher_path} -> {teacher} ({recipe.algo.mode})"))
+    return rows
 
 
 def show_dry_run(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
@@ -38,5 +76,7 @@ def show_dry_run(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Seque
             table.add_row(key, value)
         console.print(table)
     console.print("[bold]Resolved recipe[/bold]")
-    console.print(Syntax(tomli_w.dumps(doc), "toml", theme="ansi_dark") if not plain
-                  else tomli_w.dumps(doc))
+    if plain:
+        console.print(tomli_w.dumps(doc), markup=False, highlight=False)
+    else:
+        console.print(Syntax(tomli_w.dumps(doc), "toml", theme="ansi_dark"))

@@ -9,8 +9,15 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from runner.state.checkpoint import (COMPLETE, TrainingState, complete_checkpoints, latest_checkpoint,
-                                     load_checkpoint, restore_rng, save_checkpoint)
+from runner.state.checkpoint import (
+    COMPLETE,
+    TrainingState,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from runner.errors import RecipeError
 from runner.recipe import recipe_from_mapping
-from tests.conftest import REPO, RECIPES
+from tests.conftest import RECIPES, REPO
 
 GRPO = "recipes/grpo-arith.toml"
 
@@ -157,10 +157,10 @@ def test_cli_exits_2_without_traceback_on_fuzzed_recipe(tmp_path_factory, doc):
         return  # not representable as TOML (e.g. NaN in some writers): the loader case is covered above
     path = tmp_path_factory.mktemp("fuzz") / "r.toml"
     path.write_text(text)
-    from runner.cli import main
-
     import contextlib
     import io
+
+    from runner.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

@@ -57,7 +57,7 @@ class HFEngine:
             attention[row, width - len(p):] = 1
         config = GenerationConfig(
             do_sample=not s.greedy, temperature=s.temperature if not s.greedy else 1.0,
-            top_p=s.top_p if not s.greedy else 1.0, top_k=s.top_k if not s.greedy else 0,
+            top_p=s.top_p if not s.greedy else 1.0, top_k=0 if s.greedy else s.top_k,
             max_new_tokens=s.max_new_tokens, pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_id, output_logits=True, return_dict_in_generate=True)
         with torch.random.fork_rng(devices=[]):

@@ -31,8 +31,14 @@ class MetricsLog:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
         self._tb = None
         if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                from runner.errors import Problem, RecipeError
 
+                raise RecipeError([Problem("logging.tensorboard", "needs the tensorboard package",
+                                           got=True, hint="pip install tensorboard, or set "
+                                           "logging.tensorboard = false")]) from exc
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
     def write(self, row: dict[str, Any]) -> None:

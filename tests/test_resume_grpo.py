@@ -1,0 +1,81 @@
+"""Exact resume for GRPO: stopped, interrupted and killed runs end where the straight run ends.
+
+Every metrics.jsonl value that is not a timing, and the final weights, must be bitwise equal.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+
+from tests.resume_helpers import (assert_same_weights, deterministic_rows, final_weights, interrupt,
+                                  run_cli, start_cli, wait_for_step)
+
+pytestmark = pytest.mark.slow
+
+RECIPE = "recipes/grpo-arith.toml"
+N = 6
+SMALL = ("algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatches=2",
+         "rollout.max_new_tokens=4", "data.validation.size=8", "train.eval_every=2",
+         "checkpoint.every_steps=1", "checkpoint.keep_last=3", "logging.sample_every=0")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    done = run_cli(RECIPE, out, f"run.max_steps={N}", *SMALL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def _check_same(out, straight):
+    assert deterministic_rows(out) == deterministic_rows(straight)
+    assert_same_weights(final_weights(out, N), final_weights(straight, N))
+
+
+def test_stop_and_resume(straight, tmp_path):
+    first = run_cli(RECIPE, tmp_path, "run.max_steps=2", *SMALL)
+    assert first.returncode == 0, first.stderr
+    second = run_cli(RECIPE, tmp_path, f"run.max_steps={N}", *SMALL)
+    assert second.returncode == 0, second.stderr
+    assert "resuming" in second.stdout
+    _check_same(tmp_path, straight)
+
+
+def test_ctrl_c_writes_checkpoint_and_exits_130(straight, tmp_path):
+    proc = start_cli(RECIPE, tmp_path, f"run.max_steps={N}", *SMALL, "checkpoint.every_steps=100")
+    wait_for_step(proc, tmp_path, 2)
+    assert interrupt(proc, signal.SIGINT) == 130
+    assert list((tmp_path / "checkpoints").glob("step-*")), "no checkpoint written on Ctrl-C"
+    done = run_cli(RECIPE, tmp_path, f"run.max_steps={N}", *SMALL)
+    assert done.returncode == 0, done.stderr
+    _check_same(tmp_path, straight)
+
+
+def test_sigkill_at_random_points_then_resume(straight, tmp_path):
+    rng = random.Random(1234)
+    for _ in range(3):
+        proc = start_cli(RECIPE, tmp_path, f"run.max_steps={N}", *SMALL)
+        wait_for_step(proc, tmp_path, rng.randint(1, N - 2))
+        import time
+
+        time.sleep(rng.uniform(0.0, 1.5))  # anywhere: mid-step, mid-checkpoint
+        proc.kill()
+        proc.wait()
+    done = run_cli(RECIPE, tmp_path, f"run.max_steps={N}", *SMALL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _check_same(tmp_path, straight)
+
+
+def test_strict_resume_refuses_changed_data(straight, tmp_path):
+    first = run_cli(RECIPE, tmp_path, "run.max_steps=2", *SMALL)
+    assert first.returncode == 0
+    changed = run_cli(RECIPE, tmp_path, f"run.max_steps={N}", *SMALL, "data.count=1500",
+                      "data.cursor_resume=strict")
+    assert changed.returncode == 2
+    assert "data.cursor_resume" in changed.stderr and "2000 -> 1500" in changed.stderr
+    off = run_cli(RECIPE, tmp_path, "run.max_steps=3", *SMALL, "data.count=1500",
+                  "data.cursor_resume=off")
+    assert off.returncode == 0, off.stderr
