@@ -92,3 +92,25 @@ def build_preference_dataset(count: int = 100) -> AdditionPreferences:
 def build_held_out_preference_dataset(count: int = 20) -> AdditionPreferences:
     """Held-out preference pairs (odd n): disjoint from ``build_preference_dataset``."""
     return AdditionPreferences(count, parity=1)
+
+
+# --- A DataPacker subclass ---------------------------------------------------------------------
+# One packer class owns both sides of a model's contract. This one tags every rollout prompt with
+# a domain marker; the policy side reuses the engine's prompt ids, so it sees the same marker.
+
+from runner.packers import DataPacker, DecoderOnlyLLMDataPacker  # noqa: E402
+from runner.types import ObsBundle  # noqa: E402
+
+
+class DomainTaggedPacker(DecoderOnlyLLMDataPacker):
+    """The decoder-only packer, with ``<domain>`` in front of each rollout prompt."""
+
+    TAG = "<domain>"
+
+    def get_rollout_input(self, item: ObsBundle) -> str:
+        return self.TAG + super().get_rollout_input(item)
+
+
+def build_default_packer() -> DataPacker:
+    """Zero-argument packer factory: a fresh instance for each role that asks."""
+    return DomainTaggedPacker()

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-RECIPES = sorted((REPO / "recipes").glob("*.toml"))
+RECIPES = sorted((REPO / "recipes").glob("*.toml")) + sorted((REPO / "examples").glob("*.toml"))
 
 
 @pytest.fixture

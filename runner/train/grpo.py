@@ -19,7 +19,7 @@ from runner.recipe.schema import GRPOConfig
 from runner.rewards import build_rewards
 from runner.train.loop import run_prompt_loop
 from runner.train.policy import batch_logprobs, completion_grid, optimizer_step, split_even
-from runner.train.rollouts import Trajectory, roll_out, sampling, score
+from runner.train.rollouts import Trajectory, reward_side_prefixes, roll_out, sampling, score
 from runner.train.session import PromptRun, step_seed
 
 
@@ -28,10 +28,13 @@ def run_grpo(run: PromptRun) -> dict[str, Any]:
     assert isinstance(algo, GRPOConfig)
     rewards = build_rewards(run.recipe.reward)
     reference = reference_model(run) if algo.kl_beta > 0 else None
-    return run_prompt_loop(run, lambda step: _one_step(run, algo, rewards, reference, step), rewards)
+    reward_packer = run.build_packer() if algo.shared_prefix_filter else None  # only when used
+    return run_prompt_loop(run, lambda step: _one_step(run, algo, rewards, reference, reward_packer, step),
+                           rewards)
 
 
-def _one_step(run: PromptRun, algo: GRPOConfig, rewards: Any, reference: Any, step: int) -> dict[str, Any]:
+def _one_step(run: PromptRun, algo: GRPOConfig, rewards: Any, reference: Any, reward_packer: Any,
+              step: int) -> dict[str, Any]:
     recipe = run.recipe
     t0 = time.perf_counter()
     items = run.stream.next_batch(algo.prompts_per_step)
@@ -39,8 +42,11 @@ def _one_step(run: PromptRun, algo: GRPOConfig, rewards: Any, reference: Any, st
                     sampling(recipe.rollout, algo.group_size, step_seed(recipe.run.seed, step)))
     t1 = time.perf_counter()
     traj = score(traj, rewards, step)
+    ignore = reward_side_prefixes(reward_packer, traj, algo.group_size) if reward_packer else None
     t2 = time.perf_counter()
-    metrics = _update(run, algo, traj, reference, step)
+    metrics = _update(run, algo, traj, reference, step, ignore)
+    if ignore is not None:
+        metrics["prefix_tokens_filtered"] = sum(ignore) / len(ignore)
     t3 = time.perf_counter()
     run.sync_weights()
     t4 = time.perf_counter()
@@ -56,13 +62,13 @@ def _one_step(run: PromptRun, algo: GRPOConfig, rewards: Any, reference: Any, st
     }
 
 
-def _update(run: PromptRun, algo: GRPOConfig, traj: Trajectory, reference: Any, step: int
-            ) -> dict[str, float]:
+def _update(run: PromptRun, algo: GRPOConfig, traj: Trajectory, reference: Any, step: int,
+            ignore_prefix: list[int] | None) -> dict[str, float]:
     recipe, acc = run.recipe, run.accelerator
     model = run.policy.model
     device = acc.device
     adv_B = group_advantages(torch.tensor(traj.rewards), algo.group_size, algo.scale_rewards)
-    inputs = traj.policy_inputs(run.policy_packer)
+    inputs = traj.policy_inputs(run.policy_packer, ignore_prefix)
     batch = run.policy_packer.collate(inputs).to(device)
     width = batch.input_ids_BT.shape[1] - 1
     temperature = recipe.rollout.temperature

@@ -32,10 +32,39 @@ class Trajectory:
     def n_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions)
 
-    def policy_inputs(self, packer: DataPacker) -> list[RLPolicyInput]:
-        """Policy-side inputs; prompt ids come from the engine and are not re-tokenised."""
-        return [packer.get_policy_input(item, c, prompt_ids=p)
-                for item, c, p in zip(self.items, self.completions, self.prompt_ids, strict=True)]
+    def policy_inputs(self, packer: DataPacker, ignore_prefix: Sequence[int] | None = None
+                      ) -> list[RLPolicyInput]:
+        """Policy-side inputs; prompt ids come from the engine and are not re-tokenised.
+
+        ``ignore_prefix[i]`` completion tokens at the start of sequence i are left out of the loss.
+        """
+        ignore = ignore_prefix or [0] * len(self.completions)
+        return [packer.get_policy_input(item, c, n, prompt_ids=p)
+                for item, c, p, n in zip(self.items, self.completions, self.prompt_ids, ignore, strict=True)]
+
+
+def shared_prefix_lengths(token_lists: Sequence[Sequence[int]], group_size: int) -> list[int]:
+    """For each sequence, the length of the token prefix its whole group shares (kept below the
+    sequence's own length, so at least one token stays trained on).
+
+    >>> shared_prefix_lengths([[1, 2, 3], [1, 2, 4], [5], [6, 7]], 2)
+    [2, 2, 0, 0]
+    """
+    out = []
+    for start in range(0, len(token_lists), group_size):
+        group = [list(t) for t in token_lists[start:start + group_size]]
+        common = 0
+        while all(len(t) > common for t in group) and len({t[common] for t in group}) == 1:
+            common += 1
+        out += [max(0, min(common, len(t) - 1)) for t in group]
+    return out
+
+
+def reward_side_prefixes(packer: DataPacker, traj: Trajectory, group_size: int) -> list[int]:
+    """Shared-prefix lengths in token space, from the completions' text encoded by the
+    reward-side packer (a fresh instance from the student's packer factory)."""
+    tokens = [packer.encode_rollout_input(text) for text in traj.texts]
+    return shared_prefix_lengths(tokens, group_size)
 
 
 def sampling(cfg: RolloutConfig, n: int, seed: int, *, greedy: bool = False) -> SamplingConfig:

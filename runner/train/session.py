@@ -177,9 +177,22 @@ class PromptRun:
                                 self.tokenizer, self.stream.cursor, self.parts, self.metrics,
                                 extra_modules, extra_optimizers)
 
+    def build_packer(self) -> Any:
+        """A fresh packer from the student's factory (each role builds its own)."""
+        from runner.packers import build_packer
+
+        model_type = self.recipe.model.model_type or _model_type(self.model_path)
+        return build_packer(self.model_path, model_type, self.recipe.data_packer.factory)
+
     def sync_weights(self) -> None:
         model = self.accelerator.unwrap_model(self.policy.model)
         self.engine.update_weights((n, p.detach()) for n, p in model.named_parameters())
+
+
+def _model_type(path: Path) -> str:
+    from runner.models import read_model_type
+
+    return read_model_type(path)
 
 
 def open_prompt_run(recipe: Recipe, plan: RunPlan, reporter: Reporter, source: str,

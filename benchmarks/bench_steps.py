@@ -1,0 +1,52 @@
+"""Seconds per training step, the time split and peak RSS, for each algorithm.
+
+Runs a shipped recipe through ``posttrain-run --plain`` for a few steps in a fresh output folder
+(checkpoint only at the end, evaluation off) and reads ``metrics.jsonl``. The first step is
+dropped (warm-up). Peak RSS is the child process's.
+
+Run: ``.venv/bin/python benchmarks/bench_steps.py recipes/grpo-arith.toml [--steps 6] [KEY=VALUE ...]``.
+Prints a markdown table row: recipe, batch shape, s/step, shares of rollout / reward / update /
+sync, peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SPLIT = ("time/rollout", "time/reward", "time/teacher", "time/update", "time/sync")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("recipe")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "runner.cli", "--plain", args.recipe, f"run.output_dir={out}",
+               f"run.max_steps={args.steps}", "data.validation.enabled=false",
+               f"checkpoint.every_steps={args.steps}", *args.overrides]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(done.stdout + done.stderr)
+        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] > 1]
+    per_step = [sum(r.get(k, 0.0) for k in SPLIT) for r in rows]
+    total = sum(per_step)
+    shares = {k.split("/")[1]: sum(r.get(k, 0.0) for r in rows) / total for k in SPLIT
+              if any(k in r for r in rows)}
+    rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    split = ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items())
+    print(f"| {args.recipe} {' '.join(args.overrides)} | {statistics.median(per_step):.2f} | "
+          f"{split} | {rss_mb:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""--dry-run end to end: data built as a run builds it, the packer's rollout input, the plan."""
+
+from __future__ import annotations
+
+GRPO = "recipes/grpo-arith.toml"
+FACTORY = "examples.posttrain_extensions.build_prompt_dataset"
+
+
+def test_builtin_source_shows_size_item_fingerprint_and_rollout_input(run_cli):
+    rc, out, err = run_cli("--plain", "--dry-run", GRPO)
+    assert rc == 0, err
+    assert "dataset size" in out and "2000" in out
+    assert '"prompt": "What is' in out and "fingerprint" in out
+    assert "rollout input" in out and "<|assistant|>" in out
+    assert "nothing is trained" in out and "[algo]" in out
+
+
+def test_factory_source_with_overrides_and_custom_packer(run_cli):
+    rc, out, err = run_cli("--plain", "--dry-run", GRPO, f"data.factory={FACTORY}",
+                           "data.factory_kwargs.count=1000", "data.prompt_column=question",
+                           "data.response_column=answer",
+                           "data.validation.factory=examples.posttrain_extensions.build_held_out_prompt_dataset",
+                           "data_packer.factory=examples.posttrain_extensions.build_default_packer")
+    assert rc == 0, err
+    assert "1000" in out and '"prompt": "What is 0 + 7?"' in out and '"reference": "7"' in out
+    assert "'<domain><|bos|>" in out  # the subclass's prefix is in the packed rollout input
+    assert "DomainTaggedPacker" in out
+
+
+def test_file_source(run_cli):
+    rc, out, err = run_cli("--plain", "--dry-run", "examples/files-grpo.toml")
+    assert rc == 0, err
+    assert "prompts.jsonl" in out and '"prompt": "What is 12 + 30?"' in out
+
+
+def test_dpo_dry_run_shows_packed_pair(run_cli):
+    rc, out, err = run_cli("--plain", "--dry-run", "recipes/dpo-arith.toml")
+    assert rc == 0, err
+    assert "chosen sequence" in out and "rejected sequence" in out
+
+
+def test_missing_column_exits_2_listing_columns(run_cli):
+    rc, _, err = run_cli("--plain", "--dry-run", GRPO, f"data.factory={FACTORY}",
+                         "data.prompt_column=q",
+                         "data.validation.factory=examples.posttrain_extensions.build_held_out_prompt_dataset")
+    assert rc == 2
+    assert "column 'q'" in err and "'question'" in err and "Traceback" not in err
+
+
+def test_hub_name_fails_fast_offline(run_cli):
+    rc, _, err = run_cli("--plain", "--dry-run", GRPO, "data.name=nobody/no-such-dataset",
+                         "data.validation.enabled=false")
+    assert rc == 2
+    assert "nobody/no-such-dataset" in err
