@@ -68,9 +68,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"{args.recipe}: recipe is valid ({recipe.algo.kind}, {plan.max_steps} steps)")
         return EXIT_OK
 
-    from runner.preflight import validate_extensions
+    from runner.preflight import validate_extensions, validate_models
 
     problems = validate_extensions(recipe)
+    problems += validate_models(recipe) if not problems else []
     if problems:
         raise RecipeError(problems, source=args.recipe)
     if args.validate:

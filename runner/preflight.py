@@ -32,6 +32,22 @@ def _calls(recipe: Recipe) -> list[tuple[str, str, tuple, dict[str, Any]]]:
     return [c for c in calls if c[1]]
 
 
+def validate_models(recipe: Recipe) -> list[Problem]:
+    """Model-level checks that need the model folders (built-in models are built once, cached):
+    OPD same_tokenizer needs one vocabulary for student and teacher."""
+    if recipe.algo.kind != "opd" or recipe.algo.mode != "same_tokenizer":
+        return []
+    from runner.errors import RecipeError
+    from runner.models import resolve_model_path
+    from runner.train.opd import check_same_vocab
+
+    try:
+        check_same_vocab(resolve_model_path(recipe.model.path), resolve_model_path(recipe.algo.teacher_path))
+    except RecipeError as exc:
+        return list(exc.problems)
+    return []
+
+
 def validate_extensions(recipe: Recipe) -> list[Problem]:
     """Every problem with the recipe's extensions (all are checked, none stops the others)."""
     problems: list[Problem] = []

@@ -45,8 +45,7 @@ class Teacher:
         self.device = run.accelerator.device
         self.pad_token_id = run.policy_packer.pad_token_id
         if algo.mode == "same_tokenizer":
-            check_same_vocab(run.policy_packer.vocab_size, self.model.config.vocab_size,
-                             self.path, run.model_path)
+            check_same_vocab(run.model_path, self.path)
             self.student_codec = self.packer = None
         else:  # built only in this mode
             factory = run.recipe.data_packer.factory
@@ -86,11 +85,16 @@ class Teacher:
         return align_to_student(student_spans, teacher_spans, lp_BT[mask_BT].tolist())
 
 
-def check_same_vocab(student: int, teacher: int, teacher_path: Path, student_path: Path) -> None:
-    if student > teacher:
+def check_same_vocab(student_path: Path, teacher_path: Path) -> None:
+    """same_tokenizer mode: the two tokenizers must map the same strings to the same ids."""
+    from runner.models import load_tokenizer
+
+    student, teacher = load_tokenizer(student_path).get_vocab(), load_tokenizer(teacher_path).get_vocab()
+    if student != teacher:
         raise RecipeError([Problem(
-            "algo.mode", f"same_tokenizer needs one vocabulary, but the student has {student} "
-            f"tokens ({student_path}) and the teacher {teacher} ({teacher_path})",
+            "algo.mode", f"same_tokenizer needs one vocabulary, but the student's has {len(student)} "
+            f"tokens ({student_path}) and the teacher's {len(teacher)} ({teacher_path})"
+            + ("" if len(student) != len(teacher) else ", with different ids"),
             got="same_tokenizer", hint="use mode = 'cross_token_multimodal' for a teacher with "
             "its own tokenizer")])
 

@@ -94,8 +94,13 @@ def _one_step(run: PromptRun, algo: PPOConfig, rewards: Any, reference: Any, cri
         old_BT, mask_BT = batch_logprobs(run.policy.model, batch, T)
         ref_BT = batch_logprobs(reference, batch, T)[0]
         old_values_BT = critic.model(batch) * mask_BT
-        adv_BT, returns_BT = ppo_advantages(torch.tensor(traj.rewards, device=acc.device), old_BT,
-                                            ref_BT, old_values_BT, mask_BT, algo)
+        # GAE runs over completions laid from column 0; the results go back to the batch grid.
+        starts = _completion_starts(mask_BT)
+        aligned = [_left_align(x, starts) for x in (old_BT, ref_BT, old_values_BT, mask_BT.float())]
+        adv_c, returns_c = ppo_advantages(torch.tensor(traj.rewards, device=acc.device), aligned[0],
+                                          aligned[1], aligned[2], aligned[3].bool(), algo)
+        adv_BT = _restore(adv_c, starts, old_BT.shape[1])
+        returns_BT = _restore(returns_c, starts, old_BT.shape[1])
     history: list[dict[str, float]] = []
     n = len(traj.completions)
     for epoch in range(algo.ppo_epochs):
@@ -116,6 +121,25 @@ def _one_step(run: PromptRun, algo: PPOConfig, rewards: Any, reference: Any, cri
             "kl": kl, **mean_metrics(history),
             "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
             "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
+
+
+def _completion_starts(mask_BT: torch.Tensor) -> torch.Tensor:
+    """Column of each row's first completion token on the shifted grid (0 for an empty row)."""
+    return torch.where(mask_BT.any(-1), mask_BT.int().argmax(-1), torch.zeros_like(mask_BT[:, 0], dtype=torch.long))
+
+
+def _left_align(x_BT: torch.Tensor, starts_B: torch.Tensor) -> torch.Tensor:
+    """Row b shifted left by starts_B[b] (zeros fill the right end)."""
+    T = x_BT.shape[1]
+    cols = torch.arange(T, device=x_BT.device)[None, :] + starts_B[:, None]
+    return torch.where(cols < T, x_BT.gather(1, cols.clamp(max=T - 1)), torch.zeros_like(x_BT))
+
+
+def _restore(x_BT: torch.Tensor, starts_B: torch.Tensor, width: int) -> torch.Tensor:
+    """The inverse of _left_align, back onto a grid of ``width`` columns."""
+    cols = torch.arange(width, device=x_BT.device)[None, :] - starts_B[:, None]
+    valid = cols >= 0
+    return torch.where(valid, x_BT.gather(1, cols.clamp(min=0)), torch.zeros_like(x_BT[:, :1]).expand(-1, width))
 
 
 def _minibatch(run: PromptRun, critic: Trainable, algo: PPOConfig, batch: PolicyBatch,
