@@ -156,6 +156,8 @@ def test_teacher_factory_only_for_cross_token_opd():
     ({"reward": {"functions": ["a", "b.c"]}}, "reward.functions[0]"),
     ({"reward": {"weights": [1.0, 2.0]}}, "reward.weights"),
     ({"data": {"factory": "not a path"}}, "data.factory"),
+    ({"launch": {"backend": "ray"}}, "launch.backend"),
+    ({"launch": {"num_processes": 2}}, "launch.num_processes"),
 ])
 def test_range_rules_name_key(raw, key):
     assert f"r.toml: {key}:" in one_problem(raw)

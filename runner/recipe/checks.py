@@ -94,6 +94,17 @@ def check_validation_source(r: Recipe) -> list[Problem]:
     return []
 
 
+def check_launch(r: Recipe) -> list[Problem]:
+    """Only the single-process layout runs in this version; say so instead of ignoring the key."""
+    if r.launch.backend != "local":
+        return [Problem("launch.backend", "only 'local' is implemented in this version",
+                        got=r.launch.backend, hint="set launch.backend = 'local'")]
+    if r.launch.num_processes != 1:
+        return [Problem("launch.num_processes", "the local backend runs one process",
+                        got=r.launch.num_processes, hint="set launch.num_processes = 1")]
+    return []
+
+
 def check_dotted_paths(r: Recipe) -> list[Problem]:
     from runner.extensions import is_dotted_path
 
@@ -140,7 +151,6 @@ def check_ranges(r: Recipe) -> list[Problem]:
                 0 < r.rollout.gpu_memory_utilization <= 1, "in (0, 1]")
     p += _range("checkpoint.every_steps", r.checkpoint.every_steps, r.checkpoint.every_steps >= 1, ">= 1")
     p += _range("checkpoint.keep_last", r.checkpoint.keep_last, r.checkpoint.keep_last >= 1, ">= 1")
-    p += _range("launch.num_processes", r.launch.num_processes, r.launch.num_processes >= 1, ">= 1")
     p += _range("logging.every_steps", r.logging.every_steps, r.logging.every_steps >= 1, ">= 1")
     p += _range("data.count", d.count, d.count >= 1, ">= 1")
     p += _range("data.synthetic_pairs", d.synthetic_pairs, d.synthetic_pairs >= 0, ">= 0")
@@ -236,6 +246,7 @@ RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
     check_dpo_source,
     check_algorithm_keys,
     check_validation_source,
+    check_launch,
     check_dotted_paths,
     check_ranges,
 )

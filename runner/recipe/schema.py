@@ -249,7 +249,8 @@ class CheckpointConfig:
 @attrs.frozen
 class LaunchConfig:
     backend: Literal["local", "torchrun", "ray"] = key(
-        "local", "local: one process; torchrun: one process per rank; ray: roles as Ray actors."
+        "local", "local: every role in one process (the only layout implemented in this version; "
+        "torchrun and ray are reserved names and are refused)."
     )
     num_processes: int = key(1, "Policy ranks (torchrun / ray).")
     ray_address: str = key("", "Address of a running Ray cluster; empty starts a local one.")
