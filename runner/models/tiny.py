@@ -1,0 +1,245 @@
+"""Build a tiny Qwen2 arithmetic model: tokenizer, random init, short supervised warm-up, save.
+
+A randomly initialised model cannot learn arithmetic by RL in a few minutes: it almost never
+samples a right answer, so every reward is zero. The warm-up is a short supervised run on the
+built-in training split (prompt through the chat template, then the answer and eos; the loss is
+on the answer and eos only), stopped early on purpose so that greedy accuracy on held-out
+problems is partial and sampling still spreads over several answers: room for RL to climb.
+
+Everything is deterministic on one machine: fixed seed, fixed data order, deterministic torch
+algorithms and a fixed thread count for the build (the caller's settings are restored after).
+Bitwise equality across different CPUs is not promised; ``build_info.json`` records what this
+build measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+
+from runner.data.arithmetic import Problem, problems
+from runner.models.tokenizer_build import build_tokenizer, save_tokenizer
+
+HELD_OUT_EVAL = 200  # held-out problems measured after the warm-up
+BUILD_THREADS = 2
+
+
+@attrs.frozen
+class TinySpec:
+    """Shape and warm-up of one tiny model; the defaults are the arithmetic task's."""
+
+    tokenizer: str  # "bpe" | "char"
+    hidden_size: int
+    num_layers: int
+    steps: int
+    lr: float
+    batch_size: int = 32
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    seed: int = 0
+    lo: int = 0
+    hi: int = 20
+    ops: tuple[str, ...] = ("+", "-")
+
+
+@contextlib.contextmanager
+def deterministic_torch(threads: int = BUILD_THREADS) -> Iterator[None]:
+    """Deterministic algorithms and a fixed thread count inside; the caller's state after."""
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_threads = torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.set_num_threads(was_threads)
+
+
+def model_config(spec: TinySpec, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.hidden_size * 2,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str) -> list[int]:
+    """The chat-templated prompt of one question, ending with the assistant header."""
+    messages = [{"role": "user", "content": question}]
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(out["input_ids"])
+
+
+def answer_ids(tokenizer: PreTrainedTokenizerBase, answer: int) -> list[int]:
+    """The answer's tokens followed by eos, exactly as the chat template renders them."""
+    return tokenizer.encode(str(answer), add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def sft_batch(
+    tokenizer: PreTrainedTokenizerBase, batch: Sequence[Problem]
+) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids_BT``, ``attention_mask_BT`` and ``labels_BT`` (-100 off-answer)."""
+    rows = [(prompt_ids(tokenizer, p.question), answer_ids(tokenizer, p.answer)) for p in batch]
+    width = max(len(q) + len(a) for q, a in rows)
+    pad = tokenizer.pad_token_id
+    input_ids, mask, labels = [], [], []
+    for q, a in rows:
+        fill = width - len(q) - len(a)
+        input_ids.append(q + a + [pad] * fill)
+        mask.append([1] * (len(q) + len(a)) + [0] * fill)
+        labels.append([-100] * len(q) + a + [-100] * fill)
+    return {
+        "input_ids": torch.tensor(input_ids),
+        "attention_mask": torch.tensor(mask),
+        "labels": torch.tensor(labels),
+    }
+
+
+@torch.no_grad()
+def generate_answers(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[str],
+    *,
+    temperature: float = 0.0,
+    max_new_tokens: int = 6,
+    batch_size: int = 100,
+    seed: int = 0,
+) -> list[str]:
+    """Completions of ``questions`` (greedy when ``temperature`` is 0), decoded up to eos."""
+    generator = torch.Generator().manual_seed(seed)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    texts: list[str] = []
+    for start in range(0, len(questions), batch_size):
+        prompts = [prompt_ids(tokenizer, q) for q in questions[start : start + batch_size]]
+        width = max(map(len, prompts))
+        ids_BT = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask_BT = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None])
+        mask_BT = mask_BT.long()
+        done_B = torch.zeros(len(prompts), dtype=torch.bool)
+        out: list[list[int]] = [[] for _ in prompts]
+        past = None
+        step_ids_BT = ids_BT
+        for _ in range(max_new_tokens):
+            position_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, -step_ids_BT.shape[1] :]
+            result = model(
+                input_ids=step_ids_BT,
+                attention_mask=mask_BT,
+                position_ids=position_BT,
+                past_key_values=past,
+                use_cache=True,
+            )
+            past = result.past_key_values
+            logits_BV = result.logits[:, -1].float()
+            if temperature > 0:
+                probs_BV = torch.softmax(logits_BV / temperature, dim=-1)
+                next_B = torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
+            else:
+                next_B = logits_BV.argmax(-1)
+            for i, token in enumerate(next_B.tolist()):
+                if not done_B[i]:
+                    out[i].append(token)
+            done_B |= next_B == eos
+            if done_B.all():
+                break
+            step_ids_BT = next_B[:, None]
+            mask_BT = torch.cat([mask_BT, torch.ones_like(step_ids_BT)], dim=1)
+        texts += [tokenizer.decode(toks, skip_special_tokens=True) for toks in out]
+    return texts
+
+
+def accuracy(completions: Sequence[str], items: Sequence[Problem]) -> float:
+    """Share of completions that are exactly the integer answer (surrounding spaces allowed)."""
+    right = sum(text.strip() == str(p.answer) for text, p in zip(completions, items, strict=True))
+    return right / len(items)
+
+
+def warm_up(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, spec: TinySpec, label: str
+) -> list[float]:
+    """Supervised warm-up on the training split; returns the loss of every step."""
+    count = spec.steps * spec.batch_size
+    train = problems("train", count, spec.lo, spec.hi, spec.ops, seed=spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 20) * (1 - step / spec.steps)
+    )
+    losses: list[float] = []
+    model.train()
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[loss]}"))
+    with Progress(*columns, TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(f"warm-up {label}", total=spec.steps, loss="")
+        for step in range(spec.steps):
+            batch = sft_batch(tokenizer, train[step * spec.batch_size : (step + 1) * spec.batch_size])
+            loss = model(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.update(task, advance=1, loss=f"loss {loss.item():.3f}")
+    model.eval()
+    return losses
+
+
+def held_out_accuracy(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, spec: TinySpec, count: int
+) -> float:
+    """Greedy accuracy on the first ``count`` held-out problems of the task."""
+    items = problems("held_out", count, spec.lo, spec.hi, spec.ops, seed=spec.seed)
+    return accuracy(generate_answers(model, tokenizer, [p.question for p in items]), items)
+
+
+def build_tiny(folder: Path, name: str, spec: TinySpec) -> dict[str, object]:
+    """Write the complete model folder of ``spec`` into ``folder``; returns its build info."""
+    from transformers import PreTrainedTokenizerFast
+
+    started = time.perf_counter()
+    with deterministic_torch():
+        save_tokenizer(build_tokenizer(spec.tokenizer), spec.tokenizer, folder)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+        torch.manual_seed(spec.seed)
+        config = model_config(spec, tokenizer)
+        model = Qwen2ForCausalLM(config)
+        losses = warm_up(model, tokenizer, spec, name)
+        acc = held_out_accuracy(model, tokenizer, spec, HELD_OUT_EVAL)
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            do_sample=False,
+            max_new_tokens=8,
+        )
+        model.save_pretrained(folder)
+    info = {
+        "name": name,
+        "spec": attrs.asdict(spec),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+        "held_out_greedy_accuracy": acc,
+        "held_out_count": HELD_OUT_EVAL,
+        "build_seconds": round(time.perf_counter() - started, 1),
+        "torch_version": torch.__version__,
+    }
+    (folder / "build_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return info
