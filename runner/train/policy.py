@@ -16,11 +16,13 @@ from runner.recipe.schema import TrainConfig
 
 def forward_logits(model: Any, batch: PolicyBatch) -> torch.Tensor:
     """Logits predicting token t+1 from tokens <= t: shape [B, T-1, V], float32."""
-    if batch.packed:  # one row, position ids restart per sequence; the model builds a block mask
-        out = model(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT)
+    # No KV cache: none is needed to score, and transformers only detects packed sequences (and
+    # builds the block-diagonal mask from the restarting position ids) when there is none.
+    if batch.packed:
+        out = model(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT, use_cache=False)
     else:
         out = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
-                    position_ids=batch.position_ids_BT)
+                    position_ids=batch.position_ids_BT, use_cache=False)
     return out.logits[:, :-1].float()
 
 

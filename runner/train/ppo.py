@@ -41,7 +41,7 @@ class ValueModel(torch.nn.Module):
         """Values on the shifted grid [B, T-1]: the value of the state before token t+1."""
         kwargs = {} if batch.packed else {"attention_mask": batch.attention_mask_BT}
         hidden = self.backbone(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT,
-                               **kwargs).last_hidden_state
+                               use_cache=False, **kwargs).last_hidden_state
         return self.v_head(hidden[:, :-1].float()).squeeze(-1)
 
 
