@@ -23,6 +23,19 @@ def _on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def _keep_plain_cpu_weights() -> None:
+    """Make vLLM's CPU linear layers keep their weights as ordinary parameters.
+
+    By default vLLM-CPU hands each linear weight to a oneDNN matmul handle after loading and
+    drops the parameter, so later weight updates land nowhere. Without oneDNN it falls back to
+    ``torch.nn.functional.linear`` over the parameter itself, which ``load_weights`` can update
+    in place. The engine runs in this process, so the switch applies to it alone.
+    """
+    from vllm import _custom_ops
+
+    _custom_ops._supports_onednn = False
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -34,6 +47,8 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
         from vllm import LLM
 
+        if _on_cpu():
+            _keep_plain_cpu_weights()
         kwargs: dict[str, Any] = {}
         if not _on_cpu():
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
