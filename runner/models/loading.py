@@ -37,8 +37,16 @@ def read_model_type(path: str | Path) -> str:
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
+    """The folder's tokenizer. A folder that declares the generic fast tokenizer class gets exactly
+    that: transformers would otherwise pick its model_type's tokenizer class (e.g. Qwen2's),
+    whose own pre-tokenizer splits text differently from the tokenizer.json the model was
+    trained with."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    config = Path(path) / "tokenizer_config.json"
+    declared = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") if config.is_file() else None
+    if declared == "PreTrainedTokenizerFast":
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 

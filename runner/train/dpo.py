@@ -142,6 +142,7 @@ def run_dpo(recipe: Recipe, plan: RunPlan, reporter: Reporter, source: str,
         env = DatasetPreferenceEnv.from_recipe(recipe, cursor=cursor)
     start_output(recipe, plan, source, overrides)
     start_step = restore_state(ckpt) if ckpt else 0
+    announce(reporter, recipe, start_step, ckpt)
     base = resolve_model_path(recipe.model.path)
     path = ckpt.model_dir if ckpt else base
     tokenizer = load_tokenizer(path, trust_remote_code=recipe.model.trust_remote_code)

@@ -215,6 +215,7 @@ def open_prompt_run(recipe: Recipe, plan: RunPlan, reporter: Reporter, source: s
     cursor = resume_cursor(recipe, ckpt, parts)  # before any model is built
     start_output(recipe, plan, source, overrides)
     start_step = restore_state(ckpt) if ckpt else 0
+    announce(reporter, recipe, start_step, ckpt)
     base_path = resolve_model_path(recipe.model.path)
     model_path = ckpt.model_dir if ckpt else base_path
     model_type = recipe.model.model_type or read_model_type(base_path)
