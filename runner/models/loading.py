@@ -9,6 +9,8 @@ from typing import Any
 from runner.errors import Problem, RecipeError
 
 PREFIX = "builtin:"
+# The generic tokenizer class under its transformers 4 and 5 names (5 writes the second on save).
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def resolve_model_path(path: str | Path, *, key: str = "model.path") -> Path:
@@ -45,7 +47,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
 
     config = Path(path) / "tokenizer_config.json"
     declared = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") if config.is_file() else None
-    if declared == "PreTrainedTokenizerFast":
+    if declared in GENERIC_TOKENIZER_CLASSES:
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 

@@ -145,8 +145,8 @@ def run_dpo(recipe: Recipe, plan: RunPlan, reporter: Reporter, source: str,
     announce(reporter, recipe, start_step, ckpt)
     base = resolve_model_path(recipe.model.path)
     path = ckpt.model_dir if ckpt else base
-    tokenizer = load_tokenizer(path, trust_remote_code=recipe.model.trust_remote_code)
-    packer = build_packer(path, recipe.model.model_type or read_model_type(base), recipe.data_packer.factory)
+    tokenizer = load_tokenizer(base, trust_remote_code=recipe.model.trust_remote_code)
+    packer = build_packer(base, recipe.model.model_type or read_model_type(base), recipe.data_packer.factory)
     accelerator = make_accelerator(recipe)
     policy = prepare_trainable(accelerator, load_causal_lm(path, dtype=recipe.model.dtype), recipe,
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,

@@ -219,7 +219,8 @@ def open_prompt_run(recipe: Recipe, plan: RunPlan, reporter: Reporter, source: s
     base_path = resolve_model_path(recipe.model.path)
     model_path = ckpt.model_dir if ckpt else base_path
     model_type = recipe.model.model_type or read_model_type(base_path)
-    tokenizer = load_tokenizer(model_path, trust_remote_code=recipe.model.trust_remote_code)
+    # The tokenizer and packers come from the base folder: training changes weights only.
+    tokenizer = load_tokenizer(base_path, trust_remote_code=recipe.model.trust_remote_code)
     accelerator = make_accelerator(recipe)
     model = load_causal_lm(model_path, dtype=recipe.model.dtype,
                            trust_remote_code=recipe.model.trust_remote_code)
@@ -227,8 +228,8 @@ def open_prompt_run(recipe: Recipe, plan: RunPlan, reporter: Reporter, source: s
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
     factory = recipe.data_packer.factory
-    rollout_packer = build_packer(model_path, model_type, factory)
-    policy_packer = build_packer(model_path, model_type, factory)
+    rollout_packer = build_packer(base_path, model_type, factory)
+    policy_packer = build_packer(base_path, model_type, factory)
     engine = make_engine(recipe, model_path)
     stream = PromptStream(train_source, recipe.run.seed, recipe.data.shuffle, cursor=cursor)
     val_items = ([val_source.item(i) for i in range(len(val_source))]
