@@ -47,17 +47,9 @@ LOOPS: dict[str, Callable[..., dict]] = {
 def run_recipe(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
                plain: bool) -> int:
     """Run a validated recipe to the end; returns the exit code (0)."""
-    from runner.errors import Problem, RecipeError
-    from runner.train.session import TerminateAsInterrupt
-
-    if recipe.algo.kind not in LOOPS:
-        raise RecipeError([Problem("algo.kind", "this version has no training loop for it",
-                                   got=recipe.algo.kind, hint="available: " + ", ".join(LOOPS))],
-                          source=source)
     reporter = make_reporter(plain)
     started = time.monotonic()
-    with TerminateAsInterrupt():
-        result = LOOPS[recipe.algo.kind](recipe, plan, reporter, source, overrides)
+    result = LOOPS[recipe.algo.kind](recipe, plan, reporter, source, overrides)
     reporter.finish(summary_rows(result, plan, time.monotonic() - started))
     return 0
 

@@ -25,6 +25,7 @@ from runner.train.loop import run_loop
 from runner.train.policy import batch_logprobs, optimizer_step, split_even
 from runner.train.session import (
     Trainable,
+    announce,
     find_resume,
     make_accelerator,
     metrics_log,

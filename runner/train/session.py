@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -128,21 +127,6 @@ def write_checkpoint(recipe: Recipe, plan: RunPlan, step: int, accelerator: Any,
         optimizer=main.optimizer, state=state, metrics_rows=metrics.rows,
         extra_modules=extra_modules, keep_last=recipe.checkpoint.keep_last,
         extra_optimizers={name: t.optimizer for name, t in (extra_optimizers or {}).items()})
-
-
-class TerminateAsInterrupt:
-    """Within the block, SIGTERM is handled like Ctrl-C (a checkpoint, then exit 130)."""
-
-    def __enter__(self) -> TerminateAsInterrupt:
-        self._old = signal.signal(signal.SIGTERM, self._raise)
-        return self
-
-    @staticmethod
-    def _raise(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGTERM, self._old)
 
 
 def announce(reporter: Reporter, recipe: Recipe, start_step: int, ckpt: LoadedCheckpoint | None) -> None:
