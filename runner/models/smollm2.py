@@ -55,7 +55,10 @@ def convert(folder: Path) -> dict[str, object]:
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
                                                  dtype=torch.float32)
-    model.config.quantization_config = None
+    # The weights are already dequantised to float32: drop what marks the model as GGUF-quantised.
+    model.hf_quantizer = None
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(folder, safe_serialization=True)
