@@ -23,6 +23,16 @@ def _on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def _max_positions(model_path: str) -> int | None:
+    """The model's own context limit from config.json (vLLM refuses a longer max_model_len)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    value = config.get("max_position_embeddings")
+    return int(value) if value else None
+
+
 def _keep_plain_cpu_weights() -> None:
     """Make vLLM's CPU linear layers keep their weights as ordinary parameters.
 
@@ -54,6 +64,7 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
                           enable_sleep_mode=enable_sleep_mode)
         self.sleep_between_rollouts = enable_sleep_mode and not _on_cpu()
+        max_model_len = min(max_model_len, _max_positions(model_path) or max_model_len)
         self.llm = LLM(model=str(model_path), dtype="float32" if _on_cpu() else "auto", seed=seed,
                        enforce_eager=True, max_model_len=max_model_len,
                        trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
