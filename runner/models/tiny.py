@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,28 +27,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from runner.data.arithmetic import Problem, problems
+from runner.models.builtin import TinySpec
 from runner.models.tokenizer_build import build_tokenizer, save_tokenizer
 
 HELD_OUT_EVAL = 200  # held-out problems measured after the warm-up
-BUILD_THREADS = 2
-
-
-@attrs.frozen
-class TinySpec:
-    """Shape and warm-up of one tiny model; the defaults are the arithmetic task's."""
-
-    tokenizer: str  # "bpe" | "char"
-    hidden_size: int
-    num_layers: int
-    steps: int
-    lr: float
-    batch_size: int = 32
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    seed: int = 0
-    lo: int = 0
-    hi: int = 20
-    ops: tuple[str, ...] = ("+", "-")
+TASK = (0, 20, ("+", "-"))  # the built-in task: operands 0..20, + and -
+BUILD_THREADS = 1  # one thread: the same numbers on any machine, and no oversubscription slowdown on a shared CPU
 
 
 @contextlib.contextmanager
@@ -94,11 +79,22 @@ def answer_ids(tokenizer: PreTrainedTokenizerBase, answer: int) -> list[int]:
     return tokenizer.encode(str(answer), add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
+def warm_up_examples(spec: TinySpec) -> list[tuple[str, int]]:
+    """The (question, answer) pairs of the warm-up, one batch after another, in a fixed order.
+
+    With ``spec.slip`` > 0 that share of the answers is written one too high (drawn from a
+    seeded RNG): a deliberate, systematic habit that an exact-match reward can train away.
+    """
+    train = problems("train", spec.steps * spec.batch_size, 0, spec.warmup_hi, TASK[2], spec.seed)
+    rng = random.Random(f"slip-{spec.seed}")
+    return [(p.question, p.answer + (rng.random() < spec.slip)) for p in train]
+
+
 def sft_batch(
-    tokenizer: PreTrainedTokenizerBase, batch: Sequence[Problem]
+    tokenizer: PreTrainedTokenizerBase, batch: Sequence[tuple[str, int]]
 ) -> dict[str, torch.Tensor]:
-    """Right-padded ``input_ids_BT``, ``attention_mask_BT`` and ``labels_BT`` (-100 off-answer)."""
-    rows = [(prompt_ids(tokenizer, p.question), answer_ids(tokenizer, p.answer)) for p in batch]
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 off the answer), [B, T]."""
+    rows = [(prompt_ids(tokenizer, q), answer_ids(tokenizer, a)) for q, a in batch]
     width = max(len(q) + len(a) for q, a in rows)
     pad = tokenizer.pad_token_id
     input_ids, mask, labels = [], [], []
@@ -177,8 +173,7 @@ def warm_up(
     model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, spec: TinySpec, label: str
 ) -> list[float]:
     """Supervised warm-up on the training split; returns the loss of every step."""
-    count = spec.steps * spec.batch_size
-    train = problems("train", count, spec.lo, spec.hi, spec.ops, seed=spec.seed)
+    train = warm_up_examples(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / 20) * (1 - step / spec.steps)
@@ -206,7 +201,7 @@ def held_out_accuracy(
     model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, spec: TinySpec, count: int
 ) -> float:
     """Greedy accuracy on the first ``count`` held-out problems of the task."""
-    items = problems("held_out", count, spec.lo, spec.hi, spec.ops, seed=spec.seed)
+    items = problems("held_out", count, *TASK)
     return accuracy(generate_answers(model, tokenizer, [p.question for p in items]), items)
 
 

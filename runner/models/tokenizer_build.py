@@ -1,17 +1,23 @@
 """The two small tokenizers of the built-in models, each with its own chat template.
 
-Both are trained (or, for the character tokenizer, listed) deterministically from the built-in
-arithmetic task, and saved as an ordinary ``tokenizer.json`` + ``tokenizer_config.json`` pair that
-``AutoTokenizer`` (a ``PreTrainedTokenizerFast``) and vLLM load.
+Both use exactly the text pipeline of transformers' ``Qwen2Tokenizer`` (NFC, the Qwen
+pre-tokenizer regex, byte-level symbols, byte-level decoder). This matters: for a folder whose
+``config.json`` says ``model_type: qwen2``, ``AutoTokenizer`` (and so vLLM) ignores
+``tokenizer_class`` and builds a ``Qwen2Tokenizer`` from the vocab and merges of
+``tokenizer.json`` with its own pipeline. Using that pipeline here makes every loader —
+``tokenizers.Tokenizer``, ``PreTrainedTokenizerFast``, ``AutoTokenizer``, vLLM — produce the same
+ids. The Qwen regex splits numbers into single digits, so answers are written digit by digit.
 
-``bpe`` (tiny-arith, tiny-arith-teacher): a byte-level BPE. Its chat template renders::
+``bpe`` (tiny-arith, tiny-arith-teacher): a byte-level BPE trained on the arithmetic text (merges
+for words such as ``What`` and `` is``). Its chat template renders::
 
     <|bos|><|user|>What is 17 - 3?<|eos|><|assistant|>14<|eos|>
 
 and with ``add_generation_prompt=True`` it ends with ``<|assistant|>``. Every turn ends with
 ``<|eos|>``, so the assistant's answer is followed by the eos token and generation stops there.
 
-``char`` (tiny-arith-char): one token per character (printable ASCII and newline). Its template::
+``char`` (tiny-arith-char): the same byte alphabet with no merges, so one token per character of
+ASCII text, with other special tokens, other ids and another template::
 
     <s><user>What is 17 - 3?
     <assistant>14</s>
@@ -20,19 +26,28 @@ A user or system turn ends with a newline, the assistant turn with the eos token
 
 Neither tokenizer adds special tokens when encoding plain text: the template writes the one bos
 token, so ``apply_chat_template(..., tokenize=True)`` never doubles it. Pad is a token of its own
-(never eos), so padding masks cannot hide a real eos.
+(never eos), so a padding mask cannot hide a real eos. Special ids: pad 0, bos 1, eos 2, then the
+role tokens system 3, user 4, assistant 5, then unk 6 (never produced: every byte has a token).
 """
 
 from __future__ import annotations
 
 import json
-import string
 from pathlib import Path
 
 import attrs
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from runner.data.arithmetic import problems
+
+# Must equal transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX (a test checks it).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+BPE_VOCAB_SIZE = 512  # an upper bound: the arithmetic text runs out of merges well before it
+NUMBER_TOKENS = [str(n) for n in range(10, 100)]  # whole-number tokens of the bpe kind
+MODEL_MAX_LENGTH = 256
 
 
 @attrs.frozen
@@ -42,15 +57,14 @@ class TokenizerSpec:
     pad: str
     bos: str
     eos: str
-    unk: str | None
-    roles: dict[str, str]  # chat role -> the special token that opens its turn
+    roles: tuple[str, str, str]  # the tokens opening a system, user and assistant turn
+    unk: str
     chat_template: str
 
     @property
     def specials(self) -> list[str]:
-        """Special tokens in id order: pad=0, bos=1, eos=2, then roles (then unk)."""
-        tokens = [self.pad, self.bos, self.eos, *self.roles.values()]
-        return tokens + ([self.unk] if self.unk else [])
+        """Special tokens in id order: pad 0, bos 1, eos 2, system 3, user 4, assistant 5, unk 6."""
+        return [self.pad, self.bos, self.eos, *self.roles, self.unk]
 
 
 _BPE_TEMPLATE = (
@@ -81,88 +95,103 @@ SPECS: dict[str, TokenizerSpec] = {
         pad="<|pad|>",
         bos="<|bos|>",
         eos="<|eos|>",
-        unk=None,  # byte-level: every byte has a token, nothing is unknown
-        roles={r: f"<|{r}|>" for r in ("system", "user", "assistant")},
+        roles=("<|system|>", "<|user|>", "<|assistant|>"),
+        unk="<|unk|>",
         chat_template=_BPE_TEMPLATE,
     ),
     "char": TokenizerSpec(
         pad="<pad>",
         bos="<s>",
         eos="</s>",
+        roles=("<system>", "<user>", "<assistant>"),
         unk="<unk>",
-        roles={r: f"<{r}>" for r in ("system", "user", "assistant")},
         chat_template=_CHAR_TEMPLATE,
     ),
 }
 
-BPE_VOCAB_SIZE = 384  # 256 bytes + 6 specials + 122 merges: every answer -20..40 is one token
-CHAR_ALPHABET = "\n" + "".join(c for c in string.printable if c not in string.whitespace) + " "
+
+def byte_symbols() -> list[str]:
+    """The 256 byte-level symbols in byte order (GPT-2's reversible byte -> unicode map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _qwen2_pipeline(tok: Tokenizer) -> Tokenizer:
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
 
 
 def arithmetic_corpus() -> list[str]:
     """Questions and answers of the built-in training split, in a fixed order."""
-    pool = problems("train", 2000, 0, 20, ("+", "-"), seed=0)
+    pool = problems("train", 2000, 0, 20, ("+", "-", "*"), seed=0)
     return [text for p in pool for text in (p.question, str(p.answer))]
 
 
 def train_bpe() -> Tokenizer:
     """A byte-level BPE trained on :func:`arithmetic_corpus`; identical on every call."""
-    spec = SPECS["bpe"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
+    tok = _qwen2_pipeline(Tokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
         vocab_size=BPE_VOCAB_SIZE,
-        min_frequency=1,
-        special_tokens=spec.specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        special_tokens=SPECS["bpe"].specials,
+        initial_alphabet=byte_symbols(),
         show_progress=False,
     )
     tok.train_from_iterator(arithmetic_corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(n, normalized=False) for n in NUMBER_TOKENS])
     return tok
 
 
 def char_tokenizer() -> Tokenizer:
-    """One token per character of :data:`CHAR_ALPHABET` (a BPE model without merges)."""
+    """One token per byte (so per character of ASCII text): a byte-level BPE with no merges."""
     spec = SPECS["char"]
     vocab = {token: i for i, token in enumerate(spec.specials)}
-    for char in CHAR_ALPHABET:
-        vocab[char] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=spec.unk))
-    tok.add_special_tokens(spec.specials)
-    tok.decoder = decoders.Fuse()
-    return tok
+    for symbol in byte_symbols():
+        vocab[symbol] = len(vocab)
+    return _qwen2_pipeline(Tokenizer(models.BPE(vocab=vocab, merges=[])))
 
 
 def build_tokenizer(kind: str) -> Tokenizer:
-    """The tokenizer of ``kind`` ("bpe" or "char"), with its specials registered."""
+    """The tokenizer of ``kind`` ("bpe" or "char") with its special tokens at ids 0..6."""
     tok = train_bpe() if kind == "bpe" else char_tokenizer()
-    tok.add_special_tokens(SPECS[kind].specials)  # no-op for ids, marks them special
+    tok.add_special_tokens(SPECS[kind].specials)
     for i, token in enumerate(SPECS[kind].specials):
         if tok.token_to_id(token) != i:
             raise AssertionError(f"special token {token!r} has id {tok.token_to_id(token)}, not {i}")
     return tok
 
 
-def save_tokenizer(tok: Tokenizer, kind: str, folder: Path) -> None:
-    """Write ``tokenizer.json`` and a ``tokenizer_config.json`` carrying the chat template."""
+def tokenizer_config(kind: str) -> dict[str, object]:
+    """The ``tokenizer_config.json`` of ``kind``: special tokens, no automatic bos, the template."""
     spec = SPECS[kind]
-    tok.save(str(folder / "tokenizer.json"))
-    config = {
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": spec.bos,
         "eos_token": spec.eos,
         "pad_token": spec.pad,
         "unk_token": spec.unk,
+        "extra_special_tokens": list(spec.roles),
         "add_bos_token": False,
         "add_eos_token": False,
+        "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 256,
+        "model_max_length": MODEL_MAX_LENGTH,
         "padding_side": "left",
-        "extra_special_tokens": list(spec.roles.values()),
         "chat_template": spec.chat_template,
     }
-    if spec.unk is None:
-        del config["unk_token"]
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def save_tokenizer(tok: Tokenizer, kind: str, folder: Path) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template)."""
+    tok.save(str(folder / "tokenizer.json"))
+    text = json.dumps(tokenizer_config(kind), indent=2, sort_keys=True) + "\n"
     (folder / "tokenizer_config.json").write_text(text, encoding="utf-8")
