@@ -10,8 +10,15 @@ import signal
 
 import pytest
 
-from tests.resume_helpers import (assert_same_weights, deterministic_rows, final_weights, interrupt,
-                                  run_cli, start_cli, wait_for_step)
+from tests.resume_helpers import (
+    assert_same_weights,
+    deterministic_rows,
+    final_weights,
+    interrupt,
+    run_cli,
+    start_cli,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.slow
 
