@@ -1,4 +1,10 @@
-"""Resolve a recipe's ``model.path`` and load the model and tokenizer from a folder."""
+"""Resolve a recipe's ``model.path`` and load a model and its tokenizer from a folder.
+
+``model.path`` is either ``builtin:NAME`` (built into the cache on first use, see
+``runner.models.builtin``) or a local Hugging Face model folder. Importing this module imports
+neither torch nor transformers; the loaders import them when called. Remote code never runs
+unless ``trust_remote_code`` is asked for.
+"""
 
 from __future__ import annotations
 
@@ -9,52 +15,80 @@ from typing import Any
 from runner.errors import Problem, RecipeError
 
 PREFIX = "builtin:"
-# The generic tokenizer class under its transformers 4 and 5 names (5 writes the second on save).
-GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _builtin_names() -> list[str]:
+    from runner.models.builtin import BUILTINS
+
+    return list(BUILTINS)
 
 
 def resolve_model_path(path: str | Path, *, key: str = "model.path") -> Path:
-    """``builtin:NAME`` -> its cached folder (built on first use); a folder -> itself, checked."""
-    from runner.models.builtin import BUILTINS, ensure_built
+    """``builtin:NAME`` -> its cached folder (built on first use); a folder -> itself, checked.
 
+    Raises ``RecipeError`` (at ``key``) for an unknown built-in name, listing the valid ones, and
+    for a folder that does not exist or has no ``config.json``.
+    """
     text = str(path)
     if text.startswith(PREFIX):
-        name = text[len(PREFIX):]
-        if name not in BUILTINS:
-            raise RecipeError([Problem(key, "unknown built-in model", got=text,
-                                       hint="built-in models: " + ", ".join(PREFIX + n for n in BUILTINS))])
+        from runner.models.builtin import ensure_built
+
+        name = text[len(PREFIX) :]
+        if name not in _builtin_names():
+            choices = ", ".join(PREFIX + n for n in _builtin_names())
+            raise RecipeError(
+                [Problem(key, "unknown built-in model", got=text, hint=f"choose one of {choices}")]
+            )
         return ensure_built(name)
     folder = Path(text).expanduser()
     if not folder.is_dir():
-        raise RecipeError([Problem(key, "model folder not found", got=text,
-                                   hint="give a local Hugging Face model folder or builtin:NAME")])
+        hint = "give a local Hugging Face model folder, or builtin:NAME"
+        raise RecipeError([Problem(key, "model folder not found", got=text, hint=hint)])
     if not (folder / "config.json").is_file():
-        raise RecipeError([Problem(key, "not a Hugging Face model folder (no config.json)", got=text)])
+        hint = "a Hugging Face model folder holds config.json beside the weights"
+        raise RecipeError([Problem(key, "the folder has no config.json", got=text, hint=hint)])
     return folder
 
 
-def read_model_type(path: str | Path) -> str:
-    """``model_type`` from config.json, read as plain JSON (no torch, no transformers)."""
-    return str(json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("model_type", ""))
+def read_model_type(path: str | Path, *, key: str = "model.path") -> str:
+    """``model_type`` of a folder's config.json, read as plain JSON (no torch, no transformers).
+
+    A ``builtin:NAME`` is answered from the table without building the model.
+    """
+    text = str(path)
+    if text.startswith(PREFIX):
+        from runner.models.builtin import BUILTIN_MODEL_TYPES
+
+        name = text[len(PREFIX) :]
+        if name in BUILTIN_MODEL_TYPES:
+            return BUILTIN_MODEL_TYPES[name]
+        resolve_model_path(text, key=key)  # raises the unknown-name error
+    config = Path(text).expanduser() / "config.json"
+    if not config.is_file():
+        raise RecipeError([Problem(key, "the folder has no config.json", got=text)])
+    return str(json.loads(config.read_text(encoding="utf-8")).get("model_type", ""))
+
+
+def _folder(path: str | Path) -> Path:
+    """A ``builtin:NAME`` resolved to its folder; any other path passed on as it is."""
+    return resolve_model_path(path) if str(path).startswith(PREFIX) else Path(path).expanduser()
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
-    """The folder's tokenizer. A folder that declares the generic fast tokenizer class gets exactly
-    that: transformers would otherwise pick its model_type's tokenizer class (e.g. Qwen2's),
-    whose own pre-tokenizer splits text differently from the tokenizer.json the model was
-    trained with."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """``AutoTokenizer`` of a folder (or ``builtin:NAME``)."""
+    from transformers import AutoTokenizer
 
-    config = Path(path) / "tokenizer_config.json"
-    declared = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") if config.is_file() else None
-    if declared in GENERIC_TOKENIZER_CLASSES:
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    folder = _folder(path)
+    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> Any:
+    """``AutoModelForCausalLM`` of a folder (or ``builtin:NAME``) in ``dtype``, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
-                                                trust_remote_code=trust_remote_code)
+    folder = _folder(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+    )
+    return model.eval()
