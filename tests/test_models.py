@@ -306,7 +306,7 @@ def test_built_folder_is_an_ordinary_model_folder(tiny):
 
 def test_loaders_accept_builtin_names(tiny):
     name, folder = tiny
-    assert load_tokenizer(f"builtin:{name}").vocab == load_tokenizer(folder).vocab
+    assert load_tokenizer(f"builtin:{name}").get_vocab() == load_tokenizer(folder).get_vocab()
     model = load_causal_lm(f"builtin:{name}")
     assert not model.training and next(model.parameters()).dtype.is_floating_point
 
@@ -377,7 +377,7 @@ def test_smollm2_converts_to_an_ordinary_folder():
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") != ids[1]  # the bos is not doubled
     model = load_causal_lm(folder)
     assert next(model.parameters()).dtype == torch.float32
-    out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     assert "4" in tok.decode(out[0, len(ids):], skip_special_tokens=True)
 
 

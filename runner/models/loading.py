@@ -15,6 +15,8 @@ from typing import Any
 from runner.errors import Problem, RecipeError
 
 PREFIX = "builtin:"
+# The generic tokenizer class under its transformers 4 and 5 names (5 writes the second on save).
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def _builtin_names() -> list[str]:
@@ -75,10 +77,24 @@ def _folder(path: str | Path) -> Path:
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
-    """``AutoTokenizer`` of a folder (or ``builtin:NAME``)."""
-    from transformers import AutoTokenizer
+    """The tokenizer of a folder (or ``builtin:NAME``).
+
+    A folder that declares the generic fast tokenizer class gets exactly its tokenizer.json:
+    ``AutoTokenizer`` would otherwise build its model_type's class (for qwen2, Qwen2's own
+    pre-tokenizer), which can split text differently from the tokenizer the model was trained
+    with. The built-in tokenizers use Qwen2's pipeline, so for them both give the same ids.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     folder = _folder(path)
+    config = folder / "tokenizer_config.json"
+    declared = (
+        json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+        if config.is_file()
+        else None
+    )
+    if declared in GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
     return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
 
 

@@ -71,6 +71,11 @@ def convert(folder: Path) -> dict[str, object]:
     model = AutoModelForCausalLM.from_pretrained(
         source.parent, gguf_file=source.name, dtype=torch.float32
     )
+    # The weights are already dequantised to float32: drop what marks the model as GGUF-quantised
+    # (save_pretrained refuses a "quantized" model, and vLLM would look for a quantization).
+    model.hf_quantizer = None
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(folder)
