@@ -19,7 +19,7 @@ from runner.recipe.schema import GRPOConfig
 from runner.rewards import build_rewards
 from runner.train.loop import run_prompt_loop
 from runner.train.policy import batch_logprobs, completion_grid, optimizer_step, split_even
-from runner.train.rollouts import Trajectory, reward_side_prefixes, roll_out, sampling, score
+from runner.train.rollouts import Trajectory, reward_side_prefixes, score
 from runner.train.session import PromptRun, step_seed
 
 
@@ -37,9 +37,7 @@ def _one_step(run: PromptRun, algo: GRPOConfig, rewards: Any, reference: Any, re
               step: int) -> dict[str, Any]:
     recipe = run.recipe
     t0 = time.perf_counter()
-    items = run.stream.next_batch(algo.prompts_per_step)
-    traj = roll_out(run.engine, run.rollout_packer, items,
-                    sampling(recipe.rollout, algo.group_size, step_seed(recipe.run.seed, step)))
+    traj = run.sample(algo.prompts_per_step, algo.group_size, step)
     t1 = time.perf_counter()
     traj = score(traj, rewards, step)
     ignore = reward_side_prefixes(reward_packer, traj, algo.group_size) if reward_packer else None

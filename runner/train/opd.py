@@ -27,8 +27,8 @@ from runner.rewards import build_rewards
 from runner.train.grpo import mean_metrics, select_rows
 from runner.train.loop import run_prompt_loop
 from runner.train.policy import batch_logprobs, completion_grid, forward_logits, optimizer_step
-from runner.train.rollouts import Trajectory, roll_out, sampling, score
-from runner.train.session import PromptRun, step_seed
+from runner.train.rollouts import Trajectory, score
+from runner.train.session import PromptRun
 
 
 class Teacher:
@@ -48,8 +48,7 @@ class Teacher:
             check_same_vocab(run.model_path, self.path)
             self.student_codec = self.packer = None
         else:  # built only in this mode
-            factory = run.recipe.data_packer.factory
-            self.student_codec = build_packer(run.model_path, _student_type(run), factory)
+            self.student_codec = run.build_packer()
             self.packer = build_packer(self.path, read_model_type(self.path),
                                        run.recipe.data_packer.teacher_model_factory,
                                        key="data_packer.teacher_model_factory")
@@ -99,12 +98,6 @@ def check_same_vocab(student_path: Path, teacher_path: Path) -> None:
             "its own tokenizer")])
 
 
-def _student_type(run: PromptRun) -> str:
-    from runner.models import read_model_type
-
-    return run.recipe.model.model_type or read_model_type(run.model_path)
-
-
 def run_opd(run: PromptRun) -> dict[str, Any]:
     algo = run.recipe.algo
     assert isinstance(algo, OPDConfig)
@@ -117,9 +110,7 @@ def _one_step(run: PromptRun, algo: OPDConfig, teacher: Teacher, rewards: Any, s
     recipe, acc = run.recipe, run.accelerator
     T = recipe.rollout.temperature
     t0 = time.perf_counter()
-    items = run.stream.next_batch(algo.prompts_per_step)
-    traj = roll_out(run.engine, run.rollout_packer, items,
-                    sampling(recipe.rollout, algo.samples_per_prompt, step_seed(recipe.run.seed, step)))
+    traj = run.sample(algo.prompts_per_step, algo.samples_per_prompt, step)
     traj = score(traj, rewards, step)
     t1 = time.perf_counter()
     inputs = traj.policy_inputs(run.policy_packer)

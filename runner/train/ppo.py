@@ -21,7 +21,7 @@ from runner.rewards import build_rewards
 from runner.train.grpo import mean_metrics, reference_model, select_rows
 from runner.train.loop import run_prompt_loop
 from runner.train.policy import batch_logprobs, split_even
-from runner.train.rollouts import roll_out, sampling, score
+from runner.train.rollouts import score
 from runner.train.session import PromptRun, Trainable, prepare_trainable, step_seed
 
 CRITIC = "critic"
@@ -81,9 +81,7 @@ def _one_step(run: PromptRun, algo: PPOConfig, rewards: Any, reference: Any, cri
               step: int) -> dict[str, Any]:
     recipe, acc = run.recipe, run.accelerator
     t0 = time.perf_counter()
-    items = run.stream.next_batch(algo.prompts_per_step)
-    traj = roll_out(run.engine, run.rollout_packer, items,
-                    sampling(recipe.rollout, algo.samples_per_prompt, step_seed(recipe.run.seed, step)))
+    traj = run.sample(algo.prompts_per_step, algo.samples_per_prompt, step)
     t1 = time.perf_counter()
     traj = score(traj, rewards, step)
     t2 = time.perf_counter()

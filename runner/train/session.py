@@ -168,6 +168,15 @@ class PromptRun:
         model_type = self.recipe.model.model_type or _model_type(self.model_path)
         return build_packer(self.model_path, model_type, self.recipe.data_packer.factory)
 
+    def sample(self, n_prompts: int, n_samples: int, step: int) -> Any:
+        """The next ``n_prompts`` items from the cursor, ``n_samples`` completions each, seeded
+        from (run seed, step): the rollout every GRPO / PPO / OPD step starts with."""
+        from runner.train.rollouts import roll_out, sampling
+
+        items = self.stream.next_batch(n_prompts)
+        params = sampling(self.recipe.rollout, n_samples, step_seed(self.recipe.run.seed, step))
+        return roll_out(self.engine, self.rollout_packer, items, params)
+
     def sync_weights(self) -> None:
         model = self.accelerator.unwrap_model(self.policy.model)
         self.engine.update_weights((n, p.detach()) for n, p in model.named_parameters())
