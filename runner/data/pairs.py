@@ -18,7 +18,6 @@ keys (values compared the same way), or both lists of the same length.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tarfile
 from collections.abc import Callable, Mapping
@@ -249,8 +248,12 @@ def _triple(sample: Any, keys: PairKeys, key: str, path: str, where: str) -> Tri
 
 def synthetic_pairs(count: int, split: str, *, lo: int, hi: int, ops: tuple[str, ...],
                     shuffle: bool, key: str) -> PairSource:
-    """Arithmetic pairs: the right answer preferred to one off by 1 to 3 (a fixed function of
-    the problem)."""
+    """Arithmetic pairs: the right answer preferred to the answer one too high.
+
+    One too high is the near miss that ``builtin:tiny-arith`` habitually writes (its warm-up
+    slip), so the pairs teach a model that knows roughly where the answer is which of two close
+    candidates is right: a preference that generalises to unseen problems.
+    """
     try:
         problems = arithmetic.problems(split, count, lo, hi, ops, seed=0)
     except ValueError as exc:
@@ -259,11 +262,9 @@ def synthetic_pairs(count: int, split: str, *, lo: int, hi: int, ops: tuple[str,
 
     def fetch(i: int) -> Triple:
         p = problems[i]
-        digest = hashlib.sha256(p.key.encode()).digest()
-        offset = (digest[0] % 3 + 1) * (1 if digest[1] % 2 else -1)
-        return p.question, str(p.answer), str(p.answer + offset)
+        return p.question, str(p.answer), str(p.answer + 1)
 
-    spec = f"arithmetic-pairs split={split} operands={lo}..{hi} operators={''.join(ops)} seed=0"
+    spec = f"arithmetic-pairs rejected=answer+1 split={split} operands={lo}..{hi} operators={''.join(ops)} seed=0"
     return PairSource(fetch, len(problems), kind="builtin", label=f"built-in arithmetic pairs "
                       f"({split})", identity={"source": "builtin", "builtin": spec},
                       shuffle=shuffle, split=split, key=key, checked=True,

@@ -81,11 +81,14 @@ def run_loop(recipe: Recipe, start_step: int, metrics: MetricsLog, reporter: Rep
 
 
 def run_prompt_loop(run: PromptRun, one_step: Callable[[int], dict[str, Any]],
-                    rewards: RewardSet | None, save: Callable[[int], Any] | None = None) -> dict[str, Any]:
-    """``run_loop`` for the rollout algorithms: held-out greedy accuracy through the engine."""
+                    rewards: RewardSet | None, save: Callable[[int], Any] | None = None,
+                    more_held_out: Callable[[], dict[str, float]] | None = None) -> dict[str, Any]:
+    """``run_loop`` for the rollout algorithms: held-out greedy accuracy through the engine, plus
+    the algorithm's own held-out metrics from ``more_held_out``."""
 
     def held_out() -> dict[str, float]:
-        return evaluate(run.engine, run.rollout_packer, run.val_items, run.recipe.rollout, rewards, 0)
+        metrics = evaluate(run.engine, run.rollout_packer, run.val_items, run.recipe.rollout, rewards, 0)
+        return metrics | (more_held_out() if more_held_out else {})
 
     return run_loop(run.recipe, run.start_step, run.metrics, run.reporter, one_step,
                     save or run.save, held_out if run.val_items else None)

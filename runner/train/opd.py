@@ -27,7 +27,7 @@ from runner.rewards import build_rewards
 from runner.train.grpo import mean_metrics, select_rows
 from runner.train.loop import run_prompt_loop
 from runner.train.policy import batch_logprobs, completion_grid, forward_logits, optimizer_step
-from runner.train.rollouts import Trajectory, score
+from runner.train.rollouts import Trajectory, roll_out, sampling, score
 from runner.train.session import PromptRun
 
 
@@ -60,10 +60,13 @@ class Teacher:
         if self.mode == "same_tokenizer":
             batch = collate(inputs, self.pad_token_id).to(self.device)
             return batch_logprobs(self.model, batch, temperature)[0][:, :width]
-        values = [self._aligned(item, c) for item, c in zip(traj.items, traj.completions, strict=True)]
+        values = [self._aligned(item, c, temperature)
+                  for item, c in zip(traj.items, traj.completions, strict=True)]
         return completion_grid(inputs, values, width).to(self.device)
 
-    def _aligned(self, item: Any, completion: Any) -> list[float]:
+    def _aligned(self, item: Any, completion: Any, temperature: float) -> list[float]:
+        """Teacher logprobs (at the sampling temperature, like the student's) of one completion's
+        text under the teacher's tokenizer, summed onto the student's tokens."""
         codec, packer = self.student_codec, self.packer
         ids = list(completion.token_ids)
         prefix = [len(codec.decode(ids[:k])) for k in range(len(ids) + 1)]
@@ -80,7 +83,7 @@ class Teacher:
             return [0.0] * len(ids)
         x = RLPolicyInput(tuple(prompt_ids) + tuple(teacher_ids), (0,) * len(prompt_ids)
                           + (1,) * len(teacher_ids), len(prompt_ids))
-        lp_BT, mask_BT = batch_logprobs(self.model, packer.collate([x]).to(self.device))
+        lp_BT, mask_BT = batch_logprobs(self.model, packer.collate([x]).to(self.device), temperature)
         return align_to_student(student_spans, teacher_spans, lp_BT[mask_BT].tolist())
 
 
@@ -103,7 +106,30 @@ def run_opd(run: PromptRun) -> dict[str, Any]:
     assert isinstance(algo, OPDConfig)
     teacher = Teacher(run, algo)
     rewards = build_rewards(run.recipe.reward)
-    return run_prompt_loop(run, lambda step: _one_step(run, algo, teacher, rewards, step), rewards)
+    return run_prompt_loop(run, lambda step: _one_step(run, algo, teacher, rewards, step), rewards,
+                           more_held_out=lambda: held_out_reverse_kl(run, teacher))
+
+
+# The held-out reverse KL samples with this seed at every evaluation, so evaluations differ only
+# by the student's weights.
+HELD_OUT_SEED = 7_919
+
+
+@torch.no_grad()
+def held_out_reverse_kl(run: PromptRun, teacher: Teacher) -> dict[str, float]:
+    """The student's reverse KL to the teacher on the held-out prompts: one completion each,
+    sampled like the training rollouts, per-token ``logp_student - logp_teacher`` averaged over
+    every completion token (the same estimate the training metric ``reverse_kl`` reports)."""
+    T = run.recipe.rollout.temperature
+    traj = roll_out(run.engine, run.rollout_packer, run.val_items,
+                    sampling(run.recipe.rollout, 1, HELD_OUT_SEED))
+    inputs = traj.policy_inputs(run.policy_packer)
+    batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
+    student_BT, mask_BT = batch_logprobs(run.policy.model, batch, T)
+    teacher_BT = teacher.logprobs(traj, inputs, student_BT.shape[1], T)
+    mask = mask_BT.to(student_BT.dtype)
+    kl = ((student_BT - teacher_BT) * mask).sum() / mask.sum().clamp(min=1)
+    return {"eval/reverse_kl": float(kl)}
 
 
 def _one_step(run: PromptRun, algo: OPDConfig, teacher: Teacher, rewards: Any, step: int) -> dict[str, Any]:
