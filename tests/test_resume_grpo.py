@@ -11,10 +11,9 @@ import signal
 import pytest
 
 from tests.resume_helpers import (
-    assert_same_weights,
-    deterministic_rows,
-    final_weights,
+    assert_same_run,
     interrupt,
+    kill_at_random_points,
     run_cli,
     start_cli,
     wait_for_step,
@@ -38,8 +37,7 @@ def straight(tmp_path_factory):
 
 
 def _check_same(out, straight):
-    assert deterministic_rows(out) == deterministic_rows(straight)
-    assert_same_weights(final_weights(out, N), final_weights(straight, N))
+    assert_same_run(out, straight, N, ("model/model.safetensors", "optimizer.safetensors"))
 
 
 def test_stop_and_resume(straight, tmp_path):
@@ -62,18 +60,14 @@ def test_ctrl_c_writes_checkpoint_and_exits_130(straight, tmp_path):
 
 
 def test_sigkill_at_random_points_then_resume(straight, tmp_path):
-    rng = random.Random(1234)
-    for _ in range(3):
-        proc = start_cli(RECIPE, tmp_path, f"run.max_steps={N}", *SMALL)
-        wait_for_step(proc, tmp_path, rng.randint(1, N - 2))
-        import time
-
-        time.sleep(rng.uniform(0.0, 1.5))  # anywhere: mid-step, mid-checkpoint
-        proc.kill()
-        proc.wait()
+    where = kill_at_random_points(RECIPE, tmp_path, N, SMALL, random.Random(1234), kills=3)
     done = run_cli(RECIPE, tmp_path, f"run.max_steps={N}", *SMALL)
     assert done.returncode == 0, done.stdout + done.stderr
-    _check_same(tmp_path, straight)
+    assert where, "no kill happened"
+    try:
+        _check_same(tmp_path, straight)
+    except AssertionError as exc:
+        raise AssertionError(f"after kills at {where}: {exc}") from exc
 
 
 def test_strict_resume_refuses_changed_data(straight, tmp_path):

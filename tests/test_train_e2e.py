@@ -4,10 +4,11 @@ GRPO loop also runs with the vllm engine. Learning itself is measured by the rec
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from tests.resume_helpers import assert_same_weights, deterministic_rows, final_weights, run_cli
+from tests.resume_helpers import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +24,8 @@ def _rows(out):
      ("value_loss", "kl", "reward/mean")),
     ("recipes/opd-arith.toml", ("algo.prompts_per_step=4", "rollout.max_new_tokens=4",
                                 "algo.teacher_path=builtin:tiny-arith"), ("reverse_kl",)),
+    ("recipes/opd-cross-tokenizer.toml", ("algo.prompts_per_step=4", "rollout.max_new_tokens=4"),
+     ("reverse_kl",)),
     ("recipes/dpo-arith.toml", ("algo.pairs_per_step=4",), ("reward_margin", "accuracy")),
 ])
 def test_algorithm_runs_and_logs_its_metrics(tmp_path, recipe, extra, keys):
@@ -32,6 +35,7 @@ def test_algorithm_runs_and_logs_its_metrics(tmp_path, recipe, extra, keys):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in keys:
         assert key in rows[1], (key, rows[1])
+        assert math.isfinite(rows[1][key]), (key, rows[1])
     assert (tmp_path / "checkpoints" / "step-000002" / "COMPLETE").is_file()
     assert (tmp_path / "recipe.resolved.toml").is_file()
     assert "held-out" in done.stdout and "checkpoint" in done.stdout
@@ -42,18 +46,6 @@ def test_opd_with_itself_as_teacher_has_zero_reverse_kl(tmp_path):
                    "rollout.max_new_tokens=4", "algo.teacher_path=builtin:tiny-arith")
     assert done.returncode == 0, done.stderr
     assert _rows(tmp_path)[1]["reverse_kl"] == pytest.approx(0.0, abs=1e-6)
-
-
-def test_dpo_resumes_exactly(tmp_path_factory):
-    straight, resumed = tmp_path_factory.mktemp("dpo-straight"), tmp_path_factory.mktemp("dpo-resumed")
-    common = ("algo.pairs_per_step=4", "data.validation.size=8", "train.eval_every=2",
-              "checkpoint.every_steps=1")
-    assert run_cli("recipes/dpo-arith.toml", straight, "run.max_steps=4", *common).returncode == 0
-    assert run_cli("recipes/dpo-arith.toml", resumed, "run.max_steps=2", *common).returncode == 0
-    again = run_cli("recipes/dpo-arith.toml", resumed, "run.max_steps=4", *common)
-    assert again.returncode == 0 and "resuming" in again.stdout
-    assert deterministic_rows(resumed) == deterministic_rows(straight)
-    assert_same_weights(final_weights(resumed, 4), final_weights(straight, 4))
 
 
 @pytest.mark.vllm
