@@ -61,8 +61,10 @@ def _bucketed_permutation(n: int, rng: np.random.Generator) -> np.ndarray:
     """
     labels = rng.integers(0, _BUCKETS, size=n, dtype=np.uint8)
     order = np.argsort(labels, kind="stable")
+    # Where each bucket ends in the grouped order (labels[order] is sorted).
+    ends = np.searchsorted(labels[order], np.arange(1, _BUCKETS + 1)).tolist()
     start = 0
-    for end in np.cumsum(np.bincount(labels, minlength=_BUCKETS)).tolist():
+    for end in ends:
         rng.shuffle(order[start:end])
         start = end
     return order.astype(np.int64, copy=False)

