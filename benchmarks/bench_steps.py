@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("recipe")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "runner.cli", "--plain", args.recipe, f"run.output_dir={out}",
                f"run.max_steps={args.steps}", "data.validation.enabled=false",
