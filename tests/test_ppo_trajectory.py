@@ -1,0 +1,107 @@
+"""PPO end to end with a custom source: the PPO-only columns (image, id, allowlisted metadata)
+reach the trajectory the reward sees, and each prompt is tokenised once, on the rollout side."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
+from runner.rewards.builtin import arithmetic_exact
+
+pytestmark = pytest.mark.slow
+
+SEEN: list = []  # the items the reward was called with
+
+
+class PPORows:
+    """Arithmetic rows with PPO-only columns and one column that is not allowlisted."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> dict:
+        return {"q": f"What is {i} + {i}?", "a": str(2 * i), "img": f"img-{i}.png", "uid": f"u{i}",
+                "lang": "en" if i % 2 else "fr", "secret": "never in the trajectory"}
+
+    def cursor_fingerprint(self) -> str:
+        return f"ppo-rows-{self.count}"
+
+
+def ppo_rows(count: int = 16) -> PPORows:
+    return PPORows(count)
+
+
+def recording_reward(completions, items):
+    SEEN.extend(items)
+    return arithmetic_exact(completions, items)
+
+
+RECIPE = """
+[run]
+max_steps = 2
+output_dir = "{out}"
+
+[model]
+path = "builtin:tiny-arith"
+
+[data]
+factory = "tests.test_ppo_trajectory.ppo_rows"
+factory_kwargs = {{ count = 16 }}
+prompt_column = "q"
+response_column = "a"
+image_column = "img"
+id_column = "uid"
+metadata_columns = ["lang"]
+
+[data.validation]
+enabled = false
+
+[algo]
+kind = "ppo"
+prompts_per_step = 4
+samples_per_prompt = 2
+
+[rollout]
+max_new_tokens = 4
+
+[reward]
+functions = ["tests.test_ppo_trajectory.recording_reward"]
+"""
+
+
+def test_ppo_columns_reach_the_trajectory_and_prompts_are_tokenised_once(tmp_path, run_cli, monkeypatch):
+    encoded: list[int] = []
+    original = DecoderOnlyLLMDataPacker.encode_rollout_input
+
+    def counting(self, rollout_input):
+        encoded.append(1)
+        return original(self, rollout_input)
+
+    monkeypatch.setattr(DecoderOnlyLLMDataPacker, "encode_rollout_input", counting)
+    # The recipe names this module by its dotted path; pytest may have imported it under
+    # another name, so read the list of the module the runner loads.
+    seen = importlib.import_module("tests.test_ppo_trajectory").SEEN
+    seen.clear()
+    recipe = tmp_path / "ppo.toml"
+    recipe.write_text(RECIPE.format(out=tmp_path / "run"))
+    rc, out, err = run_cli("--plain", str(recipe))
+    assert rc == 0, out + err
+    # 2 steps x 4 prompts x 2 samples, each completion with its own item.
+    assert len(seen) == 16
+    ids = [item.id for item in seen]
+    assert ids == [i for i in ids[::2] for _ in range(2)]  # both samples of a prompt share it
+    for item in seen:
+        i = int(item.id[1:])
+        assert item.prompt == f"What is {i} + {i}?" and item.reference == str(2 * i)
+        assert item.images == (f"img-{i}.png",)
+        assert item.metadata == {"lang": "en" if i % 2 else "fr"}  # "secret" is not allowlisted
+    # The rollout side tokenises each prompt once; policy, reference and critic reuse the ids.
+    assert len(encoded) == 2 * 4
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("value_loss" in r for r in rows)
