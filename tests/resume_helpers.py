@@ -13,6 +13,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from runner.state.checkpoint import TMP_PREFIX, checkpoint_step, complete_checkpoints, step_dirname
 from tests.conftest import REPO
 
 CLI = [sys.executable, "-m", "runner.cli", "--plain"]
@@ -51,12 +52,12 @@ def wait_for_checkpoint_write(proc: subprocess.Popen, out: Path, step: int, time
     name carries the writer's pid, so one left by an earlier killed run does not count.
     """
     root = out / "checkpoints"
-    tmp = root / f".tmp-step-{step:06d}-{proc.pid}"
+    tmp = root / f"{TMP_PREFIX}{step_dirname(step)}-{proc.pid}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if tmp.exists():
             return True
-        if (root / f"step-{step:06d}").is_dir():
+        if (root / step_dirname(step)).is_dir():
             return False  # written and renamed between two polls
         time.sleep(0.002)
     return False
@@ -64,12 +65,10 @@ def wait_for_checkpoint_write(proc: subprocess.Popen, out: Path, step: int, time
 
 def wait_for_checkpoint(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
     """Wait until a complete checkpoint of ``step`` or later exists (or the process ends)."""
-    from runner.state.checkpoint import complete_checkpoints
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         done = complete_checkpoints(out / "checkpoints")
-        if done and int(done[-1].name.split("-")[1]) >= step:
+        if done and checkpoint_step(done[-1]) >= step:
             return
         time.sleep(0.02)
 
@@ -83,12 +82,10 @@ def kill_at_random_points(recipe: str, out: Path, steps: int, overrides: tuple[s
     step's checkpoint (anywhere: mid-step, mid-eval, mid-checkpoint). Needs
     ``checkpoint.every_steps=1``. Returns where each kill was aimed, for failure messages.
     """
-    from runner.state.checkpoint import complete_checkpoints
-
     where: list[str] = []
     for _ in range(kills):
         done = complete_checkpoints(out / "checkpoints")
-        first = int(done[-1].name.split("-")[1]) + 1 if done else 1
+        first = checkpoint_step(done[-1]) + 1 if done else 1
         if first > steps - 1:
             break  # only the last step is left: nothing to kill before it
         mid_write = rng.random() < 0.5
@@ -138,12 +135,12 @@ def deterministic_rows(out: Path) -> list[dict]:
 
 
 def final_weights(out: Path, step: int, name: str = "model/model.safetensors"):
-    return load_file(out / "checkpoints" / f"step-{step:06d}" / name)
+    return load_file(out / "checkpoints" / step_dirname(step) / name)
 
 
 def _state(out: Path, step: int) -> dict:
     """state.json of checkpoint ``step`` without the RNG states (step, cursor, schedulers)."""
-    state = json.loads((out / "checkpoints" / f"step-{step:06d}" / "state.json").read_text())
+    state = json.loads((out / "checkpoints" / step_dirname(step) / "state.json").read_text())
     del state["rng"]
     return state
 

@@ -40,6 +40,11 @@ def step_dirname(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def checkpoint_step(folder: Path) -> int:
+    """The step of a checkpoint folder named by ``step_dirname``."""
+    return int(folder.name.split("-")[1])
+
+
 @attrs.frozen
 class TrainingState:
     """Everything besides module weights that a resumed run needs, as JSON-able values."""
@@ -175,7 +180,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.glob("step-*") if (p / COMPLETE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    return sorted(found, key=checkpoint_step)
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from runner.algorithms.logprobs import token_logprobs
-from runner.algorithms.opd import OPDLossInputs, align_to_student, opd_loss
+from runner.algorithms.masked import masked_mean
+from runner.algorithms.opd import OPDLossInputs, align_to_student, opd_loss, sampled_reverse_kl
 from runner.errors import Problem, RecipeError
-from runner.packers.base import RLPolicyInput, collate
+from runner.packers.base import PolicyBatch, RLPolicyInput, collate
 from runner.recipe.schema import OPDConfig
 from runner.rewards import build_rewards
 from runner.train.grpo import mean_metrics, select_rows
@@ -120,16 +121,22 @@ def held_out_reverse_kl(run: PromptRun, teacher: Teacher) -> dict[str, float]:
     """The student's reverse KL to the teacher on the held-out prompts: one completion each,
     sampled like the training rollouts, per-token ``logp_student - logp_teacher`` averaged over
     every completion token (the same estimate the training metric ``reverse_kl`` reports)."""
-    T = run.recipe.rollout.temperature
     traj = roll_out(run.engine, run.rollout_packer, run.val_items,
                     sampling(run.recipe.rollout, 1, HELD_OUT_SEED))
+    _, student_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
+    return {"eval/reverse_kl": float(masked_mean(sampled_reverse_kl(student_BT, teacher_BT), mask_BT))}
+
+
+@torch.no_grad()
+def score_both(run: PromptRun, teacher: Teacher, traj: Trajectory
+               ) -> tuple[PolicyBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trajectory's policy batch, the student's and the teacher's logprobs of its completion
+    tokens at the sampling temperature, and the completion mask (all on the shifted grid)."""
+    T = run.recipe.rollout.temperature
     inputs = traj.policy_inputs(run.policy_packer)
     batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
     student_BT, mask_BT = batch_logprobs(run.policy.model, batch, T)
-    teacher_BT = teacher.logprobs(traj, inputs, student_BT.shape[1], T)
-    mask = mask_BT.to(student_BT.dtype)
-    kl = ((student_BT - teacher_BT) * mask).sum() / mask.sum().clamp(min=1)
-    return {"eval/reverse_kl": float(kl)}
+    return batch, student_BT, mask_BT, teacher.logprobs(traj, inputs, student_BT.shape[1], T)
 
 
 def _one_step(run: PromptRun, algo: OPDConfig, teacher: Teacher, rewards: Any, step: int) -> dict[str, Any]:
@@ -139,16 +146,12 @@ def _one_step(run: PromptRun, algo: OPDConfig, teacher: Teacher, rewards: Any, s
     traj = run.sample(algo.prompts_per_step, algo.samples_per_prompt, step)
     traj = score(traj, rewards, step)
     t1 = time.perf_counter()
-    inputs = traj.policy_inputs(run.policy_packer)
-    batch = run.policy_packer.collate(inputs).to(acc.device)
+    batch, old_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
     model = run.policy.model
-    with torch.no_grad():
-        old_BT, mask_BT = batch_logprobs(model, batch, T)
-    teacher_BT = teacher.logprobs(traj, inputs, old_BT.shape[1], T)
     t2 = time.perf_counter()
     history: list[dict[str, float]] = []
     for _ in range(algo.ppo_epochs):
-        rows = torch.arange(len(inputs))
+        rows = torch.arange(batch.input_ids_BT.shape[0])
 
         def loss_fn(rows: torch.Tensor = rows) -> torch.Tensor:
             sub = select_rows(batch, rows)
