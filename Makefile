@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all lint schema bench clean
+.PHONY: setup demo test lint schema bench clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ lint: setup
 
 schema: setup
 	$(BIN)/python -m runner.recipe.jsonschema
+
+# The quick benchmarks on the tiny model (benchmarks/README.md has the others and their tables).
+bench: setup
+	$(BIN)/python benchmarks/bench_data.py
+	$(BIN)/python benchmarks/bench_rollout.py --engine hf --model builtin:tiny-arith
+	$(BIN)/python benchmarks/bench_steps.py recipes/grpo-arith.toml
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
