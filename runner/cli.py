@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from runner import __version__
 from runner.errors import RecipeError, RunnerError
@@ -45,17 +45,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     # recipe resolve by their dotted path.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    return _guarded(lambda: _dispatch(args), _rank_prefix())
+
+
+def worker_main(argv: Sequence[str]) -> int:
+    """One rank started by this package's launcher: ``python -m runner.launch.worker PAYLOAD``."""
+    from pathlib import Path
+
+    from runner.launch.rank import die_with_driver
+
+    die_with_driver()
+
+    def run() -> int:
+        from runner.launch import RankContext
+        from runner.launch.payload import Payload
+        from runner.launch.rank import run_rank
+        from runner.ui.quiet import quiet_libraries
+
+        payload = Payload.read(Path(argv[0]))
+        os.chdir(payload.cwd)
+        if payload.cwd not in sys.path:
+            sys.path.insert(0, payload.cwd)
+        recipe = payload.recipe()
+        ctx = RankContext.from_env()
+        if ctx is None:
+            raise RunnerError("a worker needs RANK and WORLD_SIZE in its environment")
+        quiet_libraries()
+        return run_rank(recipe, ctx, source=payload.source, overrides=payload.overrides,
+                        plain=payload.plain)
+
+    return _guarded(run, _rank_prefix())
+
+
+def _rank_prefix() -> str:
+    """'rank N: ' before error lines when this process is one of several ranks."""
+    world, rank = os.environ.get("WORLD_SIZE"), os.environ.get("RANK")
+    return f"rank {rank}: " if world not in (None, "1") and rank is not None else ""
+
+
+def _guarded(run: Callable[[], int], prefix: str = "") -> int:
+    """Run, rendering the project's errors as one line each and mapping them to exit codes."""
     try:
-        return _dispatch(args)
+        return run()
     except RecipeError as exc:
         for line in exc.lines():
-            print(line, file=sys.stderr)
+            print(prefix + line, file=sys.stderr)
         return EXIT_RECIPE
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(prefix + "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except RunnerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{prefix}error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
 
 
@@ -86,9 +126,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         show_dry_run(recipe, plan, source=args.recipe, overrides=args.overrides, plain=args.plain)
         return EXIT_OK
 
-    from runner.train import run_recipe
+    from runner.launch import launch
 
-    return run_recipe(recipe, plan, source=args.recipe, overrides=args.overrides, plain=args.plain)
+    return launch(recipe, source=args.recipe, overrides=args.overrides, plain=args.plain)
 
 
 if __name__ == "__main__":

@@ -94,16 +94,36 @@ def check_validation_source(r: Recipe) -> list[Problem]:
     return []
 
 
-def check_launch(r: Recipe) -> list[Problem]:
-    """Only the single-process layout runs in this version; say so instead of ignoring the key."""
-    if r.launch.backend != "local":
-        return [Problem("launch.backend", "only 'local' is implemented in this version",
-                        got=r.launch.backend, hint="set launch.backend = 'local'")]
-    if r.launch.num_processes != 1:
-        return [Problem("launch.num_processes", "the local backend runs one process",
-                        got=r.launch.num_processes, hint="set launch.num_processes = 1")]
-    return []
+def batch_key(r: Recipe) -> tuple[str, int]:
+    """The recipe key that sets the global batch of items per step, and its value."""
+    if r.algo.kind == "dpo":
+        return "algo.pairs_per_step", r.algo.pairs_per_step
+    return "algo.prompts_per_step", r.algo.prompts_per_step
 
+
+def check_launch(r: Recipe) -> list[Problem]:
+    """The layouts this version runs, and a global batch every rank gets an equal share of."""
+    launch = r.launch
+    if launch.backend == "ray":
+        return [Problem("launch.backend", "'ray' is not implemented in this version",
+                        got=launch.backend, hint="use 'local' or 'torchrun'")]
+    if launch.num_processes < 1:
+        return [Problem("launch.num_processes", "must be at least 1", got=launch.num_processes)]
+    if launch.backend == "local" and launch.num_processes != 1:
+        return [Problem("launch.num_processes", "the local backend runs one process",
+                        got=launch.num_processes,
+                        hint="set launch.backend = 'torchrun' for several processes")]
+    problems = []
+    if not launch.collective_timeout_s > 0:
+        problems.append(Problem("launch.collective_timeout_s", "must be a positive number of seconds",
+                                got=launch.collective_timeout_s))
+    key, items = batch_key(r)
+    if items % launch.num_processes:
+        problems.append(Problem(
+            key, f"{items} items per step do not split evenly over launch.num_processes = "
+            f"{launch.num_processes} ranks", got=items,
+            hint=f"use a multiple of {launch.num_processes}, or another launch.num_processes"))
+    return problems
 
 def check_dotted_paths(r: Recipe) -> list[Problem]:
     from runner.extensions import is_dotted_path

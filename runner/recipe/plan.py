@@ -6,6 +6,8 @@ from pathlib import Path
 
 import attrs
 
+from runner.errors import Problem, RecipeError
+from runner.recipe.checks import batch_key
 from runner.recipe.schema import DPOConfig, GRPOConfig, OPDConfig, PPOConfig, Recipe
 
 _ROLES = {
@@ -50,9 +52,11 @@ class RunPlan:
         ]
 
 
-def make_plan(recipe: Recipe) -> RunPlan:
+def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
+    """The plan of ``recipe`` on ``world_size`` ranks (default: the recipe's launch layout; an
+    external launcher decides it from its environment)."""
     a = recipe.algo
-    world = recipe.launch.num_processes if recipe.launch.backend != "local" else 1
+    world = world_size or (recipe.launch.num_processes if recipe.launch.backend != "local" else 1)
     if isinstance(a, GRPOConfig):
         items, samples, passes, splits = a.prompts_per_step, a.prompts_per_step * a.group_size, a.ppo_epochs, a.minibatches
     elif isinstance(a, PPOConfig):
@@ -63,7 +67,13 @@ def make_plan(recipe: Recipe) -> RunPlan:
         items, samples, passes, splits = a.pairs_per_step, 2 * a.pairs_per_step, 1, 1
     else:  # pragma: no cover - the converter admits only the kinds above
         raise TypeError(f"unknown algo config {type(a).__name__}")
-    per_rank = max(1, samples // world)
+    if items % world:  # the recipe checks cover launch.num_processes; this is an external launcher
+        key, _ = batch_key(recipe)
+        raise RecipeError([Problem(key, f"{items} items per step do not split evenly over the "
+                                   f"launcher's {world} ranks", got=items,
+                                   hint=f"use a multiple of {world}, or start another number of "
+                                   "processes")])
+    per_rank = samples // world
     out = Path(recipe.run.output_dir)
     return RunPlan(
         algo=a.kind,

@@ -249,11 +249,15 @@ class CheckpointConfig:
 @attrs.frozen
 class LaunchConfig:
     backend: Literal["local", "torchrun", "ray"] = key(
-        "local", "local: every role in one process (the only layout implemented in this version; "
-        "torchrun and ray are reserved names and are refused)."
+        "local", "local: every role in one process; torchrun: num_processes policy ranks on this "
+        "machine (started by posttrain-run, or by an external torchrun / accelerate launch, "
+        "detected from the environment); ray: reserved, refused in this version."
     )
-    num_processes: int = key(1, "Policy ranks (torchrun / ray).")
+    num_processes: int = key(1, "Policy ranks (torchrun / ray); must divide the items per step.")
     ray_address: str = key("", "Address of a running Ray cluster; empty starts a local one.")
+    collective_timeout_s: float = key(
+        300.0, "Upper bound in seconds of every collective between ranks (a dead rank ends the "
+        "run instead of hanging it).")
 
 
 @attrs.frozen

@@ -44,8 +44,14 @@ class RolloutOutput:
 class RolloutEngine(Protocol):
     name: str
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
-        """``len(prompts)`` outputs, each with ``sampling.n`` completions; deterministic in the seed."""
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
+        """``len(prompts)`` outputs, each with ``sampling.n`` completions.
+
+        ``seeds[i]`` seeds prompt i's samples, so a prompt's completions do not depend on which
+        other prompts share the batch (or the rank); without ``seeds`` they derive from
+        ``sampling.seed`` and the prompt's index.
+        """
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -53,6 +59,16 @@ class RolloutEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def prompt_seeds(sampling: SamplingConfig, n_prompts: int, seeds: Sequence[int] | None
+                 ) -> list[int]:
+    """The per-prompt seeds of a generate call (see ``RolloutEngine.generate``)."""
+    if seeds is not None:
+        if len(seeds) != n_prompts:
+            raise ValueError(f"{len(seeds)} seeds for {n_prompts} prompts")
+        return [int(s) for s in seeds]
+    return [(sampling.seed * 1_000_003 + i) % 2**63 for i in range(n_prompts)]
 
 
 def trim_at_eos(ids: Sequence[int], eos_token_id: int) -> tuple[list[int], str]:

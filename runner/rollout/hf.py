@@ -1,8 +1,10 @@
 """The ``hf`` engine: transformers ``generate`` in this process, batched with left padding.
 
 It keeps its own copy of the model in eval mode; ``update_weights`` copies the policy's tensors
-into it in place. Sampling is deterministic under ``SamplingConfig.seed``: each batch draws from
-a forked RNG seeded with (seed, batch index), so the caller's RNG state is left untouched.
+into it in place. Sampling draws every row's tokens from that row's own ``torch.Generator``,
+seeded from its prompt's seed and its sample index: a completion depends on its prompt, its
+seed and the weights, not on the other rows of the batch (or on how many ranks share the
+work), and no global RNG (CPU or CUDA) is read or changed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,46 @@ from typing import Any
 
 import torch
 
-from runner.rollout.base import Completion, RolloutOutput, SamplingConfig, trim_at_eos
+from runner.errors import RunnerError
+from runner.rollout.base import Completion, RolloutOutput, SamplingConfig, prompt_seeds, trim_at_eos
+
+
+def filtered_probs(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: float
+                   ) -> torch.Tensor:
+    """The sampling distribution: softmax(logits / temperature), cut to the ``top_k`` most
+    likely tokens (0: off), then to the smallest set whose mass reaches ``top_p``; float64."""
+    probs = torch.softmax(logits_BV.double() / temperature, dim=-1)
+    if 0 < top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, dim=-1).values[:, -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        keep_sorted = mass_before < top_p * sorted_p.sum(-1, keepdim=True)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs / probs.sum(-1, keepdim=True)
+
+
+class RowSampler:
+    """A logits processor that samples each row with its own generator (inverse CDF) and
+    leaves only the chosen token, so greedy decoding then emits it."""
+
+    def __init__(self, seeds: Sequence[int], s: SamplingConfig) -> None:
+        self.generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+        self.s = s
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = filtered_probs(scores, self.s.temperature, self.s.top_k, self.s.top_p).cpu()
+        u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])
+        cdf = probs.cumsum(-1)
+        choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp(max=probs.shape[-1] - 1)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter(1, choice.to(scores.device), 0.0)
+
+
+def row_seed(prompt_seed: int, sample: int) -> int:
+    return (prompt_seed * 1_000_003 + sample * 7_919 + 1) % 2**63
 
 
 class HFEngine:
@@ -36,19 +77,23 @@ class HFEngine:
                    batch_size=batch_size)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
-        flat = [list(p) for p in prompts for _ in range(sampling.n)]
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
+        per_prompt = prompt_seeds(sampling, len(prompts), seeds)
+        flat = [(list(p), row_seed(seed, j)) for p, seed in zip(prompts, per_prompt, strict=True)
+                for j in range(sampling.n)]
         completions: list[Completion] = []
-        for index, start in enumerate(range(0, len(flat), self.batch_size)):
-            completions += self._generate_batch(flat[start:start + self.batch_size], sampling, index)
+        for start in range(0, len(flat), self.batch_size):
+            completions += self._generate_batch(flat[start:start + self.batch_size], sampling)
         n = sampling.n
         return [RolloutOutput(tuple(int(t) for t in p), tuple(completions[i * n:(i + 1) * n]))
                 for i, p in enumerate(prompts)]
 
-    def _generate_batch(self, batch: list[list[int]], s: SamplingConfig, index: int) -> list[Completion]:
-        from transformers import GenerationConfig
+    def _generate_batch(self, rows: list[tuple[list[int], int]], s: SamplingConfig) -> list[Completion]:
+        from transformers import GenerationConfig, LogitsProcessorList
 
         device = next(self.model.parameters()).device
+        batch = [p for p, _ in rows]
         width = max(len(p) for p in batch)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(batch), width), dtype=torch.long)
@@ -56,14 +101,11 @@ class HFEngine:
             input_ids[row, width - len(p):] = torch.tensor(p)
             attention[row, width - len(p):] = 1
         config = GenerationConfig(
-            do_sample=not s.greedy, temperature=s.temperature if not s.greedy else 1.0,
-            top_p=s.top_p if not s.greedy else 1.0, top_k=0 if s.greedy else s.top_k,
-            max_new_tokens=s.max_new_tokens, pad_token_id=self.pad_token_id,
+            do_sample=False, max_new_tokens=s.max_new_tokens, pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_id, output_logits=True, return_dict_in_generate=True)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(s.seed * 1_000_003 + index)
-            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                                      generation_config=config)
+        processors = LogitsProcessorList([] if s.greedy else [RowSampler([r for _, r in rows], s)])
+        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                                  generation_config=config, logits_processor=processors)
         new_BT = out.sequences[:, width:].cpu()
         temperature = 1.0 if s.greedy else s.temperature
         logits_BTV = torch.stack(out.logits, dim=1).float().cpu() / temperature
@@ -77,10 +119,19 @@ class HFEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the policy's tensors in; a name this model does not have is an error (a stale
+        engine must never go unnoticed)."""
         params = dict(self.model.named_parameters())
+        unknown = []
         for name, tensor in named_tensors:
             if name in params:
                 params[name].copy_(tensor.to(params[name].dtype))
+            else:
+                unknown.append(name)
+        if unknown:
+            raise RunnerError(f"rollout: the hf engine's model has no parameter named "
+                              f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''} "
+                              f"({len(unknown)} unknown): the policy and engine models differ")
 
     def close(self) -> None:
         self.model = None

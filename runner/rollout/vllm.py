@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from runner.rollout.base import Completion, RolloutOutput, SamplingConfig, trim_at_eos
+from runner.rollout.base import Completion, RolloutOutput, SamplingConfig, prompt_seeds, trim_at_eos
 
 # Tokens the CPU scheduler may prefill in one engine step (whole prompts only, see below).
 _PREFILL_TOKEN_BUDGET = 8192
@@ -82,17 +82,19 @@ class VLLMEngine:
         self.eos_token_id = int(self.tokenizer.eos_token_id)
         self._asleep = False
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self._wake()
         s = sampling
+        per_prompt = prompt_seeds(s, len(prompts), seeds)
         params = [
             SamplingParams(n=s.n, temperature=0.0 if s.greedy else s.temperature,
                            top_p=1.0 if s.greedy else s.top_p,
                            top_k=0 if s.greedy or s.top_k == 0 else s.top_k,
-                           max_tokens=s.max_new_tokens, logprobs=0, seed=s.seed * 1_000_003 + i,
+                           max_tokens=s.max_new_tokens, logprobs=0, seed=per_prompt[i],
                            stop_token_ids=[self.eos_token_id], skip_special_tokens=True)
             for i in range(len(prompts))
         ]

@@ -53,16 +53,25 @@ class TrainingState:
     cursor: dict[str, Any] | None
     scheduler: dict[str, Any]
     extra: dict[str, Any] = attrs.field(factory=dict)
+    world_size: int = 1  # ranks that wrote it
+    items_per_step: int | None = None  # the global batch (prompts or pairs) it was trained with
 
 
 # --- RNG ----------------------------------------------------------------------------------------
 
-def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states as plain data (it travels between ranks before a save)."""
     py = random.getstate()
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": [py[0], list(py[1]), py[2]],
-             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
-    return state, {"torch": torch.get_rng_state()}
+    cuda = (torch.cuda.get_rng_state().numpy().tobytes()
+            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    return {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+            "torch": torch.get_rng_state().numpy().tobytes(), "cuda": cuda}
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def restore_rng(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -71,6 +80,8 @@ def restore_rng(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
 
 
 # --- optimizer ----------------------------------------------------------------------------------
@@ -126,11 +137,14 @@ def save_checkpoint(
     extra_modules: dict[str, torch.nn.Module] | None = None,
     extra_optimizers: dict[str, torch.optim.Optimizer] | None = None,
     keep_last: int = 2,
+    rng_per_rank: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically; returns its folder."""
+    """Write checkpoint ``step`` under ``root`` atomically; returns its folder.
+
+    ``rng_per_rank`` holds every rank's ``capture_rng()`` (default: this process's alone).
+    """
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(TMP_PREFIX + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_stale(root)
     final = root / step_dirname(step)
     tmp = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
     tmp.mkdir()
@@ -146,9 +160,12 @@ def save_checkpoint(
         opt_meta, opt_tensors = optimizer_to_files(opt)
         save_file(opt_tensors, tmp / f"{prefix}.safetensors")
         _write_json(tmp / f"{prefix}.json", opt_meta)
-    rng_state, rng_tensors = capture_rng()
+    rngs = rng_per_rank or [capture_rng()]
+    rng_tensors = {f"{kind}.{r}": _bytes_tensor(rng[kind]) for r, rng in enumerate(rngs)
+                   for kind in ("torch", "cuda") if rng.get(kind) is not None}
     save_file(rng_tensors, tmp / "rng.safetensors")
-    _write_json(tmp / "state.json", {**attrs.asdict(state), "rng": rng_state})
+    _write_json(tmp / "state.json", {**attrs.asdict(state), "rng": [
+        {"python": rng["python"], "numpy": rng["numpy"]} for rng in rngs]})
     with open(tmp / "metrics.jsonl", "w", encoding="utf-8") as f:
         for row in metrics_rows:
             f.write(json.dumps(row, sort_keys=True) + "\n")
@@ -160,6 +177,29 @@ def save_checkpoint(
     _point_latest(root, final.name)
     _prune(root, keep_last)
     return final
+
+
+def _remove_stale(root: Path) -> None:
+    """Remove temporary folders left by writers that no longer run (the writer's pid ends the
+    name): a folder another live process is writing is never touched."""
+    for stale in root.glob(TMP_PREFIX + "*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _point_latest(root: Path, name: str) -> None:
@@ -198,7 +238,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 class LoadedCheckpoint:
     path: Path
     state: TrainingState
-    rng: dict[str, Any]
+    rng: Any  # a list of per-rank states (a dict in single-process checkpoints of before)
     rng_tensors: dict[str, torch.Tensor]
     optimizer_state: dict[str, Any]
     metrics_rows: list[dict[str, Any]]
@@ -206,6 +246,20 @@ class LoadedCheckpoint:
     @property
     def model_dir(self) -> Path:
         return self.path / "model"
+
+    def rng_of_rank(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s Python/numpy RNG state (a rank the writer did not have takes rank 0's:
+        another world size is not bitwise anyway)."""
+        if isinstance(self.rng, dict):  # written by one process before ranks existed
+            return self.rng
+        return self.rng[rank if rank < len(self.rng) else 0]
+
+    def rng_tensors_of_rank(self, rank: int) -> dict[str, torch.Tensor]:
+        if "torch" in self.rng_tensors:
+            return self.rng_tensors
+        r = rank if f"torch.{rank}" in self.rng_tensors else 0
+        return {kind: t for kind in ("torch", "cuda")
+                if (t := self.rng_tensors.get(f"{kind}.{r}")) is not None}
 
     def extra_state(self, name: str) -> dict[str, torch.Tensor]:
         return load_file(self.path / "extra_models" / name / "model.safetensors")

@@ -1,62 +1,49 @@
-"""Training: one short loop per algorithm, chosen from one explicit table."""
+"""Training: one short loop per algorithm, chosen from one explicit table, on one rank."""
 
 from __future__ import annotations
 
+import importlib
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from runner.launch.collective import Collective
+from runner.launch.context import RankContext
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
-from runner.ui import make_reporter
+from runner.ui import SilentReporter, make_reporter
 
-
-def _prompt_algorithm(name: str) -> Callable[..., dict]:
-    """A GRPO / PPO / OPD run: assemble the PromptRun, run the algorithm's loop, close."""
-
-    def run(recipe: Recipe, plan: RunPlan, reporter: Any, source: str, overrides: Sequence[str]) -> dict:
-        import importlib
-
-        from runner.train.session import open_prompt_run
-
-        loop = getattr(importlib.import_module(f"runner.train.{name}"), f"run_{name}")
-        prompt_run = open_prompt_run(recipe, plan, reporter, source, overrides)
-        try:
-            return loop(prompt_run) | {"metrics": prompt_run.metrics.rows}
-        finally:
-            prompt_run.metrics.close()
-            prompt_run.engine.close()
-
-    return run
-
-
-def _dpo(recipe: Recipe, plan: RunPlan, reporter: Any, source: str, overrides: Sequence[str]) -> dict:
-    from runner.train.dpo import run_dpo
-
-    return run_dpo(recipe, plan, reporter, source, overrides)
-
-
-LOOPS: dict[str, Callable[..., dict]] = {
-    "grpo": _prompt_algorithm("grpo"),
-    "dpo": _dpo,
-    "ppo": _prompt_algorithm("ppo"),
-    "opd": _prompt_algorithm("opd"),
+# algorithm kind -> module whose ``run(RunContext) -> dict`` is its loop
+LOOPS: dict[str, str] = {
+    "grpo": "runner.train.grpo",
+    "dpo": "runner.train.dpo",
+    "ppo": "runner.train.ppo",
+    "opd": "runner.train.opd",
 }
 
 
-def run_recipe(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
-               plain: bool) -> int:
-    """Run a validated recipe to the end; returns the exit code (0)."""
-    reporter = make_reporter(plain)
+def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collective, source: str,
+               overrides: Sequence[str], plain: bool) -> int:
+    """Run a validated recipe to the end on this rank; returns the exit code (0)."""
+    from runner.train.assemble import assemble
+
+    reporter = make_reporter(plain) if ctx.is_main else SilentReporter()
     started = time.monotonic()
-    result = LOOPS[recipe.algo.kind](recipe, plan, reporter, source, overrides)
-    reporter.finish(summary_rows(result, plan, time.monotonic() - started))
+    loop = importlib.import_module(LOOPS[recipe.algo.kind]).run
+    run = assemble(recipe, plan, ctx, comm, reporter, source, overrides)
+    try:
+        result = loop(run) | {"metrics": run.metrics.rows}
+    finally:
+        run.close()
+    if ctx.is_main:
+        reporter.finish(summary_rows(result, plan, time.monotonic() - started))
     return 0
 
 
 def summary_rows(result: dict, plan: RunPlan, seconds: float) -> list[tuple[str, str]]:
     evals = [r for r in result.get("metrics", []) if any(k.startswith("eval/") for k in r)]
     rows = [("steps", f"{result['step']}/{plan.max_steps}"), ("wall time", f"{seconds:.1f} s")]
+    if plan.world_size > 1:
+        rows.append(("ranks", f"{plan.world_size} ({plan.backend})"))
     for key in ("eval/accuracy", "eval/preference_accuracy", "eval/reward", "eval/reverse_kl"):
         having = [r for r in evals if key in r]
         if having:

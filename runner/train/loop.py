@@ -3,34 +3,38 @@
 An algorithm supplies ``one_step(step) -> metrics`` and, when it has a held-out set,
 ``held_out() -> metrics``; this module decides when to evaluate, log and checkpoint.
 
-Ctrl-C (SIGINT) or SIGTERM during the loop asks for a stop: the step under way finishes, a
-checkpoint of it is written, and ``KeyboardInterrupt`` leaves (the CLI exits 130). A checkpoint
-is therefore always a step boundary, never half a step. A second signal stops at once, without
-a new checkpoint (earlier ones are untouched).
+Ctrl-C (SIGINT) or SIGTERM during the loop asks for a stop: the ranks agree at the end of each
+step whether any of them was asked, so all stop after the same step; a checkpoint of it is
+written, and ``KeyboardInterrupt`` leaves (the CLI exits 130). A checkpoint is therefore always
+a step boundary, never half a step. A second signal stops at once, without a new checkpoint
+(earlier ones are untouched).
 """
 
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
-from runner.recipe.schema import Recipe
-from runner.rewards import RewardSet
-from runner.train.rollouts import evaluate
-from runner.train.session import PromptRun
-from runner.ui import MetricsLog, Reporter
+from runner.train.assemble import RunContext
 
 
 class StopRequests:
-    """Within the block, the first SIGINT / SIGTERM sets ``requested``; a second interrupts."""
+    """Within the block, the first SIGINT / SIGTERM sets ``requested``; a second interrupts.
+
+    Outside the main thread (where signals cannot be caught) only ``request()`` sets it.
+    """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, reporter: Reporter) -> None:
+    def __init__(self, reporter: Any) -> None:
         self.reporter = reporter
         self.requested = False
         self._old: dict[int, Any] = {}
+
+    def request(self) -> None:
+        self.requested = True
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
@@ -40,7 +44,8 @@ class StopRequests:
                               "(press Ctrl-C again to stop at once)")
 
     def __enter__(self) -> StopRequests:
-        self._old = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        if threading.current_thread() is threading.main_thread():
+            self._old = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -52,11 +57,13 @@ def every(step: int, n: int) -> bool:
     return n > 0 and step % n == 0
 
 
-def run_loop(recipe: Recipe, start_step: int, metrics: MetricsLog, reporter: Reporter,
-             one_step: Callable[[int], dict[str, Any]], save: Callable[[int], Any],
-             held_out: Callable[[], dict[str, float]] | None) -> dict[str, Any]:
+def run_loop(run: RunContext, one_step: Callable[[int], dict[str, Any]],
+             held_out: Callable[[], dict[str, float]] | None,
+             save: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    recipe, metrics, reporter = run.recipe, run.metrics, run.reporter
+    save = save or run.save
     last = recipe.run.max_steps
-    step = start_step
+    step = run.start_step
     if held_out is not None and step == 0:
         metrics.write({"step": 0, **held_out()})
     reporter.start(recipe.run.name, last, step)
@@ -72,23 +79,9 @@ def run_loop(recipe: Recipe, start_step: int, metrics: MetricsLog, reporter: Rep
             saved = every(step, recipe.checkpoint.every_steps) or step == last
             if saved:
                 save(step)
-            if stop.requested:
+            if run.comm.any(stop.requested):  # every rank stops after the same step
                 if not saved:
                     save(step)
                 reporter.message(f"stopped after step {step}; the checkpoint is written")
                 raise KeyboardInterrupt
     return {"step": step}
-
-
-def run_prompt_loop(run: PromptRun, one_step: Callable[[int], dict[str, Any]],
-                    rewards: RewardSet | None, save: Callable[[int], Any] | None = None,
-                    more_held_out: Callable[[], dict[str, float]] | None = None) -> dict[str, Any]:
-    """``run_loop`` for the rollout algorithms: held-out greedy accuracy through the engine, plus
-    the algorithm's own held-out metrics from ``more_held_out``."""
-
-    def held_out() -> dict[str, float]:
-        metrics = evaluate(run.engine, run.rollout_packer, run.val_items, run.recipe.rollout, rewards, 0)
-        return metrics | (more_held_out() if more_held_out else {})
-
-    return run_loop(run.recipe, run.start_step, run.metrics, run.reporter, one_step,
-                    save or run.save, held_out if run.val_items else None)

@@ -19,29 +19,28 @@ from typing import Any
 import torch
 
 from runner.algorithms.logprobs import token_logprobs
-from runner.algorithms.masked import masked_mean
 from runner.algorithms.opd import OPDLossInputs, align_to_student, opd_loss, sampled_reverse_kl
 from runner.errors import Problem, RecipeError
 from runner.packers.base import PolicyBatch, RLPolicyInput, collate
 from runner.recipe.schema import OPDConfig
 from runner.rewards import build_rewards
-from runner.train.grpo import mean_metrics, select_rows
-from runner.train.loop import run_prompt_loop
-from runner.train.policy import batch_logprobs, completion_grid, forward_logits, optimizer_step
-from runner.train.rollouts import Trajectory, roll_out, sampling, score
-from runner.train.session import PromptRun
+from runner.train.assemble import RunContext, item_seed
+from runner.train.batches import Layout, Minibatch, reduce_history, select_rows, train_minibatch
+from runner.train.loop import run_loop
+from runner.train.policy import batch_logprobs, completion_grid, forward_logits
+from runner.train.roles import Frozen
+from runner.train.rollouts import Trajectory, evaluate, roll_out, sample, sampling, score
 
 
 class Teacher:
     """The frozen teacher with what it needs to score student completions."""
 
-    def __init__(self, run: PromptRun, algo: OPDConfig) -> None:
-        from runner.models import load_causal_lm, read_model_type, resolve_model_path
+    def __init__(self, run: RunContext, algo: OPDConfig) -> None:
+        from runner.models import read_model_type, resolve_model_path
         from runner.packers import build_packer
 
-        self.path: Path = resolve_model_path(algo.teacher_path)
-        self.model = load_causal_lm(self.path, trust_remote_code=run.recipe.model.trust_remote_code)
-        self.model.requires_grad_(False).eval().to(run.accelerator.device)
+        self.path: Path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
+        self.model = Frozen(self.path, run.recipe, run.accelerator.device).model
         self.mode = algo.mode
         self.device = run.accelerator.device
         self.pad_token_id = run.policy_packer.pad_token_id
@@ -102,13 +101,17 @@ def check_same_vocab(student_path: Path, teacher_path: Path) -> None:
             "its own tokenizer")])
 
 
-def run_opd(run: PromptRun) -> dict[str, Any]:
+def run(run: RunContext) -> dict[str, Any]:
     algo = run.recipe.algo
     assert isinstance(algo, OPDConfig)
     teacher = Teacher(run, algo)
     rewards = build_rewards(run.recipe.reward)
-    return run_prompt_loop(run, lambda step: _one_step(run, algo, teacher, rewards, step), rewards,
-                           more_held_out=lambda: held_out_reverse_kl(run, teacher))
+
+    def held_out() -> dict[str, float]:
+        return evaluate(run, rewards) | held_out_reverse_kl(run, teacher)
+
+    return run_loop(run, lambda step: _one_step(run, algo, teacher, rewards, step),
+                    held_out if run.recipe.data.validation.enabled else None)
 
 
 # The held-out reverse KL samples with this seed at every evaluation, so evaluations differ only
@@ -117,64 +120,73 @@ HELD_OUT_SEED = 7_919
 
 
 @torch.no_grad()
-def held_out_reverse_kl(run: PromptRun, teacher: Teacher) -> dict[str, float]:
+def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
     """The student's reverse KL to the teacher on the held-out prompts: one completion each,
     sampled like the training rollouts, per-token ``logp_student - logp_teacher`` averaged over
-    every completion token (the same estimate the training metric ``reverse_kl`` reports)."""
-    traj = roll_out(run.engine, run.rollout_packer, run.val_items,
-                    sampling(run.recipe.rollout, 1, HELD_OUT_SEED))
-    _, student_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
-    return {"eval/reverse_kl": float(masked_mean(sampled_reverse_kl(student_BT, teacher_BT), mask_BT))}
+    every completion token of every rank (the estimate the training metric ``reverse_kl``
+    reports)."""
+    world, rank = run.rank.world_size, run.rank.rank
+    total = count = 0.0
+    if run.val_items:
+        seeds = [item_seed(HELD_OUT_SEED, 0, j * world + rank) for j in range(len(run.val_items))]
+        traj = roll_out(run.rollout, run.val_items, sampling(run.recipe.rollout, 1, 0), seeds)
+        _, student_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
+        total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
+        count = float(mask_BT.sum())
+    total, count = run.comm.sum([total, count])
+    return {"eval/reverse_kl": total / max(1.0, count)}
 
 
 @torch.no_grad()
-def score_both(run: PromptRun, teacher: Teacher, traj: Trajectory
+def score_both(run: RunContext, teacher: Teacher, traj: Trajectory
                ) -> tuple[PolicyBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The trajectory's policy batch, the student's and the teacher's logprobs of its completion
     tokens at the sampling temperature, and the completion mask (all on the shifted grid)."""
     T = run.recipe.rollout.temperature
     inputs = traj.policy_inputs(run.policy_packer)
     batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
-    student_BT, mask_BT = batch_logprobs(run.policy.model, batch, T)
+    student_BT, mask_BT = run.policy.logprobs(batch, T)
     return batch, student_BT, mask_BT, teacher.logprobs(traj, inputs, student_BT.shape[1], T)
 
 
-def _one_step(run: PromptRun, algo: OPDConfig, teacher: Teacher, rewards: Any, step: int) -> dict[str, Any]:
-    recipe, acc = run.recipe, run.accelerator
+def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, step: int) -> dict[str, Any]:
+    recipe = run.recipe
     T = recipe.rollout.temperature
     t0 = time.perf_counter()
-    traj = run.sample(algo.prompts_per_step, algo.samples_per_prompt, step)
+    traj = sample(run, algo.prompts_per_step, algo.samples_per_prompt, step)
     traj = score(traj, rewards, step)
     t1 = time.perf_counter()
     batch, old_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
     model = run.policy.model
     t2 = time.perf_counter()
-    history: list[dict[str, float]] = []
-    for _ in range(algo.ppo_epochs):
-        rows = torch.arange(batch.input_ids_BT.shape[0])
+    layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
+    tokens = [float(t) for t in mask_BT.sum(-1).tolist()]
+    # One optimizer step per epoch over the whole global batch (token mean).
+    whole = Minibatch(list(range(len(tokens))), tokens, run.comm.sum([sum(tokens)])[0])
 
-        def loss_fn(rows: torch.Tensor = rows) -> torch.Tensor:
-            sub = select_rows(batch, rows)
-            logits = forward_logits(model, sub) / T
-            lp_BT = token_logprobs(logits, sub.input_ids_BT[:, 1:])
-            w = lp_BT.shape[1]
-            full = algo.full_kl
-            loss, m = opd_loss(OPDLossInputs(
-                logprobs_BT=lp_BT, old_logprobs_BT=old_BT[rows, :w], teacher_logprobs_BT=teacher_BT[rows, :w],
-                mask_BT=sub.loss_mask_BT[:, 1:].bool(), student_logits_BTV=logits if full else None,
-                teacher_logits_BTV=_teacher_logits(teacher, sub, T, logits.shape[-1]) if full else None),
-                algo)
-            history.append(m)
-            return loss
+    def loss_fn(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        sub = select_rows(batch, rows)
+        logits = forward_logits(model, sub) / T
+        lp_BT = token_logprobs(logits, sub.input_ids_BT[:, 1:])
+        w = lp_BT.shape[1]
+        full = algo.full_kl
+        return opd_loss(OPDLossInputs(
+            logprobs_BT=lp_BT, old_logprobs_BT=old_BT[rows, :w], teacher_logprobs_BT=teacher_BT[rows, :w],
+            mask_BT=sub.loss_mask_BT[:, 1:].bool(), student_logits_BTV=logits if full else None,
+            teacher_logits_BTV=_teacher_logits(teacher, sub, T, logits.shape[-1]) if full else None),
+            algo)
 
-        history.append({"grad_norm": optimizer_step(acc, model, run.policy.optimizer, [loss_fn],
-                                                    recipe.train.max_grad_norm)})
+    history = [train_minibatch([run.policy], whole, loss_fn, recipe.train.grad_accum_steps,
+                               layout.world, recipe.train.max_grad_norm)
+               for _ in range(algo.ppo_epochs)]
     run.policy.scheduler.step()
     t3 = time.perf_counter()
     run.sync_weights()
     t4 = time.perf_counter()
-    r = torch.tensor(traj.rewards)
-    return {"reward/mean": float(r.mean()), **traj.reward_parts, **mean_metrics(history),
+    reward_sum, n = run.comm.sum([sum(traj.rewards), len(traj.rewards)])
+    parts = dict(zip(traj.reward_parts, run.comm.sum(list(traj.reward_parts.values())), strict=True))
+    return {"reward/mean": reward_sum / n, **{k: v / layout.world for k, v in parts.items()},
+            **reduce_history(run.comm, history),
             "time/rollout": t1 - t0, "time/teacher": t2 - t1, "time/update": t3 - t2,
             "time/sync": t4 - t3, "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
 

@@ -1,5 +1,5 @@
 """The policy side, shared by every algorithm: forward passes to token logprobs, the optimizer and
-LR schedule, and one optimizer step through Accelerate (micro-batches, clipping)."""
+LR schedule."""
 
 from __future__ import annotations
 
@@ -84,26 +84,6 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_ste
 def scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, Any]:
     """The JSON-able part of a LambdaLR's state (the lambdas are rebuilt from the recipe)."""
     return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-
-
-def optimizer_step(accelerator: Any, model: Any, optimizer: torch.optim.Optimizer,
-                   micro_losses: Sequence[Callable[[], torch.Tensor]], max_grad_norm: float) -> float:
-    """Backward each micro-batch's (already weighted) loss, clip, step; returns the grad norm.
-
-    Gradients of all but the last micro-batch are not synchronised across ranks.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    for i, loss_fn in enumerate(micro_losses):
-        if i < len(micro_losses) - 1:
-            with accelerator.no_sync(model):
-                accelerator.backward(loss_fn())
-        else:
-            accelerator.backward(loss_fn())
-    norm = float("nan")
-    if max_grad_norm > 0:
-        norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-    optimizer.step()
-    return norm
 
 
 def split_even(n: int, parts: int) -> list[slice]:

@@ -14,15 +14,23 @@ from typing import Any
 
 import torch
 
-from runner.algorithms.ppo import PPOLossInputs, ppo_advantages, ppo_loss
+from runner.algorithms.masked import masked_sum
+from runner.algorithms.ppo import PPOLossInputs, gae, kl_penalized_rewards, ppo_loss
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import PPOConfig
 from runner.rewards import build_rewards
-from runner.train.grpo import mean_metrics, reference_model, select_rows
-from runner.train.loop import run_prompt_loop
-from runner.train.policy import batch_logprobs, split_even
-from runner.train.rollouts import score
-from runner.train.session import PromptRun, Trainable, prepare_trainable, step_seed
+from runner.train.assemble import RunContext, step_seed
+from runner.train.batches import (
+    Layout,
+    gather_rows,
+    minibatches,
+    reduce_history,
+    select_rows,
+    train_minibatch,
+)
+from runner.train.loop import run_loop
+from runner.train.roles import Frozen, Trainable, prepare_trainable
+from runner.train.rollouts import evaluate, sample, score
 
 CRITIC = "critic"
 
@@ -45,7 +53,7 @@ class ValueModel(torch.nn.Module):
         return self.v_head(hidden[:, :-1].float()).squeeze(-1)
 
 
-def build_critic(run: PromptRun) -> Trainable:
+def build_critic(run: RunContext) -> Trainable:
     from runner.models import load_causal_lm, resolve_model_path
 
     algo = run.recipe.algo
@@ -63,60 +71,83 @@ def build_critic(run: PromptRun) -> Trainable:
                              ckpt_scheduler=saved.get("scheduler"))
 
 
-def run_ppo(run: PromptRun) -> dict[str, Any]:
+def run(run: RunContext) -> dict[str, Any]:
     algo = run.recipe.algo
     assert isinstance(algo, PPOConfig)
     rewards = build_rewards(run.recipe.reward)
-    reference = reference_model(run)
+    reference = Frozen(run.model_path, run.recipe, run.accelerator.device)
     critic = build_critic(run)
-
-    def save(step: int) -> Any:
-        return run.save(step, {CRITIC: run.accelerator.unwrap_model(critic.model)}, {CRITIC: critic})
-
-    return run_prompt_loop(run, lambda step: _one_step(run, algo, rewards, reference, critic, step),
-                    rewards, save)
+    return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, critic, step),
+                    (lambda: evaluate(run, rewards)) if run.recipe.data.validation.enabled else None,
+                    save=lambda step: run.save(step, {CRITIC: critic}))
 
 
-def _one_step(run: PromptRun, algo: PPOConfig, rewards: Any, reference: Any, critic: Trainable,
+def global_whiten(comm, x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """``masked_whiten`` over the masked elements of every rank: the unbiased variance of the
+    global batch, (x - mean) / sqrt(var + 1e-8), 0 outside the mask."""
+    total, count = comm.sum([float(masked_sum(x_BT, mask_BT)), float(mask_BT.sum())])
+    mean = total / count
+    sq = comm.sum([float(masked_sum((x_BT - mean) ** 2, mask_BT))])[0]
+    var = sq / max(1.0, count - 1)
+    return torch.where(mask_BT, (x_BT - mean) * (var + 1e-8) ** -0.5, torch.zeros_like(x_BT))
+
+
+def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen, critic: Trainable,
               step: int) -> dict[str, Any]:
-    recipe, acc = run.recipe, run.accelerator
+    recipe, device = run.recipe, run.accelerator.device
     t0 = time.perf_counter()
-    traj = run.sample(algo.prompts_per_step, algo.samples_per_prompt, step)
+    traj = sample(run, algo.prompts_per_step, algo.samples_per_prompt, step)
     t1 = time.perf_counter()
     traj = score(traj, rewards, step)
     t2 = time.perf_counter()
     # The rollout-side packer makes the inputs once; policy, reference and critic share them.
-    batch = run.rollout_packer.collate(traj.policy_inputs(run.rollout_packer)).to(acc.device)
+    batch = run.rollout_packer.collate(traj.policy_inputs(run.rollout_packer)).to(device)
     T = recipe.rollout.temperature
     with torch.no_grad():
-        old_BT, mask_BT = batch_logprobs(run.policy.model, batch, T)
-        ref_BT = batch_logprobs(reference, batch, T)[0]
+        old_BT, mask_BT = run.policy.logprobs(batch, T)
+        ref_BT = reference.logprobs(batch, T)[0]
         old_values_BT = critic.model(batch) * mask_BT
         # GAE runs over completions laid from column 0; the results go back to the batch grid.
         starts = _completion_starts(mask_BT)
-        aligned = [_left_align(x, starts) for x in (old_BT, ref_BT, old_values_BT, mask_BT.float())]
-        adv_c, returns_c = ppo_advantages(torch.tensor(traj.rewards, device=acc.device), aligned[0],
-                                          aligned[1], aligned[2], aligned[3].bool(), algo)
+        old_c, ref_c, values_c, mask_c = [_left_align(x, starts) for x in
+                                          (old_BT, ref_BT, old_values_BT, mask_BT.float())]
+        rewards_c = kl_penalized_rewards(torch.tensor(traj.rewards, device=device), old_c, ref_c,
+                                         mask_c.bool(), algo.kl_coef)
+        adv_c, returns_c = gae(rewards_c, values_c, mask_c.bool(), algo.gamma, algo.lam)
+        if algo.whiten_advantages:
+            adv_c = global_whiten(run.comm, adv_c, mask_c.bool())
         adv_BT = _restore(adv_c, starts, old_BT.shape[1])
         returns_BT = _restore(returns_c, starts, old_BT.shape[1])
-    history: list[dict[str, float]] = []
-    n = len(traj.completions)
+    layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
+    weights = gather_rows(run.comm, layout, [float(t) for t in mask_BT.sum(-1).tolist()])
+
+    def loss_fn(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        sub = select_rows(batch, idx)
+        lp_BT, sub_mask_BT = run.policy.logprobs(sub, T)
+        w = lp_BT.shape[1]
+        return ppo_loss(PPOLossInputs(
+            logprobs_BT=lp_BT, old_logprobs_BT=old_BT[idx, :w], adv_BT=adv_BT[idx, :w],
+            mask_BT=sub_mask_BT, values_BT=critic.model(sub), old_values_BT=old_values_BT[idx, :w],
+            returns_BT=returns_BT[idx, :w]), algo)
+
+    history = []
     for epoch in range(algo.ppo_epochs):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(
-            step_seed(recipe.run.seed, step, salt=1 + epoch)))
-        for mb in split_even(n, algo.minibatches):
-            rows = order[mb]
-            history.append(_minibatch(run, critic, algo, batch, rows, old_BT, adv_BT, old_values_BT,
-                                      returns_BT))
+        for mb in minibatches(layout, weights, algo.minibatches,
+                              step_seed(recipe.run.seed, step, salt=1 + epoch)):
+            history.append(train_minibatch([run.policy, critic], mb, loss_fn,
+                                           recipe.train.grad_accum_steps, layout.world,
+                                           recipe.train.max_grad_norm))
     run.policy.scheduler.step()
     critic.scheduler.step()
     t3 = time.perf_counter()
     run.sync_weights()
     t4 = time.perf_counter()
-    kl = float(((old_BT - ref_BT) * mask_BT).sum() / mask_BT.sum().clamp(min=1))
-    r = torch.tensor(traj.rewards)
-    return {"reward/mean": float(r.mean()), "reward/max": float(r.max()), **traj.reward_parts,
-            "kl": kl, **mean_metrics(history),
+    kl_sum, n_tok = run.comm.sum([float(((old_BT - ref_BT) * mask_BT).sum()), float(mask_BT.sum())])
+    r = torch.tensor(gather_rows(run.comm, layout, traj.rewards))
+    parts = dict(zip(traj.reward_parts, run.comm.sum(list(traj.reward_parts.values())), strict=True))
+    return {"reward/mean": float(r.mean()), "reward/max": float(r.max()),
+            **{k: v / layout.world for k, v in parts.items()},
+            "kl": kl_sum / max(1.0, n_tok), **reduce_history(run.comm, history),
             "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
             "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
 
@@ -138,24 +169,3 @@ def _restore(x_BT: torch.Tensor, starts_B: torch.Tensor, width: int) -> torch.Te
     cols = torch.arange(width, device=x_BT.device)[None, :] - starts_B[:, None]
     valid = cols >= 0
     return torch.where(valid, x_BT.gather(1, cols.clamp(min=0)), torch.zeros_like(x_BT[:, :1]).expand(-1, width))
-
-
-def _minibatch(run: PromptRun, critic: Trainable, algo: PPOConfig, batch: PolicyBatch,
-               rows: torch.Tensor, old_BT, adv_BT, old_values_BT, returns_BT) -> dict[str, float]:
-    acc, recipe = run.accelerator, run.recipe
-    sub = select_rows(batch, rows)
-    lp_BT, mask_BT = batch_logprobs(run.policy.model, sub, recipe.rollout.temperature)
-    w = lp_BT.shape[1]
-    loss, metrics = ppo_loss(PPOLossInputs(
-        logprobs_BT=lp_BT, old_logprobs_BT=old_BT[rows, :w], adv_BT=adv_BT[rows, :w], mask_BT=mask_BT,
-        values_BT=critic.model(sub), old_values_BT=old_values_BT[rows, :w],
-        returns_BT=returns_BT[rows, :w]), algo)
-    run.policy.optimizer.zero_grad(set_to_none=True)
-    critic.optimizer.zero_grad(set_to_none=True)
-    acc.backward(loss)
-    if recipe.train.max_grad_norm > 0:
-        acc.clip_grad_norm_(run.policy.model.parameters(), recipe.train.max_grad_norm)
-        acc.clip_grad_norm_(critic.model.parameters(), recipe.train.max_grad_norm)
-    run.policy.optimizer.step()
-    critic.optimizer.step()
-    return metrics

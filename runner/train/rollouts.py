@@ -10,7 +10,9 @@ from runner.packers.base import DataPacker, RLPolicyInput
 from runner.recipe.schema import RolloutConfig
 from runner.rewards import RewardSet
 from runner.rewards.builtin import arithmetic_exact
-from runner.rollout.base import Completion, RolloutEngine, RolloutOutput, SamplingConfig
+from runner.rollout.base import Completion, RolloutOutput, SamplingConfig
+from runner.train.assemble import RunContext, item_seed
+from runner.train.roles import Rollout
 from runner.types import ObsBundle
 
 
@@ -72,10 +74,8 @@ def sampling(cfg: RolloutConfig, n: int, seed: int, *, greedy: bool = False) -> 
                           top_p=cfg.top_p, top_k=cfg.top_k, seed=seed, greedy=greedy)
 
 
-def roll_out(engine: RolloutEngine, packer: DataPacker, items: Sequence[ObsBundle],
-             params: SamplingConfig) -> Trajectory:
-    prompts = [packer.encode_rollout_input(packer.get_rollout_input(item)) for item in items]
-    outputs: list[RolloutOutput] = engine.generate(prompts, params)
+def trajectory(items: Sequence[ObsBundle], outputs: Sequence[RolloutOutput]) -> Trajectory:
+    """Flatten the engine's outputs, prompt-major."""
     flat_items, flat_prompts, flat = [], [], []
     for item, out in zip(items, outputs, strict=True):
         for c in out.completions:
@@ -85,22 +85,44 @@ def roll_out(engine: RolloutEngine, packer: DataPacker, items: Sequence[ObsBundl
     return Trajectory(tuple(flat_items), tuple(flat_prompts), tuple(flat))
 
 
+def roll_out(rollout: Rollout, items: Sequence[ObsBundle], params: SamplingConfig,
+             seeds: Sequence[int] | None = None) -> Trajectory:
+    return trajectory(items, rollout.generate(items, params, seeds))
+
+
+def sample(run: RunContext, n_prompts: int, n_samples: int, step: int) -> Trajectory:
+    """This rank's share of the step's ``n_prompts`` prompts from the global cursor, with
+    ``n_samples`` completions each, seeded by each prompt's global position in the batch: the
+    rollout every GRPO / PPO / OPD step starts with."""
+    world, rank = run.rank.world_size, run.rank.rank
+    items = run.data.next_batch(n_prompts // world)
+    seeds = [item_seed(run.recipe.run.seed, step, j * world + rank) for j in range(len(items))]
+    return roll_out(run.rollout, items, sampling(run.recipe.rollout, n_samples, 0), seeds)
+
+
 def score(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:
     values, parts = rewards.score(traj.texts, traj.items, step=step)
     return attrs.evolve(traj, rewards=tuple(values), reward_parts=parts)
 
 
-def evaluate(engine: RolloutEngine, packer: DataPacker, items: Sequence[ObsBundle],
-             cfg: RolloutConfig, rewards: RewardSet | None, seed: int) -> dict[str, float]:
-    """Greedy completions on the held-out items: exact accuracy (items with a reference) and
-    mean reward under the run's reward functions."""
-    traj = roll_out(engine, packer, items, sampling(cfg, 1, seed, greedy=True))
+def evaluate(run: RunContext, rewards: RewardSet | None) -> dict[str, float]:
+    """Greedy completions on the held-out items (each rank its shard, counts summed over
+    ranks): exact accuracy (items with a reference) and mean reward under the run's reward
+    functions."""
+    items = run.val_items
+    traj = roll_out(run.rollout, items, sampling(run.recipe.rollout, 1, 0, greedy=True)) if items else None
+    correct = with_ref = reward_sum = 0.0
+    if traj is not None:
+        pairs = [(t, i) for t, i in zip(traj.texts, traj.items, strict=True) if str(i.reference)]
+        if pairs:
+            texts, refs = zip(*pairs, strict=True)
+            correct, with_ref = float(sum(arithmetic_exact(texts, refs))), float(len(pairs))
+        if rewards is not None:
+            reward_sum = float(sum(rewards.score(traj.texts, traj.items)[0]))
+    correct, with_ref, reward_sum, n = run.comm.sum([correct, with_ref, reward_sum, len(items)])
     metrics: dict[str, float] = {}
-    with_ref = [(t, i) for t, i in zip(traj.texts, traj.items, strict=True) if str(i.reference)]
     if with_ref:
-        texts, refs = zip(*with_ref, strict=True)
-        metrics["eval/accuracy"] = sum(arithmetic_exact(texts, refs)) / len(with_ref)
-    if rewards is not None:
-        values, _ = rewards.score(traj.texts, traj.items)
-        metrics["eval/reward"] = sum(values) / len(values)
+        metrics["eval/accuracy"] = correct / with_ref
+    if rewards is not None and n:
+        metrics["eval/reward"] = reward_sum / n
     return metrics

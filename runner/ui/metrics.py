@@ -18,18 +18,21 @@ def is_timing(key: str) -> bool:
 
 
 class MetricsLog:
-    """Appends rows to ``metrics.jsonl``; keeps them in memory for checkpoints."""
+    """Appends rows to ``metrics.jsonl``; keeps them in memory for checkpoints. With no path
+    (every rank but rank 0) it only keeps them."""
 
-    def __init__(self, path: Path, rows: list[dict[str, Any]] | None = None,
+    def __init__(self, path: Path | None, rows: list[dict[str, Any]] | None = None,
                  tensorboard_dir: Path | None = None) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = list(rows or [])
+        self._tb = None
+        if path is None:
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         # Rewrite from the rows we resume with: drops rows a killed run wrote after its checkpoint.
         with open(path, "w", encoding="utf-8") as f:
             for row in self.rows:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
-        self._tb = None
         if tensorboard_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -43,6 +46,8 @@ class MetricsLog:
 
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
+        if self.path is None:
+            return
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row, sort_keys=True) + "\n")
         if self._tb is not None:

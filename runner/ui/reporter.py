@@ -143,3 +143,22 @@ class RichReporter:
         for key, value in rows:
             table.add_row(key, value)
         self.console.print(table)
+
+
+class SilentReporter:
+    """The reporter of every rank but rank 0: rank 0 alone shows progress."""
+
+    def start(self, title: str, total: int, done: int) -> None:
+        pass
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def sample(self, step: int, prompt: str, completion: str, reward: float | None) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def finish(self, rows: list[tuple[str, str]]) -> None:
+        pass

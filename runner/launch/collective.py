@@ -1,0 +1,98 @@
+"""Collectives between the policy ranks, behind a few plain methods.
+
+With one rank every method is the identity and nothing touches ``torch.distributed``. With
+several, the default process group (gloo on CPU, NCCL on GPU) carries them; every call is
+bounded by ``launch.collective_timeout_s``, so a dead peer ends the run instead of hanging it.
+Values cross as float64 tensors or small plain Python objects, never user objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from runner.launch.context import RankContext
+
+
+class Collective:
+    def __init__(self, ctx: RankContext, device: torch.device | str = "cpu") -> None:
+        self.ctx = ctx
+        self.device = torch.device(device)
+
+    @property
+    def world(self) -> int:
+        return self.ctx.world_size
+
+    @classmethod
+    def start(cls, ctx: RankContext, *, timeout_s: float, use_cuda: bool) -> Collective:
+        """Join (or create) the default process group of ``ctx``'s world."""
+        if ctx.world_size == 1:
+            return cls(ctx)
+        import torch.distributed as dist
+
+        backend = "nccl" if use_cuda else "gloo"
+        device = torch.device("cuda", ctx.local_rank) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                    rank=ctx.rank, world_size=ctx.world_size)
+        return cls(ctx, device)
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks of equally long lists of numbers."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        import torch.distributed as dist
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.cpu().tolist()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on any."""
+        return self.sum([1.0 if flag else 0.0])[0] > 0
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (plain data), in rank order, on every rank."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def interleave(per_rank: Sequence[Sequence[Any]], chunk: int = 1) -> list[Any]:
+    """The global order of values sharded by the data rule: rank r holds items r, r + w, ...,
+    each item contributing ``chunk`` consecutive values (e.g. a GRPO group).
+
+    >>> interleave([[0, 2, 4], [1, 3]])
+    [0, 1, 2, 3, 4]
+    >>> interleave([["a0", "a1"], ["b0", "b1"]], chunk=2)
+    ['a0', 'a1', 'b0', 'b1']
+    """
+    world = len(per_rank)
+    items = sum(len(p) for p in per_rank) // chunk
+    out: list[Any] = []
+    for i in range(items):
+        local = (i // world) * chunk
+        out += per_rank[i % world][local:local + chunk]
+    return out

@@ -1,0 +1,44 @@
+"""The rank program: one policy rank of a run, the same under every launcher."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from runner.launch.collective import Collective
+from runner.launch.context import RankContext
+from runner.recipe.schema import Recipe
+
+
+def die_with_driver() -> None:
+    """Linux: this process gets SIGKILL when the driver that started it dies, so a killed job
+    leaves no rank running on."""
+    driver = os.environ.get("POSTTRAIN_DRIVER_PID")
+    if driver is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(driver):  # the driver died before prctl took effect
+        os._exit(1)
+
+
+def run_rank(recipe: Recipe, ctx: RankContext, *, source: str, overrides: Sequence[str],
+             plain: bool) -> int:
+    """Join the ranks' process group, run the recipe's algorithm on this rank, leave."""
+    import torch
+
+    from runner.recipe.plan import make_plan
+    from runner.train import run_recipe
+
+    use_cuda = recipe.run.device != "cpu" and torch.cuda.is_available()
+    comm = Collective.start(ctx, timeout_s=recipe.launch.collective_timeout_s, use_cuda=use_cuda)
+    try:
+        plan = make_plan(recipe, world_size=ctx.world_size)
+        return run_recipe(recipe, plan, ctx=ctx, comm=comm, source=source, overrides=overrides,
+                          plain=plain)
+    finally:
+        comm.close()

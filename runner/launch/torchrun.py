@@ -1,0 +1,149 @@
+"""``launch.backend = "torchrun"``: start N ranks of the rank program on this machine.
+
+The driver (the ``posttrain-run`` process) has validated the recipe and imported every dotted
+path before this runs. It then hosts the rendezvous store itself, on 127.0.0.1 and a free port
+(torch's own launcher binds its store on every interface), starts one worker process per rank
+with the environment torchrun would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``), and watches them:
+
+- each worker gets plain data only (a payload file: the resolved recipe text, its hash, the
+  overrides, the working directory) and builds its own objects from it;
+- the first Ctrl-C / SIGTERM is passed to every rank once (the ranks agree on a step to stop
+  after and rank 0 checkpoints it); a second one kills them;
+- when a rank dies, the survivors are stopped within seconds and the driver exits 1 naming it.
+Workers die with the driver (PR_SET_PDEATHSIG), so a killed job leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from runner.errors import RunnerError
+from runner.launch.payload import Payload
+
+LOOPBACK = "127.0.0.1"
+# After one rank fails, how long the others get to notice (a broken collective) and exit
+# before they are killed.
+GRACE_S = 3.0
+POLL_S = 0.05
+
+
+def _loopback_store(timeout_s: float) -> tuple[object, int, socket.socket]:
+    """A TCPStore server listening on 127.0.0.1 only (a socket bound here is handed to it)."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(LOOPBACK, port, is_master=True, master_listen_fd=sock.fileno(),
+                          wait_for_workers=False, multi_tenant=True,
+                          timeout=timedelta(seconds=timeout_s))
+    return store, port, sock
+
+
+def rank_env(rank: int, world: int, port: int, run_id: str) -> dict[str, str]:
+    """The environment of one local rank, as torchrun sets it (plus loopback-only gloo)."""
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
+    return {
+        **os.environ,
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_RUN_ID": run_id, "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": threads, "POSTTRAIN_DRIVER_PID": str(os.getpid()),
+    }
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Ranks:
+    """The worker processes and what the driver does with them."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+        self.signals = 0
+
+    def forward(self, signum: int, frame: object) -> None:
+        self.signals += 1
+        sig = signum if self.signals == 1 else signal.SIGKILL
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            p.wait()
+
+    def watch(self) -> int:
+        """Wait for every rank; the job's exit code. A failed rank stops the others."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c is not None and c not in (0, 130)]
+            if failed:
+                rank, code = failed[0]
+                deadline = time.monotonic() + GRACE_S
+                while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+                    time.sleep(POLL_S)
+                self.kill()
+                if code == 2 and all(p.returncode == 2 for p in self.procs):
+                    return 2  # the same recipe error on every rank (already printed by each)
+                raise RunnerError(f"rank {rank} (pid {self.procs[rank].pid}) {_describe(code)}; "
+                                  f"the other ranks were stopped. The latest complete checkpoint "
+                                  f"is intact: run the same command again to resume")
+            if all(c is not None for c in codes):
+                return 130 if 130 in codes else 0
+            time.sleep(POLL_S)
+
+
+def launch_torchrun(payload: Payload, world: int, timeout_s: float) -> int:
+    """Run ``world`` ranks of the payload's recipe on this machine; returns the exit code."""
+    with tempfile.TemporaryDirectory(prefix="posttrain-launch-") as tmp:
+        path = Path(tmp) / "payload.json"
+        payload.write(path)
+        store, port, sock = _loopback_store(timeout_s)
+        run_id = f"posttrain-{os.getpid()}-{port}"
+        cmd = [sys.executable, "-m", "runner.launch.worker", str(path)]
+        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        procs: list[subprocess.Popen] = []
+        ranks = _Ranks(procs)
+        try:
+            for s in old:
+                signal.signal(s, ranks.forward)
+            for rank in range(world):
+                procs.append(subprocess.Popen(cmd, env=rank_env(rank, world, port, run_id),
+                                              cwd=payload.cwd, start_new_session=True))
+            return ranks.watch()
+        finally:
+            ranks.kill()
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            del store  # the store owns the listening socket and closes it
+            sock.detach()
+

@@ -1,0 +1,295 @@
+"""Assembling a run on one rank, shared by every algorithm: ``assemble(...) -> RunContext``.
+
+The order follows DESIGN §6: the data is built and the saved cursor checked against it
+*before* any model is constructed, so a resume that cannot be exact fails in seconds. Every
+rank builds its own objects from the recipe (datasets, packers, models, engine); then the ranks
+exchange what they built (success, data fingerprint, hashes of the model files) and stop
+together, naming the rank and role, when anything failed or differs. Only rank 0 writes the
+run folder (resolved recipe, metrics, checkpoints) and shows progress.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from runner.data.cursor import DataCursor, check_resume
+from runner.errors import Problem, RecipeError, RunnerError
+from runner.launch.collective import Collective
+from runner.launch.context import RankContext
+from runner.recipe.checks import batch_key
+from runner.recipe.plan import RunPlan
+from runner.recipe.resolved import write_resolved
+from runner.recipe.schema import Recipe
+from runner.state.checkpoint import (
+    LoadedCheckpoint,
+    TrainingState,
+    capture_rng,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from runner.train.handshake import handshake, model_files_hash
+from runner.train.policy import scheduler_state
+from runner.train.roles import Rollout, Trainable, prepare_trainable
+from runner.ui import MetricsLog, Reporter
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """A seed for (run seed, step, purpose): the same whether or not the run was resumed."""
+    return (seed * 1_000_003 + step * 9_176 + salt) % 2**31
+
+
+def item_seed(seed: int, step: int, position: int) -> int:
+    """The sampling seed of the item at global batch position ``position`` of ``step``: the
+    same whatever the number of ranks."""
+    return (step_seed(seed, step) * 1_000_033 + position * 7_777) % 2**63
+
+
+@attrs.define
+class RunContext:
+    """One rank's live objects of a run, built by ``assemble``."""
+
+    recipe: Recipe
+    plan: RunPlan
+    rank: RankContext
+    comm: Collective
+    reporter: Reporter
+    accelerator: Any
+    start_step: int
+    ckpt: LoadedCheckpoint | None
+    data: Any  # runner.data.cursor.PromptStream, or DatasetPreferenceEnv for DPO
+    parts: dict[str, str]
+    val_items: list[Any]  # this rank's shard of the held-out prompts
+    model_path: Path  # the base model folder (tokenizer and packers come from it)
+    tokenizer: Any
+    policy: Trainable
+    policy_packer: Any
+    rollout: Rollout | None
+    metrics: MetricsLog
+
+    @property
+    def rollout_packer(self) -> Any:
+        return self.rollout.packer if self.rollout else self.policy_packer
+
+    def build_packer(self) -> Any:
+        """A fresh packer from the student's factory (each role builds its own)."""
+        from runner.models import read_model_type
+        from runner.packers import build_packer
+
+        model_type = self.recipe.model.model_type or read_model_type(self.model_path)
+        return build_packer(self.model_path, model_type, self.recipe.data_packer.factory)
+
+    def sync_weights(self) -> None:
+        if self.rollout is not None:
+            self.rollout.update_weights(self.policy.named_weights())
+
+    def save(self, step: int, extra: dict[str, Trainable] | None = None) -> Path | None:
+        """Checkpoint ``step``: every rank's RNG state goes to rank 0, which writes; the ranks
+        leave together once the checkpoint is complete."""
+        rngs = self.comm.gather(capture_rng())
+        path = None
+        if self.rank.is_main:
+            path = write_checkpoint(self, step, rngs, extra or {})
+        self.comm.barrier()
+        return path
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.rollout is not None:
+            self.rollout.close()
+
+
+def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable]) -> Path:
+    cursor = run.data.cursor
+    state = TrainingState(
+        step=step,
+        cursor={"cursor": json.loads(cursor.to_json()), "parts": run.parts},
+        scheduler=scheduler_state(run.policy.scheduler),
+        extra={name: {"scheduler": scheduler_state(t.scheduler)} for name, t in extra.items()},
+        world_size=run.plan.world_size, items_per_step=run.plan.items_per_step,
+    )
+    return save_checkpoint(
+        run.plan.checkpoint_dir, step, model=run.policy.unwrapped(), tokenizer=run.tokenizer,
+        optimizer=run.policy.optimizer, state=state, metrics_rows=run.metrics.rows,
+        extra_modules={name: t.unwrapped() for name, t in extra.items()},
+        keep_last=run.recipe.checkpoint.keep_last, rng_per_rank=rngs,
+        extra_optimizers={name: t.optimizer for name, t in extra.items()})
+
+
+def find_resume(recipe: Recipe, plan: RunPlan) -> LoadedCheckpoint | None:
+    if recipe.checkpoint.resume == "never":
+        return None
+    path = latest_checkpoint(plan.checkpoint_dir)
+    return load_checkpoint(path) if path is not None else None
+
+
+def check_world_change(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint) -> None:
+    """Another world size continues exactly only over the same global batch."""
+    saved_world, saved_items = ckpt.state.world_size, ckpt.state.items_per_step
+    if saved_world == plan.world_size or saved_items == plan.items_per_step:
+        return
+    key, _ = batch_key(recipe)
+    raise RecipeError([Problem(
+        "launch.num_processes", f"the checkpoint {ckpt.path.name} was written by {saved_world} "
+        f"rank(s) with {key} = {saved_items}; resuming on {plan.world_size} rank(s) with "
+        f"{plan.items_per_step} would not continue the same data", got=plan.world_size,
+        hint=f"keep {key} = {saved_items} (any launch.num_processes dividing it), or start a new "
+        "run.output_dir")])
+
+
+def resume_cursor(recipe: Recipe, ckpt: LoadedCheckpoint | None, parts_now: dict[str, str]
+                  ) -> DataCursor | None:
+    """The cursor to continue from, under ``data.cursor_resume`` (raises ResumeError)."""
+    saved = saved_parts = None
+    if ckpt is not None and ckpt.state.cursor is not None:
+        saved = DataCursor.from_json(json.dumps(ckpt.state.cursor["cursor"]))
+        saved_parts = ckpt.state.cursor.get("parts")
+    if ckpt is None and recipe.data.cursor_resume == "strict":
+        return None  # a fresh run: nothing to resume, strict has nothing to object to
+    return check_resume(saved, parts_now, saved_parts, recipe.data.cursor_resume,
+                        seed=recipe.run.seed)
+
+
+def make_accelerator(recipe: Recipe) -> Any:
+    from accelerate import Accelerator
+
+    cpu = recipe.run.device == "cpu" or (recipe.run.device == "auto" and not torch.cuda.is_available())
+    return Accelerator(cpu=cpu, mixed_precision=recipe.train.precision)
+
+
+def _open_data(recipe: Recipe, ctx: RankContext) -> tuple[Any, Any, dict[str, str]]:
+    """(training source or DPO env, held-out source or None, fingerprint parts)."""
+    if recipe.algo.kind == "dpo":
+        from runner.data.preference import DatasetPreferenceEnv
+
+        env = DatasetPreferenceEnv.from_recipe(recipe, rank=ctx.rank, world=ctx.world_size)
+        return env, None, env.fingerprint_parts()
+    from runner.data.membership import check_overlap
+    from runner.data.sources import build_prompt_sources, check_columns
+
+    train, val = build_prompt_sources(recipe.data, recipe.algo.kind)
+    check_columns(train)
+    if val is not None:
+        check_columns(val)
+        check_overlap(train, val)
+    return train, val, train.fingerprint_parts()
+
+
+def _stream(recipe: Recipe, ctx: RankContext, opened: tuple[Any, Any, Any],
+            cursor: DataCursor | None) -> tuple[Any, list[Any]]:
+    """This rank's data stream and its shard of the held-out prompts (DPO: the env, no items)."""
+    from runner.data.order import shard
+
+    train, val, _ = opened
+    if recipe.algo.kind == "dpo":
+        if cursor is None:
+            return train, []
+        from runner.data.preference import DatasetPreferenceEnv
+
+        return DatasetPreferenceEnv.from_recipe(recipe, rank=ctx.rank, world=ctx.world_size,
+                                                cursor=cursor), []
+    from runner.data.cursor import PromptStream
+
+    stream = PromptStream(train, recipe.run.seed, recipe.data.shuffle, rank=ctx.rank,
+                          world=ctx.world_size, cursor=cursor)
+    if val is None:
+        return stream, []
+    return stream, [val.item(int(i)) for i in shard(np.arange(len(val)), ctx.rank, ctx.world_size)]
+
+
+class _Steps:
+    """Runs the build in named roles, remembering the first that failed (and how)."""
+
+    def __init__(self) -> None:
+        self.failed: tuple[str, BaseException] | None = None
+
+    def __call__(self, role: str, build: Callable[[], Any]) -> Any:
+        if self.failed is not None:
+            return None
+        try:
+            return build()
+        except (RunnerError, RecipeError, OSError, ValueError, RuntimeError, ImportError) as exc:
+            self.failed = (role, exc)
+            return None
+
+
+def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, reporter: Reporter,
+             source: str, overrides: Sequence[str]) -> RunContext:
+    from runner.models import load_causal_lm, load_tokenizer, read_model_type, resolve_model_path
+    from runner.packers import build_packer
+    from runner.rollout.factory import make_engine
+
+    seed_everything(recipe.run.seed, recipe.run.deterministic)
+    step = _Steps()
+    ckpt = step("checkpoint", lambda: find_resume(recipe, plan))
+    if ckpt is not None:
+        step("checkpoint", lambda: check_world_change(recipe, plan, ckpt))
+    opened = step("data", lambda: _open_data(recipe, ctx))
+    parts = opened[2] if opened else {}
+    cursor = step("data", lambda: resume_cursor(recipe, ckpt, parts))  # before any model
+    data, val_items = step("data", lambda: _stream(recipe, ctx, opened, cursor)) or (None, [])
+    if ctx.is_main and step.failed is None:
+        step("output", lambda: (plan.output_dir.mkdir(parents=True, exist_ok=True),
+                                write_resolved(recipe, plan.resolved_path, overrides, source)))
+    start_step = 0
+    if ckpt is not None and step.failed is None:
+        restore_rng(ckpt.rng_of_rank(ctx.rank), ckpt.rng_tensors_of_rank(ctx.rank))
+        start_step = ckpt.state.step
+        reporter.message(f"resuming {recipe.run.name!r} from {ckpt.path} (step {start_step})")
+    base = step("policy", lambda: resolve_model_path(recipe.model.path))
+    trust, dtype = recipe.model.trust_remote_code, recipe.model.dtype
+    model_type = step("policy", lambda: recipe.model.model_type or read_model_type(base))
+    # The tokenizer and packers come from the base folder: training changes weights only.
+    tokenizer = step("policy", lambda: load_tokenizer(base, trust_remote_code=trust))
+    accelerator = step("policy", lambda: make_accelerator(recipe))
+    model_dir = ckpt.model_dir if ckpt else base
+    policy = step("policy", lambda: prepare_trainable(
+        accelerator, load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust), recipe,
+        ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
+        ckpt_scheduler=ckpt.state.scheduler if ckpt else None))
+    factory = recipe.data_packer.factory
+    packer = step("policy", lambda: build_packer(base, model_type, factory))
+    rollout = None
+    if recipe.algo.kind != "dpo":
+        rollout = step("rollout", lambda: Rollout(make_engine(recipe, model_dir),
+                                                  build_packer(base, model_type, factory)))
+    fingerprint = data.cursor.fingerprint if data is not None else ""
+    hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, base)))
+              if ctx.world_size > 1 else {})
+    handshake(comm, ctx, step.failed, fingerprint, hashes)
+    metrics = MetricsLog(plan.metrics_path if ctx.is_main else None,
+                         ckpt.metrics_rows if ckpt else [],
+                         plan.output_dir / "tensorboard" if recipe.logging.tensorboard and ctx.is_main
+                         else None)
+    return RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
+                      parts, val_items, base, tokenizer, policy, packer, rollout, metrics)
+
+
+def _model_folders(recipe: Recipe, base: Path) -> dict[str, Path]:
+    """The model folders every rank must hold identically, by role."""
+    from runner.models import resolve_model_path
+
+    folders = {"policy": base}
+    algo = recipe.algo
+    if algo.kind == "opd":
+        folders["teacher"] = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
+    if algo.kind == "ppo" and algo.critic_path:
+        folders["critic"] = resolve_model_path(algo.critic_path, key="algo.critic_path")
+    return folders

@@ -1,0 +1,132 @@
+"""Batches across ranks: which rows of the global batch this rank holds, minibatches drawn
+from the global order, each micro-batch's share of the global loss, and metric reduction.
+
+The data rule (``runner.data.order``) gives rank r the items r, r + w, r + 2w, ... of every
+global batch; an item contributes ``chunk`` consecutive rows (its samples). Every rank draws
+the same permutation of the *global* rows for each epoch, so a minibatch is the same set of
+rows whatever the number of ranks, and each rank trains on the part of it that it holds. Loss
+normalisers (tokens or sequences of the whole minibatch) are global, and every micro-batch loss
+is multiplied by the world size because DDP averages gradients over ranks: one rank or N, the
+update is that of the one big batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from runner.launch.collective import Collective, interleave
+from runner.train.policy import split_even
+from runner.train.roles import Trainable, optimizer_step
+
+
+@attrs.frozen
+class Layout:
+    """This rank's place in a global batch of ``items`` items of ``chunk`` rows each."""
+
+    rank: int
+    world: int
+    items: int  # global items per step
+    chunk: int  # rows per item
+
+    @property
+    def global_rows(self) -> int:
+        return self.items * self.chunk
+
+    def global_row(self, local: int) -> int:
+        """The global row of local row ``local``."""
+        item, sample = divmod(local, self.chunk)
+        return (item * self.world + self.rank) * self.chunk + sample
+
+    def global_item(self, local_item: int) -> int:
+        return local_item * self.world + self.rank
+
+    def local_rows(self, global_rows: torch.Tensor) -> list[int]:
+        """Local indices of the global rows this rank holds, in the given order."""
+        out = []
+        for g in global_rows.tolist():
+            item, sample = divmod(g, self.chunk)
+            if item % self.world == self.rank:
+                out.append((item // self.world) * self.chunk + sample)
+        return out
+
+
+def gather_rows(comm: Collective, layout: Layout, values: Sequence[Any]) -> list[Any]:
+    """Per-row values of every rank, in global row order."""
+    return interleave(comm.gather(list(values)), chunk=layout.chunk)
+
+
+@attrs.frozen
+class Minibatch:
+    rows: list[int]  # this rank's local rows
+    weights: list[float]  # each local row's part of the normaliser (its tokens, or 1)
+    total: float  # the normaliser of the whole global minibatch
+
+
+def minibatches(layout: Layout, weights_global: Sequence[float], n_minibatches: int,
+                generator_seed: int) -> list[Minibatch]:
+    """The epoch's minibatches: a permutation of the global rows seeded by ``generator_seed``
+    (the same on every rank), split into ``n_minibatches`` even parts."""
+    order = torch.randperm(layout.global_rows, generator=torch.Generator().manual_seed(generator_seed))
+    out = []
+    for part in split_even(layout.global_rows, n_minibatches):
+        rows_global = order[part]
+        local = layout.local_rows(rows_global)
+        total = float(sum(weights_global[g] for g in rows_global.tolist()))
+        out.append(Minibatch(local, [weights_global[layout.global_row(r)] for r in local], total))
+    return out
+
+
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+def train_minibatch(trainables: Sequence[Trainable], mb: Minibatch, loss_fn: LossFn, accum: int,
+                    world: int, max_grad_norm: float) -> dict[str, float]:
+    """One optimizer step over this rank's part of ``mb``, in up to ``accum`` micro-batches.
+
+    ``loss_fn(rows)`` returns the loss normalised within those rows (a mean over their tokens
+    or sequences) and its metrics; each is weighted by the rows' share of the global
+    minibatch. Returns this rank's share-weighted metrics (summing them over ranks gives the
+    minibatch's) and the gradient norm. A rank that holds no row of ``mb`` still takes part
+    (DDP synchronises every rank) with a zero-weighted loss on its first row.
+    """
+    pieces = [mb.rows[s] for s in split_even(len(mb.rows), max(1, accum))] or [[]]
+    weights = dict(zip(mb.rows, mb.weights, strict=True))
+    sums: dict[str, float] = {}
+
+    def micro(rows: list[int]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            share = sum(weights[r] for r in rows) / mb.total if rows and mb.total else 0.0
+            loss, metrics = loss_fn(torch.tensor(rows or [0]))
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * share
+            return loss * (share * world)
+
+        return run
+
+    norm = optimizer_step(trainables, [micro(p) for p in pieces], max_grad_norm)
+    return {**sums, "grad_norm": norm / world}  # summed over ranks: the (shared) norm
+
+
+def reduce_history(comm: Collective, history: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Sum each optimizer step's share-weighted metrics over ranks, then average over steps."""
+    keys = sorted({k for h in history for k in h})
+    flat = comm.sum([h.get(k, 0.0) for h in history for k in keys])
+    n = len(history)
+    return {k: sum(flat[i * len(keys) + j] for i in range(n)) / max(1, n) for j, k in enumerate(keys)}
+
+
+def select_rows(batch: Any, idx: torch.Tensor) -> Any:
+    """Rows ``idx`` of a padded batch, trimmed to their longest sequence."""
+    width = int(batch.attention_mask_BT[idx].sum(-1).max())
+    return attrs.evolve(batch, **{name: getattr(batch, name)[idx, :width] for name in
+                                  ("input_ids_BT", "attention_mask_BT", "position_ids_BT",
+                                   "loss_mask_BT", "seq_ids_BT")})
+
+
+def global_mean(comm: Collective, values: Sequence[float]) -> float:
+    total, count = comm.sum([float(sum(values)), float(len(values))])
+    return total / max(1.0, count)

@@ -1,0 +1,134 @@
+"""The roles of a run behind small interfaces: the trained modules (policy, critic), the frozen
+models (reference, teacher), and the rollout (engine + its packer).
+
+Loops call these methods and never reach into a role's internals, so a role can later live in
+another process without the loops changing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from runner.packers.base import DataPacker, PolicyBatch
+from runner.recipe.schema import Recipe
+from runner.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
+from runner.train.policy import batch_logprobs, make_optimizer, make_scheduler
+from runner.types import ObsBundle
+
+
+@attrs.define
+class Trainable:
+    """A trained module with its optimizer and schedule, prepared by Accelerate (DDP across
+    ranks when there are several)."""
+
+    model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    accelerator: Any
+
+    def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch_logprobs(self.model, batch, temperature)
+
+    def unwrapped(self) -> Any:
+        return self.accelerator.unwrap_model(self.model)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((n, p.detach()) for n, p in self.unwrapped().named_parameters())
+
+
+def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | None = None,
+                      ckpt_optimizer: dict[str, Any] | None = None,
+                      ckpt_scheduler: dict[str, Any] | None = None) -> Trainable:
+    model.train()
+    optimizer = make_optimizer(model, recipe.train, lr)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if ckpt_optimizer is not None:
+        optimizer.load_state_dict(ckpt_optimizer)
+    scheduler = make_scheduler(optimizer, recipe.train, recipe.run.max_steps)
+    if ckpt_scheduler is not None:
+        scheduler.load_state_dict({**scheduler.state_dict(), **ckpt_scheduler})
+    return Trainable(model, optimizer, scheduler, accelerator)
+
+
+def optimizer_step(trainables: Sequence[Trainable], micro_losses: Sequence[Callable[[], torch.Tensor]],
+                   max_grad_norm: float) -> float:
+    """One optimizer step of every trainable from the summed micro-batch losses (each already
+    weighted by its share of the batch): backward each, clip each module, step each. Returns
+    the first module's gradient norm (NaN without clipping).
+
+    Gradients are synchronised across ranks on the last micro-batch only.
+    """
+    for t in trainables:
+        t.optimizer.zero_grad(set_to_none=True)
+    acc = trainables[0].accelerator
+    for i, loss_fn in enumerate(micro_losses):
+        if i < len(micro_losses) - 1:
+            with acc.no_sync(trainables[0].model):
+                if len(trainables) > 1:
+                    with _no_sync_all(acc, trainables[1:]):
+                        acc.backward(loss_fn())
+                else:
+                    acc.backward(loss_fn())
+        else:
+            acc.backward(loss_fn())
+    norms = [float(acc.clip_grad_norm_(t.model.parameters(), max_grad_norm))
+             if max_grad_norm > 0 else float("nan") for t in trainables]
+    for t in trainables:
+        t.optimizer.step()
+    return norms[0]
+
+
+class _no_sync_all:
+    def __init__(self, acc: Any, trainables: Sequence[Trainable]) -> None:
+        self.contexts = [acc.no_sync(t.model) for t in trainables]
+
+    def __enter__(self) -> None:
+        for c in self.contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
+
+
+class Frozen:
+    """A frozen model that scores batches: the reference, or the teacher's model."""
+
+    def __init__(self, path: Path, recipe: Recipe, device: Any) -> None:
+        from runner.models import load_causal_lm
+
+        self.path = path
+        self.model = load_causal_lm(path, dtype=recipe.model.dtype,
+                                    trust_remote_code=recipe.model.trust_remote_code)
+        self.model.requires_grad_(False).eval().to(device)
+
+    @torch.no_grad()
+    def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch_logprobs(self.model, batch, temperature)
+
+
+class Rollout:
+    """The rollout role: the engine and the rollout-side packer that feeds it."""
+
+    def __init__(self, engine: RolloutEngine, packer: DataPacker) -> None:
+        self.engine = engine
+        self.packer = packer
+
+    def generate(self, items: Sequence[ObsBundle], sampling: SamplingConfig,
+                 seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
+        prompts = [self.packer.encode_rollout_input(self.packer.get_rollout_input(item))
+                   for item in items]
+        return self.engine.generate(prompts, sampling, seeds)
+
+    def update_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named)
+
+    def close(self) -> None:
+        self.engine.close()
