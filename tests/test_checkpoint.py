@@ -51,7 +51,7 @@ def test_round_trip_is_bitwise(tmp_path, model):
     path = _save(tmp_path, 3, model, opt)
     expected = (random.random(), np.random.rand(), torch.rand(1))
     ckpt = load_checkpoint(path)
-    restore_rng(ckpt.rng, ckpt.rng_tensors)
+    restore_rng(ckpt.rng_of_rank(0), ckpt.rng_tensors_of_rank(0))
     assert (random.random(), np.random.rand()) == expected[:2]
     assert torch.equal(torch.rand(1), expected[2])
     reloaded = Qwen2ForCausalLM.from_pretrained(ckpt.model_dir)

@@ -51,8 +51,8 @@ class ModelConfig:
         "", "Overrides config.json's model_type when picking the built-in DataPacker."
     )
     trust_remote_code: bool = key(False, "Allow the model folder's own Python code to run.")
-    dtype: Literal["float32", "bfloat16", "float16"] = key(
-        "float32", "Parameter dtype of the policy (float32 on CPU)."
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = key(
+        "float32", "Parameter dtype of the policy (float32 on CPU; float64 for numerical checks)."
     )
 
 
@@ -265,6 +265,8 @@ class LoggingConfig:
     every_steps: int = key(1, "Write metrics every N steps.")
     tensorboard: bool = key(False, "Also write TensorBoard event files.")
     sample_every: int = key(10, "Show a sample prompt and completion every N steps (0: never).")
+    item_ids: bool = key(False, "Log the global ids of every step's items (metrics key "
+                         "data/item_ids): which data each step trained on, on any number of ranks.")
 
 
 @attrs.frozen

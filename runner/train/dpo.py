@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from runner.algorithms.dpo import DPOLossInputs, dpo_loss
+from runner.launch.collective import interleave
 from runner.packers.base import RLPolicyInput
 from runner.recipe.schema import DPOConfig
 from runner.train.assemble import RunContext
@@ -96,7 +97,9 @@ def one_step(run: DPORun, step: int) -> dict[str, Any]:
     history = [train_minibatch([ctx.policy], whole, loss_fn, ctx.recipe.train.grad_accum_steps,
                                ctx.rank.world_size, ctx.recipe.train.max_grad_norm)]
     ctx.policy.scheduler.step()
-    return {**reduce_history(ctx.comm, history), "lr": ctx.policy.scheduler.get_last_lr()[0],
+    ids = ({"data/item_ids": interleave(ctx.comm.gather([p.id for p in pairs]))}
+           if ctx.recipe.logging.item_ids else {})
+    return {**reduce_history(ctx.comm, history), "lr": ctx.policy.scheduler.get_last_lr()[0], **ids,
             "time/update": time.perf_counter() - t0}
 
 

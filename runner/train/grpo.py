@@ -31,7 +31,14 @@ from runner.train.batches import (
 from runner.train.loop import run_loop
 from runner.train.policy import completion_grid
 from runner.train.roles import Frozen
-from runner.train.rollouts import Trajectory, evaluate, reward_side_prefixes, sample, score
+from runner.train.rollouts import (
+    Trajectory,
+    evaluate,
+    item_ids_metric,
+    reward_side_prefixes,
+    sample,
+    score,
+)
 
 
 def run(run: RunContext) -> dict[str, Any]:
@@ -70,7 +77,7 @@ def _one_step(run: RunContext, algo: GRPOConfig, rewards: Any, reference: Frozen
     return {
         "reward/mean": float(r.mean()), "reward/max": float(r.max()),
         **{k: v / run.rank.world_size for k, v in parts.items()},
-        "completion_len": n_tokens / n_completions, **metrics,
+        "completion_len": n_tokens / n_completions, **metrics, **item_ids_metric(traj),
         "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
         "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9),
         "perf/train_tok_s": algo.ppo_epochs * traj.n_tokens / max(t3 - t2, 1e-9),

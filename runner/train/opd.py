@@ -29,7 +29,15 @@ from runner.train.batches import Layout, Minibatch, reduce_history, select_rows,
 from runner.train.loop import run_loop
 from runner.train.policy import batch_logprobs, completion_grid, forward_logits
 from runner.train.roles import Frozen
-from runner.train.rollouts import Trajectory, evaluate, roll_out, sample, sampling, score
+from runner.train.rollouts import (
+    Trajectory,
+    evaluate,
+    item_ids_metric,
+    roll_out,
+    sample,
+    sampling,
+    score,
+)
 
 
 class Teacher:
@@ -186,7 +194,7 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
     reward_sum, n = run.comm.sum([sum(traj.rewards), len(traj.rewards)])
     parts = dict(zip(traj.reward_parts, run.comm.sum(list(traj.reward_parts.values())), strict=True))
     return {"reward/mean": reward_sum / n, **{k: v / layout.world for k, v in parts.items()},
-            **reduce_history(run.comm, history),
+            **reduce_history(run.comm, history), **item_ids_metric(traj),
             "time/rollout": t1 - t0, "time/teacher": t2 - t1, "time/update": t3 - t2,
             "time/sync": t4 - t3, "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
 

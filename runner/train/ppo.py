@@ -30,7 +30,7 @@ from runner.train.batches import (
 )
 from runner.train.loop import run_loop
 from runner.train.roles import Frozen, Trainable, prepare_trainable
-from runner.train.rollouts import evaluate, sample, score
+from runner.train.rollouts import evaluate, item_ids_metric, sample, score
 
 CRITIC = "critic"
 
@@ -147,7 +147,7 @@ def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen,
     parts = dict(zip(traj.reward_parts, run.comm.sum(list(traj.reward_parts.values())), strict=True))
     return {"reward/mean": float(r.mean()), "reward/max": float(r.max()),
             **{k: v / layout.world for k, v in parts.items()},
-            "kl": kl_sum / max(1.0, n_tok), **reduce_history(run.comm, history),
+            "kl": kl_sum / max(1.0, n_tok), **reduce_history(run.comm, history), **item_ids_metric(traj),
             "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
             "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from runner.launch.collective import interleave
 from runner.packers.base import DataPacker, RLPolicyInput
 from runner.recipe.schema import RolloutConfig
 from runner.rewards import RewardSet
@@ -25,6 +26,7 @@ class Trajectory:
     completions: tuple[Completion, ...]
     rewards: tuple[float, ...] = ()
     reward_parts: dict[str, float] = attrs.field(factory=dict)
+    item_ids: tuple[int, ...] = ()  # the step's global item ids, with logging.item_ids
 
     @property
     def texts(self) -> list[str]:
@@ -95,9 +97,18 @@ def sample(run: RunContext, n_prompts: int, n_samples: int, step: int) -> Trajec
     ``n_samples`` completions each, seeded by each prompt's global position in the batch: the
     rollout every GRPO / PPO / OPD step starts with."""
     world, rank = run.rank.world_size, run.rank.rank
-    items = run.data.next_batch(n_prompts // world)
+    indexed = run.data.next_indexed(n_prompts // world)
+    items = [item for _, item in indexed]
     seeds = [item_seed(run.recipe.run.seed, step, j * world + rank) for j in range(len(items))]
-    return roll_out(run.rollout, items, sampling(run.recipe.rollout, n_samples, 0), seeds)
+    traj = roll_out(run.rollout, items, sampling(run.recipe.rollout, n_samples, 0), seeds)
+    if run.recipe.logging.item_ids:
+        ids = interleave(run.comm.gather([i for i, _ in indexed]))
+        traj = attrs.evolve(traj, item_ids=tuple(ids))
+    return traj
+
+
+def item_ids_metric(traj: Trajectory) -> dict[str, list[int]]:
+    return {"data/item_ids": list(traj.item_ids)} if traj.item_ids else {}
 
 
 def score(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:

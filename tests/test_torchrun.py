@@ -1,0 +1,228 @@
+"""Multi-process runs (``launch.backend = "torchrun"``, gloo on 127.0.0.1): rank-correct from
+data to checkpoint.
+
+- the same world size reproduces bitwise, also across a stop, a Ctrl-C and a SIGKILL;
+- 1 rank and 2 ranks on the same global batch train on the same items and, in float64, end
+  with the same weights (to 1e-10 relative) for every algorithm;
+- resuming on another world size continues the same items; a changed global batch is refused;
+- a dead rank ends the job quickly, naming it, and the rerun resumes exactly;
+- an external launcher's environment gives the same run as the built-in launcher.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+
+from runner.launch.payload import Payload
+from runner.recipe import load_recipe
+from runner.recipe.resolved import recipe_hash
+from tests.conftest import RECIPES
+from tests.multiproc import (
+    descendants,
+    item_ids,
+    listeners_of,
+    run_external,
+    run_ranks,
+    start_ranks,
+)
+from tests.resume_helpers import (
+    assert_same_run,
+    deterministic_rows,
+    final_weights,
+    wait_for_checkpoint,
+    wait_for_step,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+GRPO = "recipes/grpo-arith.toml"
+N = 4
+SMALL = ("algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatches=2",
+         "rollout.max_new_tokens=4", "data.validation.size=8", "train.eval_every=2",
+         "checkpoint.every_steps=1", "checkpoint.keep_last=5", "logging.sample_every=0",
+         "logging.item_ids=true")
+FILES = ("model/model.safetensors", "optimizer.safetensors")
+
+
+def test_worker_recipe_hashes_as_the_drivers():
+    for path in RECIPES:
+        recipe = load_recipe(path, ["launch.backend=torchrun", "launch.num_processes=2"]
+                             if "smollm2" not in path.name else [])
+        payload = Payload.of(recipe, source=str(path), overrides=(), cwd=".", plain=True)
+        assert recipe_hash(payload.recipe()) == recipe_hash(recipe), path.name
+
+
+def test_tampered_payload_is_refused():
+    from runner.errors import RunnerError
+
+    payload = Payload.of(load_recipe(GRPO), source=GRPO, overrides=(), cwd=".", plain=True)
+    bad = Payload(payload.recipe_text.replace("seed = 0", "seed = 1"), payload.recipe_hash,
+                  payload.source, (), ".", True)
+    with pytest.raises(RunnerError, match="would not run the same recipe"):
+        bad.recipe()
+
+
+def test_bad_dotted_path_is_reported_by_the_driver(tmp_path):
+    done = run_ranks(GRPO, tmp_path, 2, "data.factory=no_such_module.build")
+    assert done.returncode == 2, done.stderr
+    assert "data.factory" in done.stderr and "no_such_module" in done.stderr
+    assert "rank" not in done.stderr  # the driver refused it: no rank was started
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_uneven_batch_is_a_recipe_error(tmp_path):
+    done = run_ranks(GRPO, tmp_path, 3, "algo.prompts_per_step=4")
+    assert done.returncode == 2
+    assert "algo.prompts_per_step" in done.stderr and "launch.num_processes" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two")
+    done = run_ranks(GRPO, out, 2, f"run.max_steps={N}", *SMALL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def test_two_ranks_reproduce_bitwise(two_ranks, tmp_path):
+    done = run_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
+    assert done.returncode == 0, done.stderr
+    assert_same_run(tmp_path, two_ranks, N, FILES)
+    assert len(item_ids(tmp_path)) == N and all(len(ids) == 4 for ids in item_ids(tmp_path))
+
+
+def test_two_ranks_stop_and_resume(two_ranks, tmp_path):
+    assert run_ranks(GRPO, tmp_path, 2, "run.max_steps=2", *SMALL).returncode == 0
+    done = run_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
+    assert done.returncode == 0, done.stderr
+    assert "resuming" in done.stdout
+    assert_same_run(tmp_path, two_ranks, N, FILES)
+
+
+def test_two_ranks_sigkill_of_the_job_and_ctrl_c(two_ranks, tmp_path):
+    proc = start_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
+    wait_for_checkpoint(proc, tmp_path, 1)
+    import os
+
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and (through it) every rank
+    proc.wait(timeout=30)
+    time.sleep(0.5)
+    proc = start_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL, "checkpoint.every_steps=100")
+    wait_for_step(proc, tmp_path, 3)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    assert proc.wait(timeout=120) == 130, proc.stdout.read()
+    done = run_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
+    assert done.returncode == 0, done.stderr
+    assert_same_run(tmp_path, two_ranks, N, FILES)
+
+
+def test_dead_rank_ends_the_job_and_the_rerun_is_exact(two_ranks, tmp_path):
+    proc = start_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
+    wait_for_checkpoint(proc, tmp_path, 2)
+    ranks = sorted(descendants(proc.pid) - {proc.pid})
+    assert len(ranks) == 2, ranks
+    killed_at = time.monotonic()
+    import os
+
+    os.kill(ranks[1], signal.SIGKILL)
+    code = proc.wait(timeout=60)
+    output = proc.stdout.read()
+    assert code == 1 and time.monotonic() - killed_at < 30
+    assert "rank 1" in output and "SIGKILL" in output
+    done = run_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
+    assert done.returncode == 0, done.stderr
+    assert_same_run(tmp_path, two_ranks, N, FILES)
+
+
+def test_listeners_are_on_loopback_only(tmp_path):
+    proc = start_ranks(GRPO, tmp_path, 2, "run.max_steps=3", *SMALL)
+    wait_for_step(proc, tmp_path, 1)
+    addresses = listeners_of(descendants(proc.pid))
+    proc.wait(timeout=120)
+    assert addresses, "no listener seen while the ranks ran"
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+
+
+def test_external_launcher_gives_the_same_run(two_ranks, tmp_path):
+    done = run_external(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
+    assert [d.returncode for d in done] == [0, 0], [d.stderr for d in done]
+    assert_same_run(tmp_path, two_ranks, N, FILES)
+
+
+# --- 1 rank vs 2 ranks -----------------------------------------------------------------------
+
+ALGOS = {
+    "grpo": (GRPO, ("algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatches=2",
+                    "train.grad_accum_steps=2", "rollout.max_new_tokens=4")),
+    "ppo": ("recipes/ppo-arith.toml", ("algo.prompts_per_step=4", "algo.minibatches=2",
+                                       "rollout.max_new_tokens=4")),
+    "opd": ("recipes/opd-arith.toml", ("algo.prompts_per_step=4", "train.grad_accum_steps=2",
+                                       "rollout.max_new_tokens=4")),
+    "dpo": ("recipes/dpo-arith.toml", ("algo.pairs_per_step=8", "train.grad_accum_steps=2")),
+}
+COMMON = ("run.max_steps=3", "data.validation.size=8", "train.eval_every=3", "logging.item_ids=true",
+          "logging.sample_every=0")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("algo", sorted(ALGOS))
+def test_one_rank_and_two_ranks_agree_in_float64(algo, tmp_path):
+    recipe, extra = ALGOS[algo]
+    runs = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}"
+        done = run_ranks(recipe, out, world, *COMMON, *extra, "model.dtype=float64")
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[world] = out
+    assert item_ids(runs[1]) == item_ids(runs[2]) and len(item_ids(runs[1])) == 3
+    one, two = final_weights(runs[1], 3), final_weights(runs[2], 3)
+    assert one.keys() == two.keys()
+    worst = max(_rel(two[k], one[k]) for k in one if one[k].norm() > 0)
+    assert worst < 1e-10, worst
+    start = final_weights(runs[1], 1)
+    assert any(not torch.equal(start[k], one[k]) for k in one)  # training moved the weights
+
+
+def test_first_step_agrees_in_float32(tmp_path):
+    rows = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}"
+        done = run_ranks(GRPO, out, world, *COMMON, *ALGOS["grpo"][1], "run.max_steps=1")
+        assert done.returncode == 0, done.stderr
+        rows[world] = deterministic_rows(out)[-1]
+    one, two = rows[1], rows[2]
+    assert one["data/item_ids"] == two["data/item_ids"]
+    assert one["reward/mean"] == two["reward/mean"]
+    assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-6 * abs(one["grad_norm"])
+    # The loss is a mean of advantage-weighted terms that nearly cancel (group advantages sum
+    # to 0): its float32 error is relative to the size of those terms, ~|adv| = O(1).
+    assert abs(one["loss"] - two["loss"]) <= 1e-6 * max(abs(one["loss"]), one["adv_abs_mean"])
+
+
+# --- another world size ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size_continues_the_items(first, second, tmp_path):
+    straight = tmp_path / "straight"
+    assert run_ranks(GRPO, straight, first, f"run.max_steps={N}", *SMALL).returncode == 0
+    out = tmp_path / "moved"
+    assert run_ranks(GRPO, out, first, "run.max_steps=2", *SMALL).returncode == 0
+    done = run_ranks(GRPO, out, second, f"run.max_steps={N}", *SMALL)
+    assert done.returncode == 0, done.stderr
+    assert item_ids(out) == item_ids(straight)
+    one, two = final_weights(out, N), final_weights(straight, N)
+    assert max(_rel(one[k], two[k]) for k in one if two[k].norm() > 0) < 1e-4
+
+
+def test_resume_with_another_batch_and_world_is_refused(tmp_path):
+    assert run_ranks(GRPO, tmp_path, 2, "run.max_steps=1", *SMALL).returncode == 0
+    done = run_ranks(GRPO, tmp_path, 1, "run.max_steps=2", *SMALL, "algo.prompts_per_step=2")
+    assert done.returncode == 2
+    assert "launch.num_processes" in done.stderr and "algo.prompts_per_step" in done.stderr
