@@ -226,3 +226,17 @@ def test_resume_with_another_batch_and_world_is_refused(tmp_path):
     done = run_ranks(GRPO, tmp_path, 1, "run.max_steps=2", *SMALL, "algo.prompts_per_step=2")
     assert done.returncode == 2
     assert "launch.num_processes" in done.stderr and "algo.prompts_per_step" in done.stderr
+
+
+@pytest.mark.vllm
+def test_vllm_on_two_ranks_keeps_each_engine_in_sync(tmp_path):
+    """Each rank builds its own vLLM engine; after every weight sync, the engine's logprobs of
+    the tokens it samples equal its policy's (``rollout/logprob_gap``, the largest difference
+    over both ranks' tokens) while the weights move."""
+    done = run_ranks(GRPO, tmp_path, 2, "run.max_steps=3", *SMALL, "rollout.engine=vllm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [r for r in deterministic_rows(tmp_path) if "rollout/logprob_gap" in r]
+    assert len(rows) == 3
+    assert all(r["rollout/logprob_gap"] < 1e-5 for r in rows), rows
+    first, last = final_weights(tmp_path, 1), final_weights(tmp_path, 3)
+    assert any(not torch.equal(first[k], last[k]) for k in first)

@@ -32,6 +32,7 @@ def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collect
     run = assemble(recipe, plan, ctx, comm, reporter, source, overrides)
     try:
         result = loop(run) | {"metrics": run.metrics.rows}
+        comm.barrier()  # leave together: no rank tears its connections down under another
     finally:
         run.close()
     if ctx.is_main:

@@ -96,11 +96,13 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
     width = batch.input_ids_BT.shape[1] - 1
     temperature = recipe.rollout.temperature
     with torch.no_grad():
-        if algo.old_logprobs == "engine":
-            old_BT = completion_grid(inputs, [c.logprobs for c in traj.completions], width).to(device)
-        else:
-            old_BT = policy.logprobs(batch, temperature)[0]
+        engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions], width).to(device)
+        policy_BT, mask_BT = policy.logprobs(batch, temperature)
+        old_BT = engine_BT if algo.old_logprobs == "engine" else policy_BT
         ref_BT = reference.logprobs(batch, temperature)[0] if reference is not None else None
+        # The engine sampled with the weights the policy had before this update: their
+        # logprobs of the sampled tokens differ only by numerics (a stale engine shows here).
+        gap = float(((engine_BT - policy_BT).abs() * mask_BT).max()) if mask_BT.any() else 0.0
     tokens = [float(t) for t in batch.loss_mask_BT[:, 1:].sum(-1).tolist()]
     weights = gather_rows(run.comm, layout, tokens if algo.loss_agg == "token_mean" else
                           [1.0] * len(tokens))
@@ -124,4 +126,5 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
     out = reduce_history(run.comm, history)
     out["lr"] = policy.scheduler.get_last_lr()[0]
     out["adv_abs_mean"] = float(adv_all.abs().mean())
+    out["rollout/logprob_gap"] = max(run.comm.gather(gap))
     return out
