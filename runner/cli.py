@@ -79,8 +79,13 @@ def worker_main(argv: Sequence[str]) -> int:
 
 def _rank_prefix() -> str:
     """'rank N: ' before error lines when this process is one of several ranks."""
-    world, rank = os.environ.get("WORLD_SIZE"), os.environ.get("RANK")
-    return f"rank {rank}: " if world not in (None, "1") and rank is not None else ""
+    from runner.launch.context import RankContext
+
+    try:
+        ctx = RankContext.from_env()
+    except RunnerError:
+        return ""
+    return f"rank {ctx.rank}: " if ctx is not None and ctx.world_size > 1 else ""
 
 
 def _guarded(run: Callable[[], int], prefix: str = "") -> int:

@@ -195,6 +195,7 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
     parts = dict(zip(traj.reward_parts, run.comm.sum(list(traj.reward_parts.values())), strict=True))
     return {"reward/mean": reward_sum / n, **{k: v / layout.world for k, v in parts.items()},
             **reduce_history(run.comm, history), **item_ids_metric(traj),
+            "lr": run.policy.scheduler.get_last_lr()[0],
             "time/rollout": t1 - t0, "time/teacher": t2 - t1, "time/update": t3 - t2,
             "time/sync": t4 - t3, "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
 

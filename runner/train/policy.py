@@ -10,12 +10,14 @@ from typing import Any
 import torch
 
 from runner.algorithms.logprobs import token_logprobs
+from runner.algorithms.masked import at_least_float32
 from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import TrainConfig
 
 
 def forward_logits(model: Any, batch: PolicyBatch) -> torch.Tensor:
-    """Logits predicting token t+1 from tokens <= t: shape [B, T-1, V], float32."""
+    """Logits predicting token t+1 from tokens <= t: shape [B, T-1, V], float32 (float64 when
+    the model computes in float64)."""
     # No KV cache: none is needed to score, and transformers only detects packed sequences (and
     # builds the block-diagonal mask from the restarting position ids) when there is none.
     if batch.packed:
@@ -23,7 +25,7 @@ def forward_logits(model: Any, batch: PolicyBatch) -> torch.Tensor:
     else:
         out = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
                     position_ids=batch.position_ids_BT, use_cache=False)
-    return out.logits[:, :-1].float()
+    return at_least_float32(out.logits[:, :-1])
 
 
 def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0

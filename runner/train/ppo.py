@@ -41,7 +41,8 @@ class ValueModel(torch.nn.Module):
     def __init__(self, backbone: Any, hidden_size: int) -> None:
         super().__init__()
         self.backbone = backbone
-        self.v_head = torch.nn.Linear(hidden_size, 1)
+        dtype = torch.promote_types(next(backbone.parameters()).dtype, torch.float32)
+        self.v_head = torch.nn.Linear(hidden_size, 1, dtype=dtype)
         torch.nn.init.zeros_(self.v_head.weight)
         torch.nn.init.zeros_(self.v_head.bias)
 
@@ -50,7 +51,7 @@ class ValueModel(torch.nn.Module):
         kwargs = {} if batch.packed else {"attention_mask": batch.attention_mask_BT}
         hidden = self.backbone(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT,
                                use_cache=False, **kwargs).last_hidden_state
-        return self.v_head(hidden[:, :-1].float()).squeeze(-1)
+        return self.v_head(hidden[:, :-1].to(self.v_head.weight.dtype)).squeeze(-1)
 
 
 def build_critic(run: RunContext) -> Trainable:
@@ -147,7 +148,7 @@ def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen,
     parts = dict(zip(traj.reward_parts, run.comm.sum(list(traj.reward_parts.values())), strict=True))
     return {"reward/mean": float(r.mean()), "reward/max": float(r.max()),
             **{k: v / layout.world for k, v in parts.items()},
-            "kl": kl_sum / max(1.0, n_tok), **reduce_history(run.comm, history), **item_ids_metric(traj),
+            "kl": kl_sum / max(1.0, n_tok), "lr": run.policy.scheduler.get_last_lr()[0], **reduce_history(run.comm, history), **item_ids_metric(traj),
             "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
             "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
 
