@@ -1,6 +1,8 @@
 """Cross-field rules of a recipe, as pure functions ``Recipe -> list[Problem]``.
 
-They run before anything heavy is imported; each problem names the key path it is about.
+They run before anything heavy is imported; each problem names the key path it is about. This
+is the one place each rule is written: the data layer (``runner.data``) and the losses
+(``runner.algorithms``) take a checked recipe and do not check these again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def check_dpo_source(r: Recipe) -> list[Problem]:
                                     got=getattr(r.data, k),
                                     hint="use data.jsonl_path, data.tar_path, "
                                     "data.synthetic_pairs or data.factory"))
+    if _set(r.data.validation.path):
+        problems.append(Problem("data.validation.path", "DPO reads held-out pairs from "
+                                "data.validation.jsonl_path or data.validation.factory",
+                                got=r.data.validation.path,
+                                hint="use data.validation.jsonl_path for a file of pairs"))
     return problems
 
 
