@@ -63,3 +63,14 @@ def test_hub_name_fails_fast_offline(run_cli, monkeypatch):
     assert ("data.name: cannot load hub dataset nobody/no-such-dataset: the hub cannot be "
             "reached (127.0.0.1:9: ") in err, err
     assert "Traceback" not in err
+
+
+def test_dpo_answer_payload_the_packer_cannot_read_is_one_line(run_cli):
+    rc, out, err = run_cli("--plain", "--dry-run", "recipes/dpo-arith.toml",
+                           "data.factory=tests.extmods.callables.caption_pairs",
+                           "data.synthetic_pairs=0", "data.validation.enabled=false")
+    assert rc == 2 and "Traceback" not in err
+    assert err.startswith("data_packer.factory: pair train-0: the chosen answer is a mapping with "
+                          "keys ['caption', 'image'], which DecoderOnlyLLMDataPacker cannot turn "
+                          "into text"), err
+    assert len(err.splitlines()) == 1
