@@ -68,8 +68,8 @@ def test_sigmoid_gradient_at_equal_policy():
 
 
 def test_settings_are_checked_with_the_recipe_not_in_the_loss():
-    from runner.recipe import recipe_from_mapping
     from runner.errors import RecipeError
+    from runner.recipe import recipe_from_mapping
 
     def problems(**algo):
         try:

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from runner.rewards import build_rewards
 from runner.recipe.schema import RewardConfig
+from runner.rewards import build_rewards
 from runner.types import ObsBundle
 from tests.conftest import REPO
 

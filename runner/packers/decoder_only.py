@@ -16,10 +16,8 @@ carry more than text (images, audio) needs a packer subclass that reads them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-from collections.abc import Mapping
 
 from runner.errors import Problem, RecipeError
 from runner.packers.base import DataPacker, RLPolicyInput
