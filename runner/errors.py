@@ -75,3 +75,14 @@ class RuntimeFailure(RunnerError):
         self.step = step
         where = f"{role}" + (f" at step {step}" if step is not None else "")
         super().__init__(f"{where}: {message}")
+
+
+class RewardFailure(RuntimeFailure):
+    """Reward functions failed on a batch: ``failures`` holds (function name, item index or
+    None, what happened) for each one, in the recipe's order. The step fails; the loop decides
+    what becomes of the run (earlier checkpoints are never touched)."""
+
+    def __init__(self, step: int | None, failures: Iterable[tuple[str, int | None, str]]) -> None:
+        self.failures = tuple(failures)
+        super().__init__("reward", step, "; ".join(
+            f"{name} {what}" for name, _, what in self.failures))

@@ -1,11 +1,15 @@
-"""``--validate``: import every dotted path of a recipe and check it can be called as configured.
+"""``--validate``: import every dotted path of a recipe and check it can be called as configured;
+check the model folders exist and the output folder can be made.
 
 Nothing is constructed here (no dataset, no packer): construction belongs to the owning role.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from runner.errors import ExtensionError, Problem
@@ -32,17 +36,71 @@ def _calls(recipe: Recipe) -> list[tuple[str, str, tuple, dict[str, Any]]]:
     return [c for c in calls if c[1]]
 
 
-def validate_models(recipe: Recipe) -> list[Problem]:
-    """Model-level checks that need the model folders (built-in models are built once, cached):
-    OPD same_tokenizer needs one vocabulary for student and teacher."""
-    if recipe.algo.kind != "opd" or recipe.algo.mode != "same_tokenizer":
-        return []
+def _model_paths(recipe: Recipe) -> list[tuple[str, str]]:
+    """(key, path) of every model folder the recipe names."""
+    paths = [("model.path", recipe.model.path)]
+    if recipe.algo.kind == "opd":
+        paths.append(("algo.teacher_path", recipe.algo.teacher_path))
+    if recipe.algo.kind == "ppo" and recipe.algo.critic_path:
+        paths.append(("algo.critic_path", recipe.algo.critic_path))
+    return paths
+
+
+def check_model_folder(path: str, key: str) -> list[Problem]:
+    """A ``builtin:NAME`` must be a known name (nothing is built); any other path a folder
+    holding config.json."""
     from runner.errors import RecipeError
-    from runner.models import resolve_model_path
-    from runner.train.opd import check_same_vocab
+    from runner.models import read_model_type, resolve_model_path
 
     try:
-        check_same_vocab(resolve_model_path(recipe.model.path), resolve_model_path(recipe.algo.teacher_path))
+        if path.startswith("builtin:"):
+            read_model_type(path, key=key)  # answers from the table; unknown names raise
+        else:
+            resolve_model_path(path, key=key)
+    except RecipeError as exc:
+        return list(exc.problems)
+    return []
+
+
+def check_output_dir(output_dir: str, key: str = "run.output_dir") -> list[Problem]:
+    """The output folder exists as a writable folder, or can be made: its deepest existing
+    ancestor must be a folder in which a folder can be made (tried with a temporary one, removed
+    at once; nothing else is created)."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        return [Problem(key, "exists and is not a folder", got=output_dir,
+                        hint="choose a folder path for the run's outputs")]
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return [Problem(key, f"cannot be made: {ancestor} is not a folder", got=output_dir,
+                        hint="choose a folder path for the run's outputs")]
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".posttrain-probe-", dir=ancestor))
+    except OSError as exc:
+        return [Problem(key, f"cannot be made: no folder can be created in {ancestor} "
+                        f"({exc.strerror or exc})", got=output_dir,
+                        hint="choose a writable location for run.output_dir")]
+    return []
+
+
+def validate_models(recipe: Recipe) -> list[Problem]:
+    """Checks that need the local file system: every model folder exists (built-in names are
+    known), the output folder can be made, and OPD same_tokenizer has one vocabulary for
+    student and teacher (built-in models are built once for that, then cached)."""
+    problems = [p for key, path in _model_paths(recipe) for p in check_model_folder(path, key)]
+    problems += check_output_dir(recipe.run.output_dir)
+    if problems or recipe.algo.kind != "opd" or recipe.algo.mode != "same_tokenizer":
+        return problems
+    from runner.errors import RecipeError
+    from runner.models import resolve_model_path
+    from runner.models.vocab import check_same_vocab
+
+    try:
+        check_same_vocab(resolve_model_path(recipe.model.path),
+                         resolve_model_path(recipe.algo.teacher_path),
+                         trust_remote_code=recipe.model.trust_remote_code)
     except RecipeError as exc:
         return list(exc.problems)
     return []

@@ -1,13 +1,88 @@
-"""Shared fixtures: repository paths and a helper that runs the CLI in-process."""
+"""Shared fixtures: repository paths, a helper that runs the CLI in-process, and a guard that
+keeps every test in this process off the network (only loopback and unix sockets)."""
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import pathlib
+import socket
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.toml")) + sorted((REPO / "examples").glob("*.toml"))
+
+_LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", socket.gethostname()}
+
+
+def _own_addresses() -> set[str]:
+    """This machine's own addresses (engines such as vLLM bind and dial them): those its name
+    resolves to locally, and the source address of its default route (a UDP socket's connect
+    sends nothing)."""
+    found: set[str] = set()
+    try:
+        found.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))
+            found.add(probe.getsockname()[0])
+    except OSError:
+        pass
+    return found
+
+
+_LOCAL_NAMES |= _own_addresses()
+
+
+def _is_local(host: object) -> bool:
+    if not isinstance(host, str):
+        host = host.decode() if isinstance(host, bytes) else str(host)
+    if host in _LOCAL_NAMES or host == "":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """A TCP connection or a name lookup that would leave the machine raises OSError at once.
+
+    UDP ``connect`` sends nothing and is allowed (libraries use it to find their own address);
+    subprocesses are not covered: the helpers that start them set the hub libraries offline.
+    """
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+    real_getaddrinfo = socket.getaddrinfo
+
+    def refuse(address: object) -> OSError:
+        return OSError(errno.ENETUNREACH, f"tests may not reach the network (tried {address!r})")
+
+    def leaves(sock: socket.socket, address: object) -> bool:
+        return (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+                and isinstance(address, tuple) and not _is_local(address[0]))
+
+    def connect(self, address):
+        if leaves(self, address):
+            raise refuse(address)
+        return real_connect(self, address)
+
+    def connect_ex(self, address):
+        if leaves(self, address):
+            return errno.ENETUNREACH
+        return real_connect_ex(self, address)
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host is not None and not _is_local(host):
+            raise socket.gaierror(socket.EAI_NONAME, f"tests may not look up {host!r}")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
 
 @pytest.fixture

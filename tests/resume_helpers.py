@@ -28,7 +28,8 @@ def _env() -> dict[str, str]:
     """The CLI's environment: one intra-op thread unless OMP_NUM_THREADS is set. The models are
     tiny; on a shared 2-core machine two spinning OpenMP threads made a 4-step PPO run take 38 s
     instead of 6 s. Runs compared with each other all use the same setting."""
-    return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO)}
+    return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO),
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # nothing may leave the machine
 
 
 def start_cli(recipe: str, out: Path, *overrides: str) -> subprocess.Popen:
@@ -36,17 +37,33 @@ def start_cli(recipe: str, out: Path, *overrides: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
 
 
+class WaitTimedOut(AssertionError):
+    """A wait gave up: the run neither got there nor ended. The test fails with what it saw."""
+
+
+def _timed_out(proc: subprocess.Popen, what: str, timeout: float) -> WaitTimedOut:
+    proc.kill()
+    output = proc.communicate()[0] or ""
+    return WaitTimedOut(f"waited {timeout:g} s for {what}; the run was still going (killed). "
+                        f"Its output:\n{output[-4000:]}")
+
+
 def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
-    """Wait until metrics.jsonl has a row for ``step`` (or the process ends)."""
+    """Wait until metrics.jsonl has a row for ``step`` or the process ends; raise WaitTimedOut
+    (after killing it) when neither happens within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if any(r["step"] >= step for r in rows(out)):
             return
         time.sleep(0.05)
+    if proc.poll() is None:
+        raise _timed_out(proc, f"metrics of step {step}", timeout)
 
 
 def wait_for_checkpoint_write(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> bool:
-    """Wait until ``proc`` writes checkpoint ``step`` (its temporary folder exists); True if seen.
+    """Wait until ``proc`` writes checkpoint ``step`` (its temporary folder exists); True if seen,
+    False if it was written between two polls or the process ended. WaitTimedOut (after killing
+    it) when none of these happens within ``timeout`` seconds.
 
     Polls every 2 ms: writing a tiny model's checkpoint takes tens of milliseconds. The folder
     name carries the writer's pid, so one left by an earlier killed run does not count.
@@ -60,17 +77,22 @@ def wait_for_checkpoint_write(proc: subprocess.Popen, out: Path, step: int, time
         if (root / step_dirname(step)).is_dir():
             return False  # written and renamed between two polls
         time.sleep(0.002)
+    if proc.poll() is None:
+        raise _timed_out(proc, f"checkpoint {step} to be written", timeout)
     return False
 
 
 def wait_for_checkpoint(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
-    """Wait until a complete checkpoint of ``step`` or later exists (or the process ends)."""
+    """Wait until a complete checkpoint of ``step`` or later exists or the process ends; raise
+    WaitTimedOut (after killing it) when neither happens within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         done = complete_checkpoints(out / "checkpoints")
         if done and checkpoint_step(done[-1]) >= step:
             return
         time.sleep(0.02)
+    if proc.poll() is None:
+        raise _timed_out(proc, f"a complete checkpoint of step {step}", timeout)
 
 
 def kill_at_random_points(recipe: str, out: Path, steps: int, overrides: tuple[str, ...],

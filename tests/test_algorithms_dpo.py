@@ -67,13 +67,26 @@ def test_sigmoid_gradient_at_equal_policy():
     close(pc.grad, [-0.05], atol=1e-12)
 
 
-def test_invalid_settings_raise():
-    with pytest.raises(ValueError, match="sigmoid loss only"):
-        dpo_losses(*pairs(), beta=0.1, loss_type="ipo", label_smoothing=0.1)
-    with pytest.raises(ValueError, match="label_smoothing"):
-        dpo_losses(*pairs(), beta=0.1, label_smoothing=0.7)
-    with pytest.raises(ValueError, match="beta"):
-        dpo_losses(*pairs(), beta=0.0)
+def test_settings_are_checked_with_the_recipe_not_in_the_loss():
+    from runner.errors import RecipeError
+    from runner.recipe import recipe_from_mapping
+
+    def problems(**algo):
+        try:
+            recipe_from_mapping({"algo": {"kind": "dpo", **algo}})
+        except RecipeError as exc:
+            return exc.lines()
+        return []
+
+    assert problems(loss="ipo", label_smoothing=0.1) == [
+        "algo.label_smoothing: applies to the sigmoid loss only, but algo.loss is 'ipo' (got 0.1). "
+        "Set algo.label_smoothing = 0, or algo.loss = 'sigmoid'."]
+    assert problems(label_smoothing=0.5) == ["algo.label_smoothing: must be in [0, 0.5) (got 0.5)."]
+    assert problems(label_smoothing=0.49) == []
+    assert problems(beta=0.0) == ["algo.beta: must be > 0 (got 0.0)."]
+    assert problems(sft_weight=-1.0) == ["algo.sft_weight: must be >= 0 (got -1.0)."]
+    with pytest.raises(ValueError, match="loss_type"):
+        dpo_losses(*pairs(), beta=0.1, loss_type="hinge")  # type: ignore[arg-type]
 
 
 def test_dpo_loss_metrics():
@@ -89,6 +102,38 @@ def test_dpo_loss_metrics():
     assert metrics["rejected_reward"] == pytest.approx(-3.08 / 3, abs=1e-12)
     assert metrics["chosen_logprob"] == pytest.approx(-11.5 / 3, abs=1e-12)
     assert metrics["rejected_logprob"] == pytest.approx(-51.1 / 3, abs=1e-12)
+
+
+def test_sft_weight_adds_the_per_token_nll_of_chosen_by_hand():
+    # Policy = reference: each pair's preference loss is ln 2. Chosen answers of 2 and 3 tokens
+    # with logprobs -2 and -6: per-token NLL 1 and 2, mean 1.5. With sft_weight 0.5:
+    # loss = ln 2 + 0.75.
+    pc = t([-2.0, -6.0]).requires_grad_()
+    pr = t([-3.0, -4.0])
+    inputs = DPOLossInputs(policy_chosen_B=pc, policy_rejected_B=pr, ref_chosen_B=t([-2.0, -6.0]),
+                           ref_rejected_B=pr, chosen_tokens_B=torch.tensor([2, 3]))
+    loss, metrics = dpo_loss(inputs, DPOConfig(beta=0.1, sft_weight=0.5))
+    close(loss, LN2 + 0.75, atol=1e-12)
+    assert metrics["preference_loss"] == pytest.approx(LN2, abs=1e-12)
+    assert metrics["chosen_nll"] == pytest.approx(1.5, abs=1e-12)
+    loss.backward()
+    # d/d pc_b: preference term -beta/2 / B = -0.025; NLL term 0.5 * (-1 / tokens_b) / B
+    close(pc.grad, [-0.025 - 0.125, -0.025 - 0.5 / 6], atol=1e-12)
+
+
+def test_sft_weight_zero_is_the_plain_loss_and_needs_no_token_counts():
+    pc, pr, rc, rr = pairs()
+    plain, _ = dpo_loss(DPOLossInputs(policy_chosen_B=pc, policy_rejected_B=pr, ref_chosen_B=rc,
+                                      ref_rejected_B=rr), DPOConfig(beta=0.1))
+    counted, metrics = dpo_loss(DPOLossInputs(policy_chosen_B=pc, policy_rejected_B=pr,
+                                              ref_chosen_B=rc, ref_rejected_B=rr,
+                                              chosen_tokens_B=torch.tensor([1, 2, 4])),
+                                DPOConfig(beta=0.1))
+    assert torch.equal(plain, counted)
+    assert metrics["chosen_nll"] == pytest.approx((0.5 + 5.0 + 0.25) / 3, abs=1e-12)
+    with pytest.raises(ValueError, match="chosen_tokens_B"):
+        dpo_loss(DPOLossInputs(policy_chosen_B=pc, policy_rejected_B=pr, ref_chosen_B=rc,
+                               ref_rejected_B=rr), DPOConfig(beta=0.1, sft_weight=1.0))
 
 
 def test_token_and_sequence_logprobs_by_hand():

@@ -135,9 +135,13 @@ def test_factory_pairs_and_their_errors():
     with pytest.raises(ExtensionError, match=rf"data.factory: {HERE}.not_triples: item 0 is a "
                        r"tuple, not a \(prompt, winner, loser\) triple"):
         build_pair_source(DataConfig(factory=f"{HERE}.not_triples", validation=OFF)).pair(0)
+    from runner.recipe import recipe_from_mapping
+
+    # Which keys combine is a recipe rule, checked once with the recipe.
     with pytest.raises(RecipeError, match="data.factory: a DPO factory cannot be combined with "
                        "data.synthetic_pairs"):
-        build_pair_source(DataConfig(factory=f"{HERE}.triples", synthetic_pairs=3))
+        recipe_from_mapping({"algo": {"kind": "dpo"},
+                             "data": {"factory": f"{HERE}.triples", "synthetic_pairs": 3}})
 
 
 def test_factory_without_membership_ids_fails_at_setup_when_validating():
@@ -166,8 +170,10 @@ def test_custom_training_pairs_need_a_held_out_source(tmp_path):
     with pytest.raises(RecipeError, match="validation is on but no held-out set is given for "
                        "the data.jsonl_path training source"):
         DatasetPreferenceEnv(DataConfig(jsonl_path=path), seed=0)
+    from runner.recipe import recipe_from_mapping
+
     with pytest.raises(RecipeError, match="data.validation.path: DPO reads held-out pairs"):
-        DatasetPreferenceEnv(DataConfig(validation=ValidationConfig(path=path)), seed=0)
+        recipe_from_mapping({"algo": {"kind": "dpo"}, "data": {"validation": {"path": path}}})
 
 
 # --- tar archives ----------------------------------------------------------------------------

@@ -23,7 +23,9 @@ def _examples_importable(monkeypatch):
 def test_default_recipe_rows():
     rows = dict(describe_data(Recipe()))
     assert list(rows) == ["data source", "dataset size", "first item", "order", "fingerprint",
-                          "cursor resume", "held-out"]
+                          "cursor resume", "held-out", "overlap check"]
+    assert rows["overlap check"] == ("training ids from the problem keys, held-out ids from the "
+                                     "problem keys")
     assert rows["data source"] == "builtin: built-in arithmetic (train)"
     assert rows["dataset size"] == "2000"
     assert rows["held-out"] == "64 items, builtin: built-in arithmetic (held_out)"
@@ -46,7 +48,17 @@ def test_ppo_rows_with_validation_off():
         factory=f"{EX}.build_prompt_dataset", prompt_column="question", response_column="answer",
         shuffle=False, validation=ValidationConfig(enabled=False)))))
     assert rows["first item"] == '{"prompt": "What is 0 + 7?", "reference": "7"}'
-    assert (rows["order"], rows["held-out"]) == ("file order", "off")
+    assert (rows["order"], rows["held-out"]) == ("file order", "off: data.validation.enabled is false")
+
+
+def test_custom_source_without_held_out_set_says_it_trains_without_evaluation():
+    rows = dict(describe_data(Recipe(data=DataConfig(
+        factory=f"{EX}.build_prompt_dataset", prompt_column="question", response_column="answer"))))
+    assert rows["held-out"] == (
+        "none: no held-out set is given for the data.factory training source, so the run trains "
+        "without held-out evaluation; set data.validation.factory or data.validation.path to "
+        "evaluate")
+    assert "overlap check" not in rows
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.toml")), ids=lambda p: p.name)

@@ -47,8 +47,30 @@ def test_missing_column_exits_2_listing_columns(run_cli):
     assert "column 'q'" in err and "'question'" in err and "Traceback" not in err
 
 
-def test_hub_name_fails_fast_offline(run_cli):
+def test_hub_name_fails_fast_offline(run_cli, monkeypatch):
+    """Nothing leaves the machine: the hub endpoint is a loopback port nothing listens on, so
+    the probe is refused and datasets is asked from its cache only."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     rc, _, err = run_cli("--plain", "--dry-run", GRPO, "data.name=nobody/no-such-dataset",
                          "data.validation.enabled=false")
     assert rc == 2
-    assert "nobody/no-such-dataset" in err
+    assert ("data.name: cannot load hub dataset nobody/no-such-dataset: the hub cannot be "
+            "reached (127.0.0.1:9: ") in err, err
+    assert "Traceback" not in err
+
+
+def test_dpo_answer_payload_the_packer_cannot_read_is_one_line(run_cli):
+    rc, out, err = run_cli("--plain", "--dry-run", "recipes/dpo-arith.toml",
+                           "data.factory=tests.extmods.callables.caption_pairs",
+                           "data.synthetic_pairs=0", "data.validation.enabled=false")
+    assert rc == 2 and "Traceback" not in err
+    assert err.startswith("data_packer.factory: pair train-0: the chosen answer is a mapping with "
+                          "keys ['caption', 'image'], which DecoderOnlyLLMDataPacker cannot turn "
+                          "into text"), err
+    assert len(err.splitlines()) == 1

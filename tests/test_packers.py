@@ -135,3 +135,97 @@ def test_abstract_base_cannot_be_instantiated():
     with pytest.raises(TypeError):
         DataPacker()  # type: ignore[abstract]
     assert issubclass(DecoderOnlyLLMDataPacker, DataPacker)
+
+
+# --- DPO answer payloads ----------------------------------------------------------------------
+
+PAIR = ObsBundle("What is 3 + 4?", id="train-3")
+
+
+@pytest.mark.parametrize("chosen, rejected", [
+    ("7", "8"),
+    ({"text": "7"}, {"text": "8"}),
+    ({"sample": "7"}, {"sample": "8"}),
+    ({"role": "assistant", "content": "7"}, {"role": "assistant", "content": "8"}),
+    ([{"role": "assistant", "content": "7"}], [{"role": "assistant", "content": "8"}]),
+], ids=["text", "text-field", "sample-field", "one-message", "message-list"])
+def test_preference_payload_shapes_pack_like_plain_text(packer, chosen, rejected):
+    want = packer.get_preference_input(PAIR, "7", "8")
+    assert packer.get_preference_input(PAIR, chosen, rejected) == want
+    c, r = want
+    assert c.completion_ids == (*packer.tokenizer("7", add_special_tokens=False)["input_ids"],
+                                packer.eos_token_id)
+    assert c.input_ids[:c.n_prompt_tokens] == r.input_ids[:r.n_prompt_tokens]
+
+
+@pytest.mark.parametrize("payload, found", [
+    ({"image": "a.png", "caption": "x"}, "a mapping with keys ['caption', 'image']"),
+    ({"text": "7", "sample": "7"}, "a mapping with keys ['sample', 'text']"),
+    ({"text": 7}, "a mapping with keys ['text']"),
+    ({"role": "user", "content": "7"}, "a mapping with keys ['content', 'role']"),
+    ([{"role": "assistant", "content": "7"}] * 2, "a list of 2 element(s)"),
+    (7, "a int"),
+], ids=["other-keys", "two-fields", "not-text", "user-role", "two-messages", "number"])
+def test_other_payload_shapes_are_a_recipe_error_naming_pair_and_keys(packer, payload, found):
+    with pytest.raises(RecipeError) as info:
+        packer.get_preference_input(PAIR, payload, payload)
+    (line,) = info.value.lines()
+    assert line.startswith(f"data_packer.factory: pair train-3: the chosen answer is {found}")
+    assert "'text', 'content', 'sample'" in line and "packer subclass" in line
+
+
+def test_answer_text_doctests():
+    import doctest
+
+    from runner.packers import decoder_only
+
+    assert doctest.testmod(decoder_only).failed == 0
+
+
+# --- the contract declared on the base class ---------------------------------------------------
+
+def test_a_packer_missing_a_method_the_loops_call_fails_when_built():
+    from runner.models import resolve_model_path
+
+    path = resolve_model_path("builtin:tiny-arith")
+    with pytest.raises(ExtensionError) as info:
+        build_packer(path, "qwen2", "tests.extmods.packers.build_incomplete_packer")
+    (line,) = info.value.lines()
+    assert line.startswith("data_packer.factory: tests.extmods.packers.build_incomplete_packer: "
+                           "raised TypeError when called: ")
+    for name in ("decode", "encode_with_offsets", "eos_token_id", "get_preference_input"):
+        assert name in line
+    assert "subclass runner.packers.DecoderOnlyLLMDataPacker" in line
+
+
+def test_model_options_reach_the_packer_before_setup():
+    from runner.models import resolve_model_path
+
+    path = resolve_model_path("builtin:tiny-arith")
+    seen = build_packer(path, "qwen2", "tests.extmods.packers.build_recording_packer",
+                        trust_remote_code=True, dtype="bfloat16").seen_at_setup
+    assert seen == (True, "bfloat16")
+    default = build_packer(path, "qwen2", "tests.extmods.packers.build_recording_packer")
+    assert default.seen_at_setup == (False, "float32")
+
+
+def test_trust_remote_code_reaches_the_tokenizer_load(monkeypatch):
+    from runner import models
+    from runner.models import resolve_model_path
+
+    path = resolve_model_path("builtin:tiny-arith")
+    calls = []
+    real = models.load_tokenizer
+    monkeypatch.setattr(models, "load_tokenizer",
+                        lambda p, trust_remote_code=False: calls.append(trust_remote_code) or real(p))
+    build_packer(path, "qwen2", trust_remote_code=True)
+    build_packer(path, "qwen2")
+    assert calls == [True, False]
+
+
+def test_encode_with_offsets_spans_the_text(packer):
+    text = "What is 12 + 30?"
+    ids, spans = packer.encode_with_offsets(text)
+    assert ids == packer.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(spans) == len(ids) and spans[0][0] == 0 and spans[-1][1] == len(text)
+    assert "".join(text[a:b] for a, b in spans).replace(" ", "") == text.replace(" ", "")

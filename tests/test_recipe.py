@@ -158,9 +158,26 @@ def test_teacher_factory_only_for_cross_token_opd():
     ({"data": {"factory": "not a path"}}, "data.factory"),
     ({"launch": {"backend": "ray"}}, "launch.backend"),
     ({"launch": {"num_processes": 2}}, "launch.num_processes"),
+    ({"reward": {"timeout_s": -1.0}}, "reward.timeout_s"),
+    ({"algo": {"kind": "dpo", "sft_weight": -0.1}}, "algo.sft_weight"),
+    ({"algo": {"kind": "dpo", "loss": "ipo", "label_smoothing": 0.1}}, "algo.label_smoothing"),
+    ({"eval": {"max_new_tokens": -1}}, "eval.max_new_tokens"),
+    ({"eval": {"num_samples": 0}}, "eval.num_samples"),
+    ({"eval": {"temperature": -0.5}}, "eval.temperature"),
+    ({"eval": {"num_samples": 4}}, "eval.num_samples"),  # several greedy samples are all the same
 ])
 def test_range_rules_name_key(raw, key):
     assert f"r.toml: {key}:" in one_problem(raw)
+
+
+def test_new_keys_defaults_reproduce_todays_behaviour():
+    r = Recipe()
+    assert (r.eval.max_new_tokens, r.eval.num_samples, r.eval.temperature) == (0, 1, 0.0)
+    assert r.reward.timeout_s == 60.0 and r.train.disable_dropout is True
+    assert DPOConfig().sft_weight == 0.0
+    ok = recipe_from_mapping({"eval": {"num_samples": 4, "temperature": 0.7, "max_new_tokens": 32},
+                              "algo": {"kind": "dpo", "sft_weight": 0.2}})
+    assert ok.eval.num_samples == 4 and ok.algo.sft_weight == 0.2
 
 
 # --- overrides -----------------------------------------------------------------------------

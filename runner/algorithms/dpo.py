@@ -2,8 +2,14 @@
 
 Direct Preference Optimization (Rafailov et al. 2023, arXiv:2305.18290), its squared IPO
 variant (Azar et al. 2023, arXiv:2310.12036) and conservative DPO label smoothing
-(Mitchell 2023, "A note on DPO with noisy preferences"). Inputs are summed sequence
-log-probabilities (see ``runner.algorithms.logprobs.sequence_logprobs``).
+(Mitchell 2023, "A note on DPO with noisy preferences"), and the NLL-on-chosen term of RPO
+(Pang et al. 2024, "Iterative Reasoning Preference Optimization", arXiv:2404.19733; its
+``alpha`` is ``algo.sft_weight``). Inputs are summed sequence log-probabilities (see
+``runner.algorithms.logprobs.sequence_logprobs``).
+
+The settings are checked once, with the recipe (``runner.recipe.checks``: beta > 0,
+label_smoothing in [0, 0.5) and only with the sigmoid loss, sft_weight >= 0); the functions
+here take them as given.
 """
 
 from __future__ import annotations
@@ -36,10 +42,6 @@ def dpo_losses(
     ipo:     loss = (h - 1 / (2 beta))^2   (label smoothing does not apply)
     Rewards are beta (log pi - log ref) of each answer, detached.
     """
-    if beta <= 0:
-        raise ValueError(f"beta must be > 0 (got {beta}).")
-    if not 0.0 <= label_smoothing <= 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5] (got {label_smoothing}).")
     chosen_logratio_B = policy_chosen_B - ref_chosen_B
     rejected_logratio_B = policy_rejected_B - ref_rejected_B
     h_B = chosen_logratio_B - rejected_logratio_B
@@ -48,11 +50,6 @@ def dpo_losses(
             label_smoothing * F.logsigmoid(-beta * h_B)
         )
     elif loss_type == "ipo":
-        if label_smoothing:
-            raise ValueError(
-                f"label_smoothing = {label_smoothing} applies to the sigmoid loss only; "
-                "set algo.label_smoothing = 0 with algo.loss = 'ipo'."
-            )
         losses_B = (h_B - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"loss_type must be sigmoid or ipo (got {loss_type!r}).")
@@ -66,18 +63,31 @@ class DPOLossInputs:
     """Summed sequence log-probabilities of one batch of pairs, each [B].
 
     The reference ones carry no gradient (computed under no_grad or precomputed).
+    ``chosen_tokens_B`` (the number of completion tokens of each chosen answer) is needed only
+    for the NLL term (``cfg.sft_weight > 0``).
     """
 
     policy_chosen_B: Tensor
     policy_rejected_B: Tensor
     ref_chosen_B: Tensor
     ref_rejected_B: Tensor
+    chosen_tokens_B: Tensor | None = None
+
+
+def chosen_nll(policy_chosen_B: Tensor, chosen_tokens_B: Tensor) -> Tensor:
+    """RPO's NLL term: mean over pairs of -log pi(y_w | x) / |y_w| (per-token NLL of each chosen
+    answer, then the mean over the batch). [B], [B] -> scalar."""
+    return (-policy_chosen_B / chosen_tokens_B.to(policy_chosen_B.dtype)).mean()
 
 
 def dpo_loss(inputs: DPOLossInputs, cfg: DPOConfig) -> tuple[Tensor, dict[str, float]]:
-    """Mean over pairs of ``dpo_losses`` with cfg.beta, cfg.loss, cfg.label_smoothing.
+    """Mean over pairs of ``dpo_losses`` with cfg.beta, cfg.loss, cfg.label_smoothing, plus
+    ``cfg.sft_weight * chosen_nll`` when that weight is not 0:
 
-    Metrics (python floats, no grad): loss, reward_margin (mean chosen - rejected reward),
+        loss = mean_b dpo_b + sft_weight * mean_b (-log pi(y_w^b) / |y_w^b|)
+
+    Metrics (python floats, no grad): loss (the total), preference_loss (the first term),
+    chosen_nll (when chosen_tokens_B is given), reward_margin (mean chosen - rejected reward),
     accuracy (fraction of pairs with chosen reward > rejected reward), chosen_reward,
     rejected_reward, chosen_logprob and rejected_logprob (policy, mean over pairs).
     """
@@ -91,10 +101,19 @@ def dpo_loss(inputs: DPOLossInputs, cfg: DPOConfig) -> tuple[Tensor, dict[str, f
         cfg.loss,
         cfg.label_smoothing,
     )
-    loss = losses_B.mean()
+    preference_loss = losses_B.mean()
+    loss = preference_loss
+    nll = None
+    if x.chosen_tokens_B is not None:
+        nll = chosen_nll(x.policy_chosen_B, x.chosen_tokens_B)
+    if cfg.sft_weight:
+        if nll is None:
+            raise ValueError("algo.sft_weight > 0 needs DPOLossInputs.chosen_tokens_B")
+        loss = preference_loss + cfg.sft_weight * nll
     with torch.no_grad():
         metrics = {
             "loss": float(loss),
+            "preference_loss": float(preference_loss),
             "reward_margin": float((chosen_B - rejected_B).mean()),
             "accuracy": float((chosen_B > rejected_B).float().mean()),
             "chosen_reward": float(chosen_B.mean()),
@@ -102,4 +121,6 @@ def dpo_loss(inputs: DPOLossInputs, cfg: DPOConfig) -> tuple[Tensor, dict[str, f
             "chosen_logprob": float(x.policy_chosen_B.mean()),
             "rejected_logprob": float(x.policy_rejected_B.mean()),
         }
+        if nll is not None:
+            metrics["chosen_nll"] = float(nll)
     return loss, metrics

@@ -17,8 +17,6 @@ from runner.errors import Problem, RecipeError
 from runner.recipe.schema import DataConfig
 from runner.types import ObsBundle
 
-_PPO_ONLY = ("image_column", "video_column", "id_column", "metadata_columns")
-
 
 @attrs.frozen
 class ColumnMap:
@@ -54,13 +52,9 @@ class ColumnMap:
 
 
 def column_map(data: DataConfig, algo_kind: str) -> ColumnMap:
-    """The mapping a recipe asks for. PPO-only keys outside PPO are refused, not ignored."""
+    """The mapping a recipe asks for. PPO-only keys outside PPO are refused with the recipe
+    (``runner.recipe.checks.check_algorithm_keys``), so here they are only ever empty."""
     if algo_kind != "ppo":
-        stray = [k for k in _PPO_ONLY if getattr(data, k)]
-        if stray:
-            raise RecipeError([Problem(f"data.{k}", f"only used by PPO, but algo.kind is "
-                                       f"{algo_kind!r}", got=getattr(data, k), hint="remove it")
-                               for k in stray])
         return ColumnMap(prompt=data.prompt_column, response=data.response_column)
     return ColumnMap(prompt=data.prompt_column, response=data.response_column,
                      image=data.image_column, video=data.video_column, id=data.id_column,

@@ -33,26 +33,23 @@ from runner.recipe.schema import DataConfig, Recipe
 __all__ = ["DatasetPreferenceEnv", "PreferencePair", "build_pair_source"]
 
 
+def held_out_reason(data: DataConfig) -> str:
+    """"" when a DPO run of ``[data]`` evaluates on held-out pairs; otherwise why not. (A custom
+    training source with validation on and no held-out source is an error, raised when the
+    sources are built: DPO's overlap check needs both sides' ``membership_ids()``.)"""
+    return "" if data.validation.enabled else "off: data.validation.enabled is false"
+
+
 def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSource:
-    """The training (or, with ``validation``, held-out) preference source of ``[data]``."""
-    for k in ("path", "name"):
-        if getattr(data, k):
-            raise RecipeError([Problem(f"data.{k}", "DPO does not read prompt datasets",
-                                       got=getattr(data, k), hint="use data.jsonl_path, "
-                                       "data.tar_path, data.synthetic_pairs or data.factory")])
+    """The training (or, with ``validation``, held-out) preference source of ``[data]``.
+
+    Which keys may be combined is checked once, with the recipe (``runner.recipe.checks``):
+    this takes a checked ``[data]`` table.
+    """
     keys = PairKeys(data.prompt_column, data.chosen_key, data.rejected_key)
     common = {"shuffle": data.shuffle}
     builtin = {"lo": data.min_operand, "hi": data.max_operand, "ops": tuple(data.operators)}
     need_ids = data.validation.enabled
-    others = [k for k in ("jsonl_path", "tar_path", "synthetic_pairs") if getattr(data, k)]
-    if data.factory and others:
-        raise RecipeError([Problem("data.factory", "a DPO factory cannot be combined with "
-                                   + ", ".join(f"data.{k}" for k in others),
-                                   got=data.factory, hint="keep one preference source")])
-    if len(others) > 1:
-        raise RecipeError([Problem(f"data.{others[1]}", " and ".join(
-            f"data.{k}" for k in others) + " are mutually exclusive",
-            hint="keep one preference source")])
     if not validation:
         if data.factory:
             return factory_pairs(data.factory, data.factory_kwargs, key="data.factory",
@@ -64,10 +61,6 @@ def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSour
         return synthetic_pairs(data.synthetic_pairs or data.count, "train", **builtin,
                                key="data.synthetic_pairs", **common)
     v = data.validation
-    if v.path:
-        raise RecipeError([Problem("data.validation.path", "DPO reads held-out pairs from "
-                                   "data.validation.jsonl_path or data.validation.factory",
-                                   got=v.path)])
     if v.factory:
         return factory_pairs(v.factory, v.factory_kwargs, key="data.validation.factory",
                              split="held_out", need_ids=need_ids, limit=v.size, **common)

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from runner.data.preference import DatasetPreferenceEnv
-from runner.data.sources import build_prompt_sources
+from runner.data.sources import build_prompt_sources, held_out_reason
 from runner.recipe.schema import Recipe
 
 ITEM_CHARS = 200
@@ -38,10 +38,13 @@ def describe_data(recipe: Recipe) -> list[tuple[str, str]]:
         ("cursor resume", data.cursor_resume),
     ]
     if held_out is None:
-        rows.append(("held-out", "off"))
+        rows.append(("held-out", held_out_reason(data, recipe.algo.kind) or "off"))
     else:
         held = held_out.describe()
         rows.append(("held-out", f"{held['size']} items, {held['kind']}: {held['identity']}"))
+        if recipe.algo.kind != "dpo":
+            rows.append(("overlap check", f"training ids from {train.membership_from}, held-out "
+                                          f"ids from {held_out.membership_from}"))
     return rows
 
 

@@ -10,9 +10,18 @@ Which source (``[data]``, at most one of factory / path / name):
 
 The held-out source (``[data.validation]``): its ``factory`` or ``path``; for a hub dataset, the
 same name with ``validation.split``; for the built-in prompts, ``validation.size`` problems of the
-arithmetic held-out split. A training source of another kind with no held-out source is an error
-rather than a silent switch to arithmetic. Given held-out sources are capped at
+arithmetic held-out split. A training source of another kind with no held-out source given runs
+without held-out evaluation (``held_out_reason`` says so, for the plan and the start of the
+run), never with a silent switch to arithmetic. Given held-out sources are capped at
 ``validation.size`` items (their first ones).
+
+Train/held-out overlap is checked on membership ids: the built-in problem keys; for files and
+hub datasets a hash of the raw prompt column; for a factory its own ``membership_ids()`` when it
+has one, else ids from each item's canonical text (``runner.data.membership.item_id``: the
+prompt, plus the raw reference of each image or video, never decoded).
+
+Which keys may be combined (one source; PPO-only columns) is checked once, with the recipe
+(``runner.recipe.checks``); the functions here take a checked ``[data]`` table.
 
 ``item(i)`` reads row ``i``, applies ``items_fn`` (row in, row out) and the column mapping; rows
 are read only when asked for, never in bulk.
@@ -30,7 +39,7 @@ from runner.data import arithmetic, contract
 from runner.data.columns import ColumnMap, column_map
 from runner.data.cursor import fingerprint_of
 from runner.data.files import load_hub, load_local
-from runner.data.membership import check_overlap, text_id
+from runner.data.membership import check_overlap, item_id, text_id
 from runner.errors import Problem, RecipeError
 from runner.extensions import load_callable
 from runner.recipe.schema import DataConfig
@@ -51,12 +60,15 @@ class PromptSource:
     def __init__(self, fetch: Callable[[int], Row], length: int, *, kind: str, label: str,
                  identity: dict[str, str], columns: ColumnMap, shuffle: bool,
                  items_fn: Callable[[Row], Any] | None = None, items_fn_path: str = "",
-                 membership: Callable[[], tuple[str, ...]] | None = None) -> None:
+                 membership: Callable[[], tuple[str, ...]] | None = None,
+                 membership_from: str = "") -> None:
         self._fetch, self._length = fetch, length
         self.kind, self.label, self.identity = kind, label, dict(identity)
         self.columns, self.shuffle = columns, shuffle
         self._items_fn, self.items_fn_path = items_fn, items_fn_path
         self._membership = membership
+        self.membership_from = membership_from or (
+            "its membership ids" if membership else "each item's canonical text")
 
     def __len__(self) -> int:
         return self._length
@@ -85,10 +97,12 @@ class PromptSource:
         return fingerprint_of(self.fingerprint_parts())
 
     def membership_ids(self) -> tuple[str, ...]:
-        """Stable ids of the items for the train/held-out overlap check; reads no item."""
-        if self._membership is None:
-            raise RecipeError([Problem("data.validation", f"{self.label} has no membership ids")])
-        return self._membership()
+        """Stable ids of the items for the train/held-out overlap check. From the source's own
+        ids when it has them (reading no item), else from every item's canonical text."""
+        if self._membership is not None:
+            return self._membership()
+        return tuple(item_id(self.item(i), where=f"row {i} of {self.label}")
+                     for i in range(self._length))
 
     def describe(self) -> dict[str, str]:
         return {"kind": self.kind, "size": str(self._length), "identity": self.label}
@@ -99,18 +113,13 @@ def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = 
     """The training source (or, with ``validation``, the held-out source) a recipe describes."""
     if algo_kind == "dpo":
         raise ValueError("DPO reads preference pairs: use runner.data.preference")
-    chosen = [k for k in ("factory", "path", "name") if getattr(data, k)]
-    if len(chosen) > 1:
-        raise RecipeError([Problem(f"data.{chosen[1]}", " and ".join(f"data.{k}" for k in chosen)
-                                   + " are mutually exclusive", hint="keep one source")])
     columns = column_map(data, algo_kind)
     items_fn = load_callable(data.items_fn, key="data.items_fn") if data.items_fn else None
     common = {"shuffle": data.shuffle, "items_fn": items_fn, "items_fn_path": data.items_fn}
-    need_ids = data.validation.enabled
     if not validation:
         if data.factory:
             return _from_factory(data.factory, data.factory_kwargs, "data.factory", columns,
-                                 need_fp=algo_kind == "ppo", need_ids=need_ids, **common)
+                                 need_fp=algo_kind == "ppo", **common)
         if data.path:
             return _from_path(data.path, data.split, ("data.path", "data.split"), columns,
                               **common)
@@ -118,12 +127,9 @@ def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = 
             return _from_hub(data, data.split, columns, **common)
         return _builtin(data, "train", data.count, columns, **common)
     v = data.validation
-    if v.jsonl_path:
-        raise RecipeError([Problem("data.validation.jsonl_path", "only used by DPO",
-                                   got=v.jsonl_path, hint="use data.validation.path")])
     if v.factory:
         return _from_factory(v.factory, v.factory_kwargs, "data.validation.factory", columns,
-                             need_fp=False, need_ids=need_ids, limit=v.size, **common)
+                             need_fp=False, limit=v.size, **common)
     if v.path:
         return _from_path(v.path, v.split or data.split,
                           ("data.validation.path", "data.validation.split"), columns,
@@ -132,20 +138,39 @@ def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = 
         return _from_hub(data, v.split, columns, limit=v.size, **common)
     if not (data.factory or data.path or data.name):
         return _builtin(data, "held_out", v.size, columns, **common)
-    train_key = "data.factory" if data.factory else "data.path" if data.path else "data.name"
-    raise RecipeError([Problem(
-        "data.validation", f"validation is on but no held-out set is given for the {train_key} "
-        "training source", hint="set data.validation.factory or data.validation.path (for a hub "
-        "dataset data.validation.split), or data.validation.enabled=false")])
+    raise RecipeError([Problem("data.validation", held_out_reason(data, algo_kind))])
+
+
+def _train_key(data: DataConfig) -> str:
+    return "data.factory" if data.factory else "data.path" if data.path else "data.name"
+
+
+def held_out_reason(data: DataConfig, algo_kind: str) -> str:
+    """"" when a run of ``[data]`` evaluates on a held-out set; otherwise why it does not, as a
+    sentence for the dry-run plan and the start of the run. (DPO: ``preference.held_out_reason``.)"""
+    if algo_kind == "dpo":
+        from runner.data.preference import held_out_reason as dpo_reason
+
+        return dpo_reason(data)
+    v = data.validation
+    if not v.enabled:
+        return "off: data.validation.enabled is false"
+    if v.factory or v.path or (data.name and v.split) or not (data.factory or data.path or data.name):
+        return ""
+    where = "data.validation.factory or data.validation.path" + (
+        " (or data.validation.split of the hub dataset)" if data.name else "")
+    return (f"none: no held-out set is given for the {_train_key(data)} training source, so the "
+            f"run trains without held-out evaluation; set {where} to evaluate")
 
 
 def build_prompt_sources(data: DataConfig, algo_kind: str
                          ) -> tuple[PromptSource, PromptSource | None]:
-    """Training and held-out sources (None when validation is off), columns checked on the
-    first row of each and the two checked not to overlap: what a run does before training."""
+    """Training and held-out sources (None when ``held_out_reason`` gives a reason), columns
+    checked on the first row of each and the two checked not to overlap: what a run does before
+    training."""
     train = build_prompt_source(data, algo_kind)
     held_out = None
-    if data.validation.enabled:
+    if not held_out_reason(data, algo_kind):
         held_out = build_prompt_source(data, algo_kind, validation=True)
         check_overlap(train, held_out)  # ids only: reads no item
         check_columns(held_out)
@@ -176,7 +201,8 @@ def _builtin(data: DataConfig, split: str, count: int, columns: ColumnMap, **com
                         label=f"built-in arithmetic ({split})",
                         identity={"source": "builtin", "builtin": spec},
                         columns=attrs.evolve(columns, prompt="prompt", response="answer"),
-                        membership=lambda: tuple(p.key for p in problems), **common)
+                        membership=lambda: tuple(p.key for p in problems),
+                        membership_from="the problem keys", **common)
 
 
 def _from_path(path: str, split: str, keys: tuple[str, str], columns: ColumnMap, *,
@@ -212,12 +238,12 @@ def _from_dataset(ds: Any, *, kind: str, label: str, identity: dict[str, str],
         return tuple(text_id(value) for value in values)
 
     return PromptSource(ds.__getitem__, length, kind=kind, label=label, identity=identity,
-                        columns=columns, membership=membership, **common)
+                        columns=columns, membership=membership,
+                        membership_from=f"a hash of its raw {columns.prompt!r} column", **common)
 
 
 def _from_factory(dotted: str, kwargs: Mapping[str, Any], key: str, columns: ColumnMap, *,
-                  need_fp: bool, need_ids: bool, limit: int | None = None, **common: Any
-                  ) -> PromptSource:
+                  need_fp: bool, limit: int | None = None, **common: Any) -> PromptSource:
     from runner.extensions import call_factory
 
     obj = call_factory(dotted, key=key, kwargs=kwargs)
@@ -228,13 +254,16 @@ def _from_factory(dotted: str, kwargs: Mapping[str, Any], key: str, columns: Col
     own = contract.cursor_fingerprint(obj, dotted=dotted, key=key, required=need_fp)
     if own is not None:
         identity["cursor_fingerprint"] = own
-    if need_ids:
-        contract.require_membership_hook(obj, dotted=dotted, key=key)
     call = f"{dotted}({', '.join(f'{k}={v!r}' for k, v in sorted(kwargs.items()))})"
+    # Its own metadata-only ids when it has the hook; else None: ids from each item's text.
+    own_ids = None
+    if callable(getattr(obj, "membership_ids", None)):
+        own_ids = lambda: contract.membership_ids(obj, dotted=dotted, key=key)[:length]  # noqa: E731
     return PromptSource(
         lambda i: contract.get_row(obj, i, dotted=dotted, key=key), length, kind="factory",
-        label=call, identity=identity, columns=columns,
-        membership=lambda: contract.membership_ids(obj, dotted=dotted, key=key), **common)
+        label=call, identity=identity, columns=columns, membership=own_ids,
+        membership_from="its membership_ids()" if own_ids else "each item's canonical text",
+        **common)
 
 
 def _apply_items_fn(fn: Callable[[Row], Any], path: str, row: Row, i: int) -> Row:

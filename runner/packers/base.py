@@ -56,18 +56,36 @@ class PolicyBatch:
                                      for f in attrs.fields(PolicyBatch) if f.name != "packed"})
 
 
+@attrs.frozen
+class ModelOptions:
+    """How the packer's model folder may be loaded: the recipe's ``model.trust_remote_code`` and
+    ``model.dtype``. ``build_packer`` sets them on the packer before ``setup`` runs, so a packer
+    that loads a tokenizer, a processor or a model loads it as the policy is loaded."""
+
+    trust_remote_code: bool = False
+    dtype: str = "float32"
+
+
 class DataPacker(ABC):
-    """Base class of every packer. Subclasses implement the two sides of the contract."""
+    """Base class of every packer.
+
+    Every method the training loops call is declared here, abstract where no generic version
+    exists, so a packer that lacks one fails when it is constructed (in its factory), not at
+    step N. Subclassing ``DecoderOnlyLLMDataPacker`` gives working versions of all of them.
+    """
 
     pad_token_id: int = 0
+    model_options: ModelOptions = ModelOptions()
 
     def setup(self, model_path: str) -> None:
         """Load what the packer needs from the model folder (tokenizer, processor).
 
-        The base class needs nothing; subclasses override it.
+        ``self.model_options`` says whether remote code may run and in which dtype a model is
+        loaded. The base class needs nothing; subclasses override it.
         """
         return None
 
+    # --- rollout side ---------------------------------------------------------------------
     @abstractmethod
     def get_rollout_input(self, item: ObsBundle) -> Any:
         """What the rollout engine receives for ``item`` (a prompt string for text models)."""
@@ -76,6 +94,7 @@ class DataPacker(ABC):
     def encode_rollout_input(self, rollout_input: Any) -> list[int]:
         """Token ids of a rollout input, exactly as the engine will see them."""
 
+    # --- policy side ----------------------------------------------------------------------
     @abstractmethod
     def get_policy_input(
         self,
@@ -87,9 +106,31 @@ class DataPacker(ABC):
     ) -> RLPolicyInput:
         """What the policy trains on for one completion of ``sample``."""
 
+    @abstractmethod
+    def get_preference_input(self, prompt: ObsBundle, chosen: Any, rejected: Any
+                             ) -> tuple[RLPolicyInput, RLPolicyInput]:
+        """DPO: the (chosen, rejected) sequences of one pair. ``chosen`` and ``rejected`` are the
+        source's answer payloads; which shapes are accepted is the packer's to say, and any other
+        shape must be a ``RecipeError`` naming the item, not a traceback."""
+
     def collate(self, inputs: Sequence[RLPolicyInput], *, packed: bool = False) -> PolicyBatch:
         """Pad (or pack) policy inputs into tensors."""
         return collate(inputs, self.pad_token_id, packed=packed)
+
+    # --- codec ----------------------------------------------------------------------------
+    @abstractmethod
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids (completions for rewards; the student codec in cross-token OPD)."""
+
+    @abstractmethod
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of plain ``text`` (no special tokens added) and each token's character
+        span in it: cross-token OPD aligns a teacher and a student on these spans."""
+
+    @property
+    @abstractmethod
+    def eos_token_id(self) -> int:
+        """The id that ends a completion."""
 
 
 def collate(inputs: Sequence[RLPolicyInput], pad_token_id: int, *, packed: bool = False) -> PolicyBatch:

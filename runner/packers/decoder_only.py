@@ -5,15 +5,25 @@ the tokenizer has one, else used as plain text; it is encoded without adding spe
 BOS written by the template is never doubled. Policy side: the prompt ids the engine returned are
 reused as they are (never re-tokenised) and the completion ids follow; a completion that stopped
 on EOS keeps exactly one EOS, one cut by the length limit gets none.
+
+DPO answer payloads (``get_preference_input``): an answer is text, a chat-message list holding
+one assistant message, or a mapping holding its text under exactly one of ``TEXT_FIELDS``
+(``{"text": ...}``, a single message ``{"role": "assistant", "content": ...}``, or the
+``{"sample": ...}`` payloads of the reference preference format). Any other shape is a
+``RecipeError`` naming the pair, the keys found and what to write instead; a model whose answers
+carry more than text (images, audio) needs a packer subclass that reads them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from runner.errors import Problem, RecipeError
 from runner.packers.base import DataPacker, RLPolicyInput
 from runner.types import ObsBundle
+
+TEXT_FIELDS = ("text", "content", "sample")
 
 
 class DecoderOnlyLLMDataPacker(DataPacker):
@@ -27,7 +37,8 @@ class DecoderOnlyLLMDataPacker(DataPacker):
         from runner.models import load_tokenizer
 
         self.model_path = str(model_path)
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = load_tokenizer(model_path,
+                                        trust_remote_code=self.model_options.trust_remote_code)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
 
@@ -65,15 +76,25 @@ class DecoderOnlyLLMDataPacker(DataPacker):
         mask = [0] * n_prompt + [0 if i < n_ignore_prefix_tokens else 1 for i in range(len(completion))]
         return RLPolicyInput(ids, tuple(mask), n_prompt)
 
-    def get_preference_input(self, prompt: ObsBundle, chosen: str, rejected: str
+    def get_preference_input(self, prompt: ObsBundle, chosen: Any, rejected: Any
                              ) -> tuple[RLPolicyInput, RLPolicyInput]:
-        """The (chosen, rejected) sequences of one DPO pair, sharing one prompt encoding."""
+        """The (chosen, rejected) sequences of one DPO pair, sharing one prompt encoding.
+
+        Each answer goes through ``answer_text`` (see the module docstring for the accepted
+        shapes); ``prompt.id`` names the pair in errors.
+        """
+        chosen_text = answer_text(chosen, side="chosen", pair=prompt.id, packer=self)
+        rejected_text = answer_text(rejected, side="rejected", pair=prompt.id, packer=self)
         prompt_ids = self.encode_rollout_input(self.get_rollout_input(prompt))
-        return (self.get_policy_input(prompt, chosen, prompt_ids=prompt_ids),
-                self.get_policy_input(prompt, rejected, prompt_ids=prompt_ids))
+        return (self.get_policy_input(prompt, chosen_text, prompt_ids=prompt_ids),
+                self.get_policy_input(prompt, rejected_text, prompt_ids=prompt_ids))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok().decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self._tok()(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
 
     @property
     def eos_token_id(self) -> int:
@@ -99,3 +120,50 @@ class DecoderOnlyLLMDataPacker(DataPacker):
         if self.tokenizer is None:
             raise RuntimeError(f"{type(self).__name__}.setup(model_path) was not called")
         return self.tokenizer
+
+
+def answer_text(payload: Any, *, side: str, pair: str = "", packer: Any = None) -> str:
+    """The text of one DPO answer payload, or a RecipeError saying why it is not one.
+
+    >>> answer_text("42", side="chosen")
+    '42'
+    >>> answer_text({"sample": "preferred-3"}, side="chosen")
+    'preferred-3'
+    >>> answer_text([{"role": "assistant", "content": "7"}], side="rejected")
+    '7'
+    """
+    if isinstance(payload, str):
+        return payload
+    if isinstance(payload, list | tuple):
+        if (len(payload) == 1 and isinstance(payload[0], Mapping)
+                and payload[0].get("role") == "assistant"
+                and isinstance(payload[0].get("content"), str)):
+            return payload[0]["content"]
+        found = [sorted(m) if isinstance(m, Mapping) else type(m).__name__ for m in payload]
+        raise _payload_error(side, pair, packer, f"a list of {len(payload)} element(s) "
+                             f"({_short(found)})")
+    if isinstance(payload, Mapping):
+        fields = [k for k in TEXT_FIELDS if k in payload]
+        role = payload.get("role", "assistant")
+        if len(fields) == 1 and isinstance(payload[fields[0]], str) and role == "assistant":
+            return payload[fields[0]]
+        raise _payload_error(side, pair, packer, f"a mapping with keys {_short(sorted(map(str, payload)))}")
+    raise _payload_error(side, pair, packer, f"a {type(payload).__name__}")
+
+
+def _payload_error(side: str, pair: str, packer: Any, found: str) -> RecipeError:
+    name = type(packer).__name__ if packer is not None else "DecoderOnlyLLMDataPacker"
+    where = f"pair {pair}" if pair else "a preference pair"
+    fields = ", ".join(repr(f) for f in TEXT_FIELDS)
+    return RecipeError([Problem(
+        "data_packer.factory",
+        f"{where}: the {side} answer is {found}, which {name} cannot turn into text; it reads "
+        f"a string, a one-message list [{{'role': 'assistant', 'content': ...}}], or a mapping "
+        f"with exactly one of {fields} holding a string",
+        hint="write answers in one of those shapes, or set data_packer.factory to a packer "
+        "subclass whose get_preference_input reads this shape")])
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
+
 from runner.errors import ExtensionError, Problem, RecipeError
 from runner.extensions import call_factory
-from runner.packers.base import DataPacker
+from runner.packers.base import DataPacker, ModelOptions
 from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
 
 # model_type (from config.json) -> zero-argument packer factory. Explicit, filled by no import.
@@ -20,14 +22,25 @@ PACKERS_BY_MODEL_TYPE: dict[str, Callable[[], DataPacker]] = {
 
 
 def build_packer(model_path: str, model_type: str, factory: str = "", *,
-                 key: str = "data_packer.factory") -> DataPacker:
+                 key: str = "data_packer.factory", trust_remote_code: bool = False,
+                 dtype: str = "float32") -> DataPacker:
     """A fresh, set-up packer for the model at ``model_path``.
 
     ``factory`` (a dotted zero-argument callable) wins; otherwise ``model_type`` picks from
     ``PACKERS_BY_MODEL_TYPE``. Each call constructs a new instance: roles never share one.
+    ``trust_remote_code`` and ``dtype`` (the recipe's ``model.*`` keys) reach the packer as
+    ``packer.model_options`` before ``setup(model_path)`` runs. A packer class that lacks one of
+    the methods ``DataPacker`` declares fails here, in its factory, with the methods named.
     """
     if factory:
-        packer = call_factory(factory, key=key)
+        try:
+            packer = call_factory(factory, key=key)
+        except ExtensionError as exc:
+            if isinstance(exc.__cause__, TypeError) and "abstract" in str(exc.__cause__):
+                raise ExtensionError([attrs.evolve(
+                    p, hint="implement them (see runner.packers.DataPacker), or subclass "
+                    "runner.packers.DecoderOnlyLLMDataPacker") for p in exc.problems]) from exc
+            raise
         if not isinstance(packer, DataPacker):
             raise ExtensionError([Problem(key, f"{factory}: returned {type(packer).__name__}, "
                                           "not a DataPacker", hint="return an instance of a "
@@ -41,6 +54,7 @@ def build_packer(model_path: str, model_type: str, factory: str = "", *,
                                        hint="set data_packer.factory to a packer factory; "
                                        "built-in types: " + ", ".join(PACKERS_BY_MODEL_TYPE))]
                               ) from None
+    packer.model_options = ModelOptions(trust_remote_code=trust_remote_code, dtype=dtype)
     try:
         packer.setup(str(model_path))
     except Exception as exc:  # noqa: BLE001 - user packers may raise anything

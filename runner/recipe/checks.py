@@ -1,6 +1,8 @@
 """Cross-field rules of a recipe, as pure functions ``Recipe -> list[Problem]``.
 
-They run before anything heavy is imported; each problem names the key path it is about.
+They run before anything heavy is imported; each problem names the key path it is about. This
+is the one place each rule is written: the data layer (``runner.data``) and the losses
+(``runner.algorithms``) take a checked recipe and do not check these again.
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from collections.abc import Callable
 
 from runner.errors import Problem
 from runner.recipe.schema import DataConfig, DPOConfig, OPDConfig, PPOConfig, Recipe
+from runner.rewards.builtin import BUILTIN_REWARDS as BUILTIN_REWARD_FUNCTIONS
 
-BUILTIN_REWARDS = ("arithmetic_exact", "format")
+BUILTIN_REWARDS = tuple(BUILTIN_REWARD_FUNCTIONS)
 _DOTTED_HINT = "write a dotted path like 'my_package.my_module.build'"
 
 
@@ -50,6 +53,11 @@ def check_dpo_source(r: Recipe) -> list[Problem]:
                                     got=getattr(r.data, k),
                                     hint="use data.jsonl_path, data.tar_path, "
                                     "data.synthetic_pairs or data.factory"))
+    if _set(r.data.validation.path):
+        problems.append(Problem("data.validation.path", "DPO reads held-out pairs from "
+                                "data.validation.jsonl_path or data.validation.factory",
+                                got=r.data.validation.path,
+                                hint="use data.validation.jsonl_path for a file of pairs"))
     return problems
 
 
@@ -172,6 +180,8 @@ def check_ranges(r: Recipe) -> list[Problem]:
     p += _range("checkpoint.every_steps", r.checkpoint.every_steps, r.checkpoint.every_steps >= 1, ">= 1")
     p += _range("checkpoint.keep_last", r.checkpoint.keep_last, r.checkpoint.keep_last >= 1, ">= 1")
     p += _range("logging.every_steps", r.logging.every_steps, r.logging.every_steps >= 1, ">= 1")
+    p += _range("reward.timeout_s", r.reward.timeout_s, r.reward.timeout_s >= 0, ">= 0 (0: no limit)")
+    p += _eval_ranges(r)
     p += _range("data.count", d.count, d.count >= 1, ">= 1")
     p += _range("data.synthetic_pairs", d.synthetic_pairs, d.synthetic_pairs >= 0, ">= 0")
     p += _range("data.validation.size", d.validation.size, d.validation.size >= 1, ">= 1")
@@ -188,6 +198,19 @@ def check_ranges(r: Recipe) -> list[Problem]:
         p.append(Problem("reward.weights", f"needs one weight per function "
                          f"({len(r.reward.functions)})", got=r.reward.weights))
     return p + _ALGO_RANGES[r.algo.kind](r)
+
+
+def _eval_ranges(r: Recipe) -> list[Problem]:
+    e = r.eval
+    p = _range("eval.max_new_tokens", e.max_new_tokens, e.max_new_tokens >= 0,
+               ">= 0 (0: rollout.max_new_tokens)")
+    p += _range("eval.num_samples", e.num_samples, e.num_samples >= 1, ">= 1")
+    p += _range("eval.temperature", e.temperature, e.temperature >= 0, ">= 0 (0: greedy)")
+    if e.num_samples > 1 and e.temperature == 0:
+        p.append(Problem("eval.num_samples", "greedy evaluation (eval.temperature = 0) gives the "
+                         "same completion every time", got=e.num_samples,
+                         hint="set eval.temperature > 0, or eval.num_samples = 1"))
+    return p
 
 
 def _grpo_ranges(r: Recipe) -> list[Problem]:
@@ -213,7 +236,13 @@ def _dpo_ranges(r: Recipe) -> list[Problem]:
     a = r.algo
     p = _range("algo.beta", a.beta, a.beta > 0, "> 0")
     p += _range("algo.pairs_per_step", a.pairs_per_step, a.pairs_per_step >= 1, ">= 1")
+    # 0.5 would make the loss symmetric in chosen and rejected: nothing left to learn.
     p += _range("algo.label_smoothing", a.label_smoothing, 0 <= a.label_smoothing < 0.5, "in [0, 0.5)")
+    if a.loss == "ipo" and a.label_smoothing:
+        p.append(Problem("algo.label_smoothing", "applies to the sigmoid loss only, but algo.loss "
+                         "is 'ipo'", got=a.label_smoothing,
+                         hint="set algo.label_smoothing = 0, or algo.loss = 'sigmoid'"))
+    p += _range("algo.sft_weight", a.sft_weight, a.sft_weight >= 0, ">= 0")
     return p
 
 

@@ -143,7 +143,13 @@ class DPOConfig:
     pairs_per_step: int = key(16, "Preference pairs per optimizer step.")
     beta: float = key(0.1, "Inverse temperature of the implicit reward.")
     loss: Literal["sigmoid", "ipo"] = key("sigmoid", "sigmoid (DPO) or ipo (squared loss).")
-    label_smoothing: float = key(0.0, "Conservative DPO: assumed rate of flipped labels (0 to 0.5).")
+    label_smoothing: float = key(
+        0.0, "Conservative DPO (sigmoid loss only): assumed rate of flipped labels, in [0, 0.5)."
+    )
+    sft_weight: float = key(
+        0.0, "Weight of the NLL of the chosen answer (per token) added to the preference loss "
+        "(RPO's alpha); keeps the chosen answer likely while the pair is pushed apart. 0: off."
+    )
     precompute_reference: bool = key(
         False, "Compute the reference logprobs once for the whole dataset and cache them."
     )
@@ -214,10 +220,14 @@ class RolloutConfig:
 class RewardConfig:
     functions: list[str] = key(
         ["arithmetic_exact"],
-        "Reward functions: built-in names (arithmetic_exact, format) or dotted callables "
+        "Reward functions: built-in names (arithmetic_exact, format, math_verify) or dotted callables "
         "(completions, items) -> list[float].",
     )
     weights: list[float] = key([], "One weight per function; empty: all 1.0.")
+    timeout_s: float = key(
+        60.0, "Seconds each reward function may take on one batch (they run concurrently, each "
+        "in a worker thread); a slower one fails the step, naming it. 0: no limit."
+    )
 
 
 @attrs.frozen
@@ -235,6 +245,22 @@ class TrainConfig:
     max_grad_norm: float = key(1.0, "Clip the gradient norm to this; 0 disables clipping.")
     precision: Literal["no", "bf16", "fp16"] = key("no", "Mixed precision passed to Accelerate.")
     eval_every: int = key(10, "Evaluate on the held-out set every N steps (0: only start and end).")
+    disable_dropout: bool = key(
+        True, "Set every dropout probability of the trained models to 0, so the logprobs the "
+        "loss compares (old and new, policy and engine) differ by the update only."
+    )
+
+
+@attrs.frozen
+class EvalConfig:
+    max_new_tokens: int = key(
+        0, "Most tokens generated per held-out completion; 0: rollout.max_new_tokens."
+    )
+    num_samples: int = key(
+        1, "Completions per held-out prompt (more than 1 needs temperature > 0); rewards are "
+        "averaged over them."
+    )
+    temperature: float = key(0.0, "Sampling temperature of held-out completions; 0: greedy.")
 
 
 @attrs.frozen
@@ -279,6 +305,10 @@ class Recipe:
     rollout: RolloutConfig = table(RolloutConfig, "The rollout engine and sampling.")
     reward: RewardConfig = table(RewardConfig, "Reward functions (GRPO, PPO).")
     train: TrainConfig = table(TrainConfig, "Optimizer and evaluation.")
+    eval: EvalConfig = table(
+        EvalConfig, "Held-out generation (scored with the reward functions); the defaults are "
+        "greedy, one completion per prompt."
+    )
     checkpoint: CheckpointConfig = table(CheckpointConfig, "Checkpoints and resume.")
     launch: LaunchConfig = table(LaunchConfig, "Where the roles run.")
     logging: LoggingConfig = table(LoggingConfig, "Metrics and the live view.")

@@ -1,21 +1,29 @@
-"""Rewards: built-in and user callables ``(completions, items) -> list[float]``, combined by weight."""
+"""Rewards: built-in and user callables ``(completions, items) -> list[float]``, combined by weight.
+
+The functions of a set run concurrently, each under ``reward.timeout_s`` (see
+``runner.rewards.calls``); any failure is a ``RewardFailure`` naming the function and the item.
+"""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import attrs
 
-from runner.errors import RuntimeFailure
+from runner.errors import Problem, RecipeError
 from runner.extensions import load_callable
 from runner.recipe.schema import RewardConfig
-from runner.rewards.builtin import BUILTIN_REWARDS, arithmetic_exact, format_reward
+from runner.rewards.builtin import (
+    BUILTIN_REWARDS,
+    arithmetic_exact,
+    format_reward,
+    math_verify_reward,
+)
+from runner.rewards.calls import RewardFn, call_all
 from runner.types import ObsBundle
 
-__all__ = ["BUILTIN_REWARDS", "RewardSet", "arithmetic_exact", "build_rewards", "format_reward"]
-
-RewardFn = Callable[[Sequence[str], Sequence[ObsBundle]], Sequence[float]]
+__all__ = ["BUILTIN_REWARDS", "RewardSet", "arithmetic_exact", "build_rewards", "format_reward",
+           "held_out_reward_metrics", "math_verify_reward"]
 
 
 @attrs.frozen
@@ -25,38 +33,46 @@ class RewardSet:
     names: tuple[str, ...]
     functions: tuple[RewardFn, ...]
     weights: tuple[float, ...]
+    timeout_s: float = 0.0
 
     def score(self, completions: Sequence[str], items: Sequence[ObsBundle], *, step: int | None = None
               ) -> tuple[list[float], dict[str, float]]:
+        """(weighted total per completion, ``{"reward/NAME": mean of NAME's values}``)."""
+        per_function = call_all(self.names, self.functions, list(completions), list(items),
+                                timeout_s=self.timeout_s, step=step)
         total = [0.0] * len(completions)
         parts = {}
-        for name, fn, weight in zip(self.names, self.functions, self.weights, strict=True):
-            values = _call(name, fn, completions, items, step)
+        for name, values, weight in zip(self.names, per_function, self.weights, strict=True):
             parts[f"reward/{name}"] = sum(values) / max(1, len(values))
             total = [t + weight * v for t, v in zip(total, values, strict=True)]
         return total, parts
 
 
-def _call(name: str, fn: RewardFn, completions: Sequence[str], items: Sequence[ObsBundle],
-          step: int | None) -> list[float]:
-    try:
-        values = list(fn(list(completions), list(items)))
-    except Exception as exc:  # noqa: BLE001 - user rewards may raise anything
-        raise RuntimeFailure("reward", step, f"{name} raised {type(exc).__name__}: {exc}") from exc
-    if len(values) != len(completions):
-        raise RuntimeFailure("reward", step, f"{name} returned {len(values)} values for "
-                             f"{len(completions)} completions")
-    out = []
-    for index, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise RuntimeFailure("reward", step, f"{name} returned {value!r} at index {index}; "
-                                 "rewards must be finite numbers")
-        out.append(float(value))
-    return out
+def held_out_reward_metrics(rewards: RewardSet, completions: Sequence[str],
+                            items: Sequence[ObsBundle], *, step: int | None = None
+                            ) -> dict[str, float]:
+    """Held-out metrics from the recipe's own rewards: ``eval/reward`` (mean weighted total) and
+    ``eval/reward/NAME`` per function. With several completions per prompt, pass each prompt's
+    item once per completion: every completion counts once."""
+    total, parts = rewards.score(completions, items, step=step)
+    return {"eval/reward": sum(total) / max(1, len(total)),
+            **{f"eval/{k}": v for k, v in parts.items()}}
 
 
 def build_rewards(cfg: RewardConfig) -> RewardSet:
     fns = tuple(BUILTIN_REWARDS[n] if n in BUILTIN_REWARDS else
                 load_callable(n, key=f"reward.functions[{i}]") for i, n in enumerate(cfg.functions))
+    if "math_verify" in cfg.functions:
+        _require_math_verify(cfg.functions.index("math_verify"))
     weights = tuple(cfg.weights) if cfg.weights else (1.0,) * len(fns)
-    return RewardSet(tuple(cfg.functions), fns, weights)
+    return RewardSet(tuple(cfg.functions), fns, weights, cfg.timeout_s)
+
+
+def _require_math_verify(index: int) -> None:
+    try:
+        import math_verify  # noqa: F401
+    except ImportError as exc:
+        raise RecipeError([Problem(f"reward.functions[{index}]", "the math_verify reward needs "
+                                   f"the math-verify package, which cannot be imported ({exc})",
+                                   got="math_verify", hint="install posttrain-runner with its "
+                                   "dependencies, or pip install math-verify")]) from exc

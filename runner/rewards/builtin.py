@@ -49,4 +49,44 @@ def format_reward(completions: Sequence[str], items: Sequence[ObsBundle]) -> lis
     return [1.0 if _ONLY_INTEGER.match(text) else 0.0 for text in completions]
 
 
-BUILTIN_REWARDS = {"arithmetic_exact": arithmetic_exact, "format": format_reward}
+def final_answer(text: str) -> str:
+    r"""The part of ``text`` math-verify should read: after the last ``####`` when there is one
+    (the GSM8K answer marker), else all of it (math-verify then finds ``\boxed{}``, a stated
+    answer or the last expression).
+
+    >>> final_answer("16 - 3 - 4 = 9 eggs, 9 * 2 = 18 dollars.\n#### 18")
+    '18'
+    >>> final_answer(r"so the answer is $\frac{1}{2}$")
+    'so the answer is $\\frac{1}{2}$'
+    """
+    _, marker, tail = text.rpartition("####")
+    return tail.strip() if marker else text
+
+
+def math_verify_reward(completions: Sequence[str], items: Sequence[ObsBundle]) -> list[float]:
+    r"""1.0 when the math-verify package finds the completion's answer equal to the reference's
+    (numbers, fractions, LaTeX, ``\boxed{}``, ``#### N``), else 0.0; 0.0 too when either has no
+    answer it can read.
+
+    math-verify's own signal-based time limits are turned off (they only work in the main
+    thread); ``reward.timeout_s`` bounds the call instead.
+
+    >>> items = [ObsBundle("q", "Half of 36 is 18.\n#### 18")] * 4
+    >>> math_verify_reward(["She earns 18 dollars. #### 18", r"\boxed{18}", "#### 19", "none"], items)
+    [1.0, 1.0, 0.0, 0.0]
+    >>> math_verify_reward([r"$\frac{3}{4}$", "0.75", "3/5"], [ObsBundle("q", "3/4")] * 3)
+    [1.0, 1.0, 0.0]
+    """
+    from math_verify import parse, verify
+
+    out = []
+    for text, item in zip(completions, items, strict=True):
+        gold = parse(final_answer(str(item.reference)), parsing_timeout=None)
+        answer = parse(final_answer(text), parsing_timeout=None)
+        same = bool(gold) and bool(answer) and verify(gold, answer, timeout_seconds=None)
+        out.append(1.0 if same else 0.0)
+    return out
+
+
+BUILTIN_REWARDS = {"arithmetic_exact": arithmetic_exact, "format": format_reward,
+                   "math_verify": math_verify_reward}

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
 
+class _DropMessages(logging.Filter):
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
 def quiet_libraries() -> None:
+    # The math_verify reward turns math-verify's signal timeouts off on purpose (they only work in
+    # the main thread; reward.timeout_s bounds the call): its advisory about that is noise here.
+    verify_log = logging.getLogger("math_verify.utils")
+    if not any(isinstance(f, _DropMessages) for f in verify_log.filters):
+        verify_log.addFilter(_DropMessages("Timeout is disabled"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

@@ -1,6 +1,11 @@
 """What the user sees while a run works: a rich live view on a terminal, plain lines elsewhere.
 
-Both reporters take the same calls; the training loops never print themselves.
+Both reporters take the same calls; the training loops never print themselves. A reporter is a
+context manager: leaving the block by any path (the end, an exception, Ctrl-C) tears the live
+view down, so whatever is printed next (the summary, an error) lands on a clean terminal:
+
+    with make_reporter(plain) as reporter:
+        ...
 """
 
 from __future__ import annotations
@@ -39,6 +44,22 @@ class Reporter(Protocol):
     def sample(self, step: int, prompt: str, completion: str, reward: float | None) -> None: ...
     def message(self, text: str) -> None: ...
     def finish(self, rows: list[tuple[str, str]]) -> None: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Reporter: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class _Closing:
+    """``with reporter:`` calls ``close()`` on the way out, whatever the way out is."""
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _fmt(value: Any) -> str:
@@ -51,7 +72,7 @@ def make_reporter(plain: bool) -> Reporter:
     return PlainReporter() if plain or not sys.stdout.isatty() else RichReporter()
 
 
-class PlainReporter:
+class PlainReporter(_Closing):
     """One line per step: for logs, pipes and CI."""
 
     def __init__(self, stream: Any = None) -> None:
@@ -81,11 +102,11 @@ class PlainReporter:
             self._print(f"{key}: {value}")
 
 
-class RichReporter:
+class RichReporter(_Closing):
     """A live view: progress with ETA, the latest metrics, the time split and a sample."""
 
-    def __init__(self) -> None:
-        self.console = Console()
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console()
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"),
                                  TimeRemainingColumn(), console=self.console)
@@ -117,6 +138,7 @@ class RichReporter:
 
     def start(self, title: str, total: int, done: int) -> None:
         self.task = self.progress.add_task(title, total=total, completed=done)
+        self.close()  # a second start replaces the view, never leaves one running
         self.live = Live(self._view(), console=self.console, refresh_per_second=4)
         self.live.start()
 
@@ -134,9 +156,14 @@ class RichReporter:
     def message(self, text: str) -> None:
         self.console.print(text)
 
+    def close(self) -> None:
+        """Stop the live view (and its refresh thread); safe to call more than once."""
+        live, self.live = self.live, None
+        if live is not None:
+            live.stop()
+
     def finish(self, rows: list[tuple[str, str]]) -> None:
-        if self.live:
-            self.live.stop()
+        self.close()
         table = Table(title="Summary", show_header=False, title_justify="left")
         table.add_column(style="bold cyan")
         table.add_column()

@@ -20,3 +20,15 @@ class Outer:
 
 def raises() -> None:
     raise RuntimeError("factory exploded")
+
+
+class CaptionPairs(list):
+    """DPO items whose answers are {image, caption} mappings: not text the built-in packer reads."""
+
+    def membership_ids(self):
+        return tuple(f"caption-{i}" for i in range(len(self)))
+
+
+def caption_pairs():
+    return CaptionPairs(("Describe it", {"image": f"{i}.png", "caption": "a cat"},
+                         {"image": f"{i}.png", "caption": "a dog"}) for i in range(3))

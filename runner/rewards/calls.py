@@ -1,0 +1,140 @@
+"""Calling reward functions: concurrently, each under a time limit, failures named.
+
+Each function of a reward set runs on the whole batch in a worker thread of its own, all started
+together, so a slow judge or sandbox does not wait for the others. Threads suit rewards that
+wait (on a subprocess, a socket, a server); pure-Python arithmetic gains nothing from them but
+loses little. A call that is still running at the deadline cannot be stopped from outside: its
+thread is abandoned (a daemon thread, it never blocks the process from exiting) and the step
+fails. Code that uses ``signal`` (``signal.alarm`` timeouts) only works in the main thread, so a
+single function with no time limit runs in the calling thread.
+
+Which item a failing call was on: the function receives its ``completions`` and ``items`` as
+lists that remember the last position read (by index or by iteration); an exception or a
+timeout is reported at that position. A function that copies its arguments first has read every
+item, so the position is then the last one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, SupportsIndex
+
+from runner.errors import RewardFailure
+
+RewardFn = Callable[[Sequence[str], Sequence[Any]], Sequence[float]]
+
+
+class _Reads:
+    """The last position either argument list was read at (None before any read)."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+
+
+class TrackedList(list):
+    """A list that records, in a shared ``_Reads``, the last position read from it."""
+
+    def __init__(self, values: Sequence[Any], reads: _Reads) -> None:
+        super().__init__(values)
+        self._reads = reads
+
+    def __getitem__(self, index: SupportsIndex | slice) -> Any:  # type: ignore[override]
+        value = super().__getitem__(index)
+        if isinstance(index, slice):
+            positions = range(*index.indices(len(self)))
+            if positions:
+                self._reads.last = positions[-1]
+        else:
+            position = index.__index__()
+            self._reads.last = position if position >= 0 else len(self) + position
+        return value
+
+    def __iter__(self) -> Iterator[Any]:
+        for position in range(len(self)):
+            self._reads.last = position
+            yield super().__getitem__(position)
+
+
+class _Call:
+    def __init__(self, name: str, fn: RewardFn, completions: Sequence[str], items: Sequence[Any]
+                 ) -> None:
+        self.name, self.fn, self.n = name, fn, len(completions)
+        self.reads = _Reads()
+        self.args = (TrackedList(completions, self.reads), TrackedList(items, self.reads))
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = False
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except Exception as exc:  # noqa: BLE001 - user rewards may raise anything; reported below
+            self.error = exc
+        finally:
+            self.done = True
+
+    def where(self) -> str:
+        last = self.reads.last
+        return ("before reading any item" if last is None else
+                f"at item {last} of {self.n} (the last item it read)")
+
+
+def call_all(names: Sequence[str], functions: Sequence[RewardFn], completions: Sequence[str],
+             items: Sequence[Any], *, timeout_s: float, step: int | None) -> list[list[float]]:
+    """Each function's values for the batch, in order; ``RewardFailure`` naming every function
+    that raised, timed out or returned something other than one finite number per completion."""
+    calls = [_Call(n, f, completions, items) for n, f in zip(names, functions, strict=True)]
+    if len(calls) == 1 and timeout_s <= 0:
+        calls[0].run()
+    else:
+        threads = [threading.Thread(target=c.run, name=f"reward {c.name}", daemon=True)
+                   for c in calls]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(None if timeout_s <= 0 else max(0.0, deadline - time.monotonic()))
+    failures, values = [], []
+    for call in calls:
+        if not call.done:
+            failures.append((call.name, call.reads.last, f"did not finish within "
+                             f"reward.timeout_s = {timeout_s:g} s, {call.where()}; its thread "
+                             "is abandoned"))
+            continue
+        if call.error is not None:
+            exc = call.error
+            hint = ""
+            if isinstance(exc, ValueError) and "main thread" in str(exc):
+                hint = " (signal-based timeouts do not work in a worker thread: turn them off " \
+                       "and let reward.timeout_s bound the call)"
+            failures.append((call.name, call.reads.last, f"raised {type(exc).__name__}: {exc} "
+                             f"{call.where()}{hint}"))
+            continue
+        checked = _check_values(call.result, call.n)
+        if isinstance(checked, tuple):
+            failures.append((call.name, checked[0], checked[1]))
+        else:
+            values.append(checked)
+    if failures:
+        raise RewardFailure(step, failures)
+    return values
+
+
+def _check_values(result: Any, n: int) -> list[float] | tuple[int | None, str]:
+    """The values as floats, or (index, why) for the first bad one."""
+    try:
+        values = list(result)
+    except TypeError:
+        return None, f"returned a {type(result).__name__}, not a list of {n} numbers"
+    if len(values) != n:
+        return None, f"returned {len(values)} values for {n} completions"
+    out = []
+    for index, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value or \
+                value in (float("inf"), float("-inf")):
+            return index, (f"returned {value!r} at index {index}; rewards must be finite "
+                           "numbers")
+        out.append(float(value))
+    return out
