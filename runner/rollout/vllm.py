@@ -49,6 +49,22 @@ def _keep_plain_cpu_weights() -> None:
     _custom_ops._supports_onednn = False
 
 
+def _loopback_process_group() -> None:
+    """Give vLLM a process group to join that talks over 127.0.0.1 only.
+
+    vLLM joins an existing default process group (the ranks' group under torchrun). Alone, it
+    would make its own, whose rendezvous store listens on every interface of the machine at a
+    ``tcp://<host address>`` it picks: a one-rank group over an in-memory store, with gloo bound
+    to the loopback interface, leaves nothing listening elsewhere.
+    """
+    import torch.distributed as dist
+
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -56,6 +72,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False,
                  kv_cache_gb: float = 1.0, trust_remote_code: bool = False) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        _loopback_process_group()
         if _on_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
         from vllm import LLM

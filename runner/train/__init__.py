@@ -26,16 +26,16 @@ def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collect
     """Run a validated recipe to the end on this rank; returns the exit code (0)."""
     from runner.train.assemble import assemble
 
-    reporter = make_reporter(plain) if ctx.is_main else SilentReporter()
     started = time.monotonic()
     loop = importlib.import_module(LOOPS[recipe.algo.kind]).run
-    run = assemble(recipe, plan, ctx, comm, reporter, source, overrides)
-    try:
-        result = loop(run) | {"metrics": run.metrics.rows}
-        comm.barrier()  # leave together: no rank tears its connections down under another
-    finally:
-        run.close()
-    if ctx.is_main:
+    # Leaving the block by any path (an error, Ctrl-C) tears the live view down first.
+    with make_reporter(plain) if ctx.is_main else SilentReporter() as reporter:
+        run = assemble(recipe, plan, ctx, comm, reporter, source, overrides)
+        try:
+            result = loop(run) | {"metrics": run.metrics.rows}
+            comm.barrier()  # leave together: no rank tears its connections down under another
+        finally:
+            run.close()
         reporter.finish(summary_rows(result, plan, time.monotonic() - started))
     return 0
 
@@ -45,10 +45,11 @@ def summary_rows(result: dict, plan: RunPlan, seconds: float) -> list[tuple[str,
     rows = [("steps", f"{result['step']}/{plan.max_steps}"), ("wall time", f"{seconds:.1f} s")]
     if plan.world_size > 1:
         rows.append(("ranks", f"{plan.world_size} ({plan.backend})"))
-    for key in ("eval/accuracy", "eval/preference_accuracy", "eval/reward", "eval/reverse_kl"):
+    keys = sorted({k for r in evals for k in r if k.startswith("eval/reward")})
+    for key in ("eval/preference_accuracy", *keys, "eval/reverse_kl"):
         having = [r for r in evals if key in r]
         if having:
-            rows.append((f"held-out {key.split('/')[1]}",
+            rows.append((f"held-out {key.split('/', 1)[1]}",
                          f"{having[0][key]:.3f} (step {having[0]['step']}) -> "
                          f"{having[-1][key]:.3f} (step {having[-1]['step']})"))
     from runner.state.checkpoint import latest_checkpoint

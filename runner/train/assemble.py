@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from runner.data.cursor import DataCursor, check_resume
+from runner.data.sources import held_out_reason
 from runner.errors import Problem, RecipeError, RunnerError
 from runner.launch.collective import Collective
 from runner.launch.context import RankContext
@@ -39,7 +40,7 @@ from runner.state.checkpoint import (
 )
 from runner.train.handshake import handshake, model_files_hash
 from runner.train.policy import scheduler_state
-from runner.train.roles import Rollout, Trainable, prepare_trainable
+from runner.train.roles import Rollout, Trainable, disable_dropout, prepare_trainable
 from runner.ui import MetricsLog, Reporter
 
 
@@ -83,6 +84,7 @@ class RunContext:
     policy_packer: Any
     rollout: Rollout | None
     metrics: MetricsLog
+    has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
 
     @property
     def rollout_packer(self) -> Any:
@@ -93,8 +95,10 @@ class RunContext:
         from runner.models import read_model_type
         from runner.packers import build_packer
 
-        model_type = self.recipe.model.model_type or read_model_type(self.model_path)
-        return build_packer(self.model_path, model_type, self.recipe.data_packer.factory)
+        m = self.recipe.model
+        model_type = m.model_type or read_model_type(self.model_path)
+        return build_packer(self.model_path, model_type, self.recipe.data_packer.factory,
+                            trust_remote_code=m.trust_remote_code, dtype=m.dtype)
 
     def sync_weights(self) -> None:
         if self.rollout is not None:
@@ -261,15 +265,17 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     accelerator = step("policy", lambda: make_accelerator(recipe))
     model_dir = ckpt.model_dir if ckpt else base
     policy = step("policy", lambda: prepare_trainable(
-        accelerator, load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust), recipe,
+        accelerator, _trained(load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust),
+                              recipe), recipe,
         ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
         ckpt_scheduler=ckpt.state.scheduler if ckpt else None))
     factory = recipe.data_packer.factory
-    packer = step("policy", lambda: build_packer(base, model_type, factory))
+    options = {"trust_remote_code": trust, "dtype": dtype}
+    packer = step("policy", lambda: build_packer(base, model_type, factory, **options))
     rollout = None
     if recipe.algo.kind != "dpo":
         rollout = step("rollout", lambda: Rollout(make_engine(recipe, model_dir),
-                                                  build_packer(base, model_type, factory)))
+                                                  build_packer(base, model_type, factory, **options)))
     fingerprint = data.cursor.fingerprint if data is not None else ""
     hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, base)))
               if ctx.world_size > 1 else {})
@@ -278,8 +284,18 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
                          ckpt.metrics_rows if ckpt else [],
                          plan.output_dir / "tensorboard" if recipe.logging.tensorboard and ctx.is_main
                          else None)
+    has_held_out = bool(opened and opened[1] is not None) or (
+        recipe.algo.kind == "dpo" and data is not None and data.held_out is not None)
+    reason = held_out_reason(recipe.data, recipe.algo.kind)
+    if reason:
+        reporter.message(f"no held-out evaluation: {reason}")
     return RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
-                      parts, val_items, base, tokenizer, policy, packer, rollout, metrics)
+                      parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
+                      has_held_out)
+
+
+def _trained(model: Any, recipe: Recipe) -> Any:
+    return disable_dropout(model) if recipe.train.disable_dropout else model
 
 
 def _model_folders(recipe: Recipe, base: Path) -> dict[str, Path]:

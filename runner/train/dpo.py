@@ -52,9 +52,15 @@ def sequence_logprobs(model: Any, packer: Any, inputs: Sequence[RLPolicyInput], 
     return (lp_BT * mask_BT).sum(-1)
 
 
+def completion_tokens(inputs: Sequence[RLPolicyInput], device: Any) -> torch.Tensor:
+    """Completion tokens the loss is taken on, per sequence: [len(inputs)]."""
+    return torch.tensor([float(sum(x.loss_mask)) for x in inputs], device=device)
+
+
 def _pack(packer: Any, pairs: Sequence[Any]) -> list[RLPolicyInput]:
     """[chosen_0 .. chosen_n, rejected_0 .. rejected_n]: one concatenated batch."""
-    both = [packer.get_preference_input(ObsBundle(p.prompt), p.chosen, p.rejected) for p in pairs]
+    both = [packer.get_preference_input(ObsBundle(p.prompt, id=p.id), p.chosen, p.rejected)
+            for p in pairs]
     return [c for c, _ in both] + [r for _, r in both]
 
 
@@ -91,8 +97,11 @@ def one_step(run: DPORun, step: int) -> dict[str, Any]:
         inputs = _pack(run.packer, part)
         ref_c, ref_r = reference_logprobs(run, part, inputs)
         lp = sequence_logprobs(ctx.policy.model, run.packer, inputs, run.device)
-        return dpo_loss(DPOLossInputs(policy_chosen_B=lp[:len(part)], policy_rejected_B=lp[len(part):],
-                                      ref_chosen_B=ref_c, ref_rejected_B=ref_r), algo)
+        n = len(part)
+        return dpo_loss(DPOLossInputs(policy_chosen_B=lp[:n], policy_rejected_B=lp[n:],
+                                      ref_chosen_B=ref_c, ref_rejected_B=ref_r,
+                                      chosen_tokens_B=completion_tokens(inputs[:n], run.device)),
+                        algo)
 
     history = [train_minibatch([ctx.policy], whole, loss_fn, ctx.recipe.train.grad_accum_steps,
                                ctx.rank.world_size, ctx.recipe.train.max_grad_norm)]
@@ -117,7 +126,9 @@ def held_out(run: DPORun) -> dict[str, float]:
         margin = (lp[:len(part)] - ref_c) - (lp[len(part):] - ref_r)
         correct += float((margin > 0).sum() + 0.5 * (margin == 0).sum())
         loss, _ = dpo_loss(DPOLossInputs(policy_chosen_B=lp[:len(part)], policy_rejected_B=lp[len(part):],
-                                         ref_chosen_B=ref_c, ref_rejected_B=ref_r), run.algo)
+                                         ref_chosen_B=ref_c, ref_rejected_B=ref_r,
+                                         chosen_tokens_B=completion_tokens(inputs[:len(part)],
+                                                                           run.device)), run.algo)
         loss_sum += float(loss) * len(part)
     correct, loss_sum, n = ctx.comm.sum([correct, loss_sum, len(pairs)])
     return {"eval/preference_accuracy": correct / max(1.0, n), "eval/loss": loss_sum / max(1.0, n)}
@@ -130,4 +141,4 @@ def run(ctx: RunContext) -> dict[str, Any]:
     if algo.precompute_reference:
         precompute(dpo, ctx.reporter)
     return run_loop(ctx, lambda s: one_step(dpo, s),
-                    (lambda: held_out(dpo)) if ctx.recipe.data.validation.enabled else None)
+                    (lambda: held_out(dpo)) if ctx.has_held_out else None)

@@ -49,7 +49,7 @@ def run(run: RunContext) -> dict[str, Any]:
                  if algo.kl_beta > 0 else None)
     reward_packer = run.build_packer() if algo.shared_prefix_filter else None  # only when used
     return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, reward_packer, step),
-                    (lambda: evaluate(run, rewards)) if run.recipe.data.validation.enabled else None)
+                    (lambda: evaluate(run, rewards)) if run.has_held_out else None)
 
 
 def _one_step(run: RunContext, algo: GRPOConfig, rewards: Any, reference: Frozen | None,

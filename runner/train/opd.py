@@ -20,7 +20,7 @@ import torch
 
 from runner.algorithms.logprobs import token_logprobs
 from runner.algorithms.opd import OPDLossInputs, align_to_student, opd_loss, sampled_reverse_kl
-from runner.errors import Problem, RecipeError
+from runner.models.vocab import check_same_vocab
 from runner.packers.base import PolicyBatch, RLPolicyInput, collate
 from runner.recipe.schema import OPDConfig
 from runner.rewards import build_rewards
@@ -53,13 +53,16 @@ class Teacher:
         self.device = run.accelerator.device
         self.pad_token_id = run.policy_packer.pad_token_id
         if algo.mode == "same_tokenizer":
-            check_same_vocab(run.model_path, self.path)
+            check_same_vocab(run.model_path, self.path,
+                             trust_remote_code=run.recipe.model.trust_remote_code)
             self.student_codec = self.packer = None
         else:  # built only in this mode
             self.student_codec = run.build_packer()
             self.packer = build_packer(self.path, read_model_type(self.path),
                                        run.recipe.data_packer.teacher_model_factory,
-                                       key="data_packer.teacher_model_factory")
+                                       key="data_packer.teacher_model_factory",
+                                       trust_remote_code=run.recipe.model.trust_remote_code,
+                                       dtype=run.recipe.model.dtype)
 
     @torch.no_grad()
     def logprobs(self, traj: Trajectory, inputs: Sequence[RLPolicyInput], width: int,
@@ -81,9 +84,7 @@ class Teacher:
         student_spans = list(zip(prefix, prefix[1:], strict=False))
         text = codec.decode(ids)
         prompt_ids = packer.encode_rollout_input(packer.get_rollout_input(item))
-        enc = packer.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        teacher_ids = list(enc["input_ids"])
-        teacher_spans = [tuple(s) for s in enc["offset_mapping"]]
+        teacher_ids, teacher_spans = packer.encode_with_offsets(text)
         if completion.finish_reason == "stop":
             teacher_ids.append(packer.eos_token_id)
             teacher_spans.append((len(text), len(text)))
@@ -93,20 +94,6 @@ class Teacher:
                           + (1,) * len(teacher_ids), len(prompt_ids))
         lp_BT, mask_BT = batch_logprobs(self.model, packer.collate([x]).to(self.device), temperature)
         return align_to_student(student_spans, teacher_spans, lp_BT[mask_BT].tolist())
-
-
-def check_same_vocab(student_path: Path, teacher_path: Path) -> None:
-    """same_tokenizer mode: the two tokenizers must map the same strings to the same ids."""
-    from runner.models import load_tokenizer
-
-    student, teacher = load_tokenizer(student_path).get_vocab(), load_tokenizer(teacher_path).get_vocab()
-    if student != teacher:
-        raise RecipeError([Problem(
-            "algo.mode", f"same_tokenizer needs one vocabulary, but the student's has {len(student)} "
-            f"tokens ({student_path}) and the teacher's {len(teacher)} ({teacher_path})"
-            + ("" if len(student) != len(teacher) else ", with different ids"),
-            got="same_tokenizer", hint="use mode = 'cross_token_multimodal' for a teacher with "
-            "its own tokenizer")])
 
 
 def run(run: RunContext) -> dict[str, Any]:
@@ -119,7 +106,7 @@ def run(run: RunContext) -> dict[str, Any]:
         return evaluate(run, rewards) | held_out_reverse_kl(run, teacher)
 
     return run_loop(run, lambda step: _one_step(run, algo, teacher, rewards, step),
-                    held_out if run.recipe.data.validation.enabled else None)
+                    held_out if run.has_held_out else None)
 
 
 # The held-out reverse KL samples with this seed at every evaluation, so evaluations differ only

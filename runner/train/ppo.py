@@ -29,7 +29,7 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
-from runner.train.roles import Frozen, Trainable, prepare_trainable
+from runner.train.roles import Frozen, Trainable, disable_dropout, prepare_trainable
 from runner.train.rollouts import evaluate, item_ids_metric, sample, score
 
 CRITIC = "critic"
@@ -62,6 +62,8 @@ def build_critic(run: RunContext) -> Trainable:
     path = resolve_model_path(algo.critic_path) if algo.critic_path else run.model_path
     lm = load_causal_lm(path, dtype=run.recipe.model.dtype,
                         trust_remote_code=run.recipe.model.trust_remote_code)
+    if run.recipe.train.disable_dropout:
+        disable_dropout(lm)
     critic = ValueModel(lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model,
                         lm.config.hidden_size)
     if run.ckpt is not None:
@@ -79,7 +81,7 @@ def run(run: RunContext) -> dict[str, Any]:
     reference = Frozen(run.model_path, run.recipe, run.accelerator.device)
     critic = build_critic(run)
     return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, critic, step),
-                    (lambda: evaluate(run, rewards)) if run.recipe.data.validation.enabled else None,
+                    (lambda: evaluate(run, rewards)) if run.has_held_out else None,
                     save=lambda step: run.save(step, {CRITIC: critic}))
 
 

@@ -97,6 +97,19 @@ class _no_sync_all:
             c.__exit__(*exc)
 
 
+def disable_dropout(model: Any) -> Any:
+    """Set every dropout probability of ``model`` to 0 (its ``nn.Dropout`` modules and the
+    float ``attention_dropout`` of attention layers), so that the policy's logprobs in train
+    mode equal the ones it had when the data was sampled. The config (saved with checkpoints)
+    is left as it is."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model
+
+
 class Frozen:
     """A frozen model that scores batches: the reference, or the teacher's model."""
 

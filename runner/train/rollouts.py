@@ -10,7 +10,6 @@ from runner.launch.collective import interleave
 from runner.packers.base import DataPacker, RLPolicyInput
 from runner.recipe.schema import RolloutConfig
 from runner.rewards import RewardSet
-from runner.rewards.builtin import arithmetic_exact
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig
 from runner.train.assemble import RunContext, item_seed
 from runner.train.roles import Rollout
@@ -116,24 +115,25 @@ def score(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:
     return attrs.evolve(traj, rewards=tuple(values), reward_parts=parts)
 
 
-def evaluate(run: RunContext, rewards: RewardSet | None) -> dict[str, float]:
-    """Greedy completions on the held-out items (each rank its shard, counts summed over
-    ranks): exact accuracy (items with a reference) and mean reward under the run's reward
-    functions."""
-    items = run.val_items
-    traj = roll_out(run.rollout, items, sampling(run.recipe.rollout, 1, 0, greedy=True)) if items else None
-    correct = with_ref = reward_sum = 0.0
-    if traj is not None:
-        pairs = [(t, i) for t, i in zip(traj.texts, traj.items, strict=True) if str(i.reference)]
-        if pairs:
-            texts, refs = zip(*pairs, strict=True)
-            correct, with_ref = float(sum(arithmetic_exact(texts, refs))), float(len(pairs))
-        if rewards is not None:
-            reward_sum = float(sum(rewards.score(traj.texts, traj.items)[0]))
-    correct, with_ref, reward_sum, n = run.comm.sum([correct, with_ref, reward_sum, len(items)])
-    metrics: dict[str, float] = {}
-    if with_ref:
-        metrics["eval/accuracy"] = correct / with_ref
-    if rewards is not None and n:
-        metrics["eval/reward"] = reward_sum / n
-    return metrics
+def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
+    """Held-out completions (``[eval]``: greedy by default) scored by the recipe's own reward
+    functions, each rank its shard, sums over ranks: ``eval/reward`` (the weighted total) and
+    ``eval/reward/NAME`` per function, means over every completion."""
+    cfg, items = run.recipe.eval, run.val_items
+    total, parts = [], {f"reward/{n}": 0.0 for n in rewards.names}
+    if items:
+        greedy = cfg.temperature == 0
+        params = attrs.evolve(sampling(run.recipe.rollout, 1 if greedy else cfg.num_samples, 0,
+                                       greedy=greedy),
+                              max_new_tokens=cfg.max_new_tokens or run.recipe.rollout.max_new_tokens,
+                              temperature=cfg.temperature if not greedy else 1.0)
+        world, rank = run.rank.world_size, run.rank.rank
+        seeds = [item_seed(run.recipe.run.seed, 0, j * world + rank) for j in range(len(items))]
+        traj = roll_out(run.rollout, items, params, seeds)
+        total, means = rewards.score(traj.texts, traj.items)
+        parts = {k: v * len(total) for k, v in means.items()}  # means -> sums
+    names = sorted(parts)
+    sums = run.comm.sum([float(sum(total)), float(len(total)), *(parts[k] for k in names)])
+    n = max(1.0, sums[1])
+    return {"eval/reward": sums[0] / n, **{f"eval/{k}": v / n for k, v in zip(names, sums[2:],
+                                                                          strict=True)}}

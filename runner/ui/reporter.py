@@ -29,7 +29,7 @@ from rich.table import Table
 
 # (metric key, label) shown in the live view and the plain lines, when the algorithm logs them.
 SHOWN = (
-    ("reward/mean", "reward"), ("reward/max", "reward max"), ("eval/accuracy", "held-out acc"),
+    ("reward/mean", "reward"), ("reward/max", "reward max"), ("eval/reward", "held-out reward"),
     ("eval/preference_accuracy", "held-out pref acc"), ("loss", "loss"), ("kl", "kl"),
     ("reverse_kl", "reverse kl"), ("accuracy", "pref acc"), ("reward_margin", "margin"),
     ("value_loss", "value loss"), ("clip_frac", "clip frac"), ("perf/rollout_tok_s", "rollout tok/s"),
@@ -172,7 +172,7 @@ class RichReporter(_Closing):
         self.console.print(table)
 
 
-class SilentReporter:
+class SilentReporter(_Closing):
     """The reporter of every rank but rank 0: rank 0 alone shows progress."""
 
     def start(self, title: str, total: int, done: int) -> None:
