@@ -180,7 +180,12 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
 
 def _mark_override_keys(problems: list[Problem], overrides: Sequence[Override]) -> list[Problem]:
     given = {ov.key for ov in overrides}
-    return [attrs.evolve(p, source=OVERRIDE_SOURCE) if p.key in given else p for p in problems]
+
+    def from_override(key: str) -> bool:
+        return key in given or any(key.startswith((g + ".", g + "[")) for g in given)
+
+    return [attrs.evolve(p, source=OVERRIDE_SOURCE) if from_override(p.key) else p
+            for p in problems]
 
 
 def _deep_copy(value: Any) -> Any:
