@@ -62,6 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunnerError as exc:
         print(safe_line(f"error: {exc}"), file=sys.stderr)
         return EXIT_FAILURE
+    except OSError as exc:  # storage the runner's own writers do not wrap (the output folder)
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(safe_line(f"error: driver: {exc.strerror or exc} [errno {exc.errno}]{where}"),
+              file=sys.stderr)
+        return EXIT_FAILURE
 
 
 def _load(args: argparse.Namespace) -> tuple["Recipe", "RunPlan"]:

@@ -221,3 +221,27 @@ def test_a_read_only_folder_fails_cleanly(pristine, tmp_path, model, monkeypatch
         f"[errno 30] ({tmp / 'optimizer.json'}); the partial checkpoint was removed and earlier "
         "checkpoints are untouched")
     assert _tree(root) == before
+
+
+def test_metrics_write_errors_are_one_line(tmp_path, monkeypatch):
+    from runner.ui.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", rows=[{"step": 1, "loss": 0.5}])
+    real_open = open
+
+    def read_only(path, mode="r", *args, **kwargs):
+        if "a" in mode or "w" in mode:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", read_only)
+    with pytest.raises(RuntimeFailure) as info:
+        log.write({"step": 2, "loss": 0.25})
+    assert str(info.value) == (f"policy at step 2: cannot write metrics to {tmp_path / 'metrics.jsonl'}"
+                               ": Read-only file system [errno 30]")
+    with pytest.raises(RuntimeFailure) as info:
+        MetricsLog(tmp_path / "metrics.jsonl", rows=[{"step": 7}])
+    assert str(info.value).startswith("policy at step 7: cannot write metrics to ")
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"loss": 0.5, "step": 1}\n'
+    assert log.rows == [{"step": 1, "loss": 0.5}]

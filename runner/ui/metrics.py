@@ -2,6 +2,9 @@
 
 Keys under ``time/`` and ``perf/`` are wall-clock measurements; everything else is a pure
 function of the run's inputs, which is what the exact-resume tests compare.
+
+A write that fails (a full disk, a read-only folder) raises ``RuntimeFailure`` naming the
+writer's role, the step and the file.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from runner.errors import RuntimeFailure
+
 TIMING_PREFIXES = ("time/", "perf/")
+WRITER_ROLE = "policy"  # rank 0 of the policy writes metrics (and checkpoints)
 
 
 def is_timing(key: str) -> bool:
@@ -24,11 +30,9 @@ class MetricsLog:
                  tensorboard_dir: Path | None = None) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = list(rows or [])
-        path.parent.mkdir(parents=True, exist_ok=True)
         # Rewrite from the rows we resume with: drops rows a killed run wrote after its checkpoint.
-        with open(path, "w", encoding="utf-8") as f:
-            for row in self.rows:
-                f.write(json.dumps(row, sort_keys=True) + "\n")
+        step = int(self.rows[-1]["step"]) if self.rows and "step" in self.rows[-1] else None
+        self._append(self.rows, "w", step)
         self._tb = None
         if tensorboard_dir is not None:
             try:
@@ -41,10 +45,21 @@ class MetricsLog:
                                            "logging.tensorboard = false")]) from exc
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
+    def _append(self, rows: list[dict[str, Any]], mode: str, step: int | None) -> None:
+        text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, mode, encoding="utf-8") as f:
+                f.write(text)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise RuntimeFailure(WRITER_ROLE, step, f"cannot write metrics to {self.path}: "
+                                 f"{reason} [errno {exc.errno}]") from exc
+
     def write(self, row: dict[str, Any]) -> None:
+        step = row.get("step")
+        self._append([row], "a", int(step) if isinstance(step, int) else None)
         self.rows.append(row)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
         if self._tb is not None:
             step = int(row["step"])
             for key, value in row.items():
