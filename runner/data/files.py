@@ -148,7 +148,7 @@ def first_bad_jsonl_line(file: Path) -> str:
             if not line.strip():
                 continue
             try:
-                json.loads(line)
+                json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 return f"{file} line {number}: not valid JSON ({exc.msg} at column {exc.colno})"
             except RecursionError:

@@ -5,7 +5,8 @@ archive would give only some of its samples. Here the header block that ended th
 kept (tarfile reads each header as one 512-byte read) and must be the zero block that marks the
 end of an archive; anything else refuses the archive, naming the offset and the last good
 member. Compressed archives (gzip, bzip2, xz) are decompressed as a stream; one member at a
-time is read into memory, at most ``max_member_bytes`` of it, and nothing is extracted to disk.
+time is read into memory, at most ``max_member_bytes`` of it, and nothing is extracted to disk;
+a compressed stream is read to its end so that its checksum is verified too.
 Members with absolute paths, ``..`` components, links or devices refuse the whole archive.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import io
 import json
 import lzma
 import tarfile
@@ -81,7 +83,19 @@ def read_tar_samples(file: Path, key: str, max_member_bytes: int) -> list[tuple[
                 samples.append((f"member {member.name!r}", _parse(data, member.name, key, file)))
             last = member.name
         _check_end(tracked.last, archive.offset, last, key, file)
+        if not isinstance(stream, io.BufferedReader):  # a decompressing stream
+            _drain(stream, key, file)
     return sorted(samples, key=lambda s: s[0])
+
+
+def _drain(stream: BinaryIO, key: str, file: Path) -> None:
+    """Read a compressed stream to its end, so its own checksum and length are verified."""
+    try:
+        while stream.read(1 << 20):
+            pass
+    except READ_ERRORS as exc:
+        raise _refuse(key, file, "has a damaged compressed stream after the end-of-archive "
+                      f"marker ({_why(exc)})") from None
 
 
 def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, key: str, file: Path,
