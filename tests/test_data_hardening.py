@@ -207,3 +207,17 @@ def test_path_arrow_cache_goes_under_the_project_home(tmp_path, home):
     ds, _ = load_local(str(path), "train", key="data.path", split_key="data.split")
     assert [row["prompt"] for row in ds] == ["a", "b"]
     assert list((home / "datasets").rglob("*.arrow"))
+
+
+# --- through the CLI ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe,key", [("recipes/dpo-arith.toml", "data.jsonl_path"),
+                                        ("recipes/grpo-arith.toml", "data.path")])
+def test_dry_run_refuses_invalid_utf8_with_one_line(run_cli, tmp_path, recipe, key):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(_sample(0) + b"\n" + _sample(1).replace(b"good", b"\xffgood") + b"\n")
+    extra = ["data.synthetic_pairs=0"] if "dpo" in recipe else []
+    rc, out, err = run_cli("--dry-run", "--plain", recipe, f"{key}={path}", *extra)
+    assert rc == 2, out + err
+    assert err.splitlines() == [f"{key}: {path} line 2: not valid UTF-8 (invalid start byte at "
+                                "byte 29 of the line). Save the file as UTF-8."]
