@@ -257,7 +257,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     return [problem for rule in RULES for problem in rule(recipe)]
 
 
-# --- bounds of integer keys (documented in docs/limits.md) --------------------------------------
+# --- bounds of integer keys (documented in README.md, Limits) ------------------------------
 
 MAX_ITEMS = 1_000_000  # data.count, data.validation.size, data.synthetic_pairs
 MAX_ARITHMETIC_POOL = 1_000_000  # (max_operand - min_operand + 1)**2 x len(operators)
