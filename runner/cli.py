@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
-def _load(args: argparse.Namespace) -> tuple["Recipe", "RunPlan"]:
+def _load(args: argparse.Namespace) -> tuple[Recipe, RunPlan]:
     """The loading boundary: whatever a recipe file or an override holds, a recipe error."""
     from runner.recipe import load_recipe, make_plan
 
