@@ -10,9 +10,14 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from runner import __version__
-from runner.errors import RecipeError, RunnerError
+from runner.errors import Problem, RecipeError, RunnerError, safe_line
+
+if TYPE_CHECKING:
+    from runner.recipe.plan import RunPlan
+    from runner.recipe.schema import Recipe
 
 EXIT_OK, EXIT_FAILURE, EXIT_RECIPE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -100,17 +105,33 @@ def _guarded(run: Callable[[], int], prefix: str = "") -> int:
         print(prefix + "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except RunnerError as exc:
-        print(f"{prefix}error: {exc}", file=sys.stderr)
+        print(safe_line(f"{prefix}error: {exc}"), file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:  # storage the runner's own writers do not wrap (the output folder)
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(safe_line(f"{prefix}error: driver: {exc.strerror or exc} [errno {exc.errno}]{where}"),
+              file=sys.stderr)
         return EXIT_FAILURE
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace) -> tuple[Recipe, RunPlan]:
+    """The loading boundary: whatever a recipe file or an override holds, a recipe error."""
     from runner.recipe import load_recipe, make_plan
 
-    recipe = load_recipe(args.recipe, args.overrides)
-    plan = make_plan(recipe)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        return recipe, make_plan(recipe)
+    except (RecursionError, ValueError, TypeError, OverflowError) as exc:
+        problem = Problem("", f"the recipe cannot be loaded ({type(exc).__name__}: {exc})",
+                          hint="check the recipe and overrides for extreme values")
+        raise RecipeError([problem], source=args.recipe) from exc
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    recipe, plan = _load(args)
     if args.validate_manifest:
-        print(f"{args.recipe}: recipe is valid ({recipe.algo.kind}, {plan.max_steps} steps)")
+        print(safe_line(f"{args.recipe}: recipe is valid ({recipe.algo.kind}, "
+                        f"{plan.max_steps} steps)"))
         return EXIT_OK
 
     from runner.preflight import validate_extensions, validate_models

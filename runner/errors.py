@@ -6,11 +6,15 @@ A problem renders as one line: ``file: key.path: what is wrong (got X). how to f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import attrs
 
 _MISSING = object()
+MAX_KEY_CHARS = 120  # a key path longer than this is cut in messages
+MAX_VALUE_CHARS = 80  # the "(got X)" part
+MAX_LINE_CHARS = 1000  # one rendered problem
 
 
 @attrs.frozen
@@ -24,23 +28,75 @@ class Problem:
     source: str = ""
 
     def render(self, default_source: str = "") -> str:
+        """One line, whatever the problem holds: user text is escaped and cut to size."""
         where = self.source or default_source
-        parts = [f"{where}: " if where else "", f"{self.key}: " if self.key else "", self.message]
+        key = safe_line(self.key, MAX_KEY_CHARS)
+        parts = [f"{where}: " if where else "", f"{key}: " if key else "", self.message]
         if self.got is not _MISSING:
-            parts.append(f" (got {_show(self.got)})")
+            parts.append(f" (got {show_value(self.got)})")
         line = _sentence("".join(parts))
         if self.hint:
             line += " " + _sentence(self.hint[:1].upper() + self.hint[1:])
-        return line
+        return safe_line(line, MAX_LINE_CHARS)
 
 
 def _sentence(text: str) -> str:
     return text if text.endswith((".", "?", "!")) else text + "."
 
 
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+def _escape_char(ch: str) -> str:
+    code = ord(ch)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def safe_line(text: str, limit: int = MAX_LINE_CHARS) -> str:
+    """``text`` as one printable line of at most ``limit`` characters.
+
+    Control characters (newlines, terminal escape sequences), line and paragraph separators and
+    other invisible format characters are written as backslash escapes, so a value a user typed
+    can neither break "one line per problem" nor reach the terminal raw.
+    """
+    text = str(text)
+    if len(text) > 4 * limit:
+        text = text[: 4 * limit]
+    out = "".join(ch if ch.isprintable() or ch == " " else _escape_char(ch) for ch in text)
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def show_value(value: object, limit: int = MAX_VALUE_CHARS) -> str:
+    """A short, safe rendering of a user value (never fails, never prints a huge number)."""
+    return safe_line(_brief(value, depth=3), limit)
+
+
+def _brief(value: object, depth: int) -> str:
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        if value.bit_length() > 256:
+            digits = int(value.bit_length() * math.log10(2)) + 1
+            return f"{'-' if value < 0 else ''}an integer of about {digits} digits"
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value[: 4 * MAX_VALUE_CHARS])
+    if isinstance(value, list | tuple | dict):
+        if depth <= 0:
+            return "[...]" if not isinstance(value, dict) else "{...}"
+        if isinstance(value, dict):
+            items = [f"{_brief(k, 0)}: {_brief(v, depth - 1)}" for k, v in list(value.items())[:8]]
+            more = ", ..." if len(value) > 8 else ""
+            return "{" + ", ".join(items) + more + "}"
+        items = [_brief(v, depth - 1) for v in list(value[:8])]
+        more = ", ..." if len(value) > 8 else ""
+        return ("[" if isinstance(value, list) else "(") + ", ".join(items) + more + (
+            "]" if isinstance(value, list) else ")")
+    if isinstance(value, float):
+        return repr(value)
+    try:
+        return repr(value)[: 4 * MAX_VALUE_CHARS]
+    except Exception:  # noqa: BLE001 - a user object's __repr__ may fail; show its type instead
+        return f"<{type(value).__name__}>"
 
 
 class RunnerError(Exception):
@@ -74,7 +130,7 @@ class RuntimeFailure(RunnerError):
         self.role = role
         self.step = step
         where = f"{role}" + (f" at step {step}" if step is not None else "")
-        super().__init__(f"{where}: {message}")
+        super().__init__(safe_line(f"{where}: {message}"))
 
 
 class RewardFailure(RuntimeFailure):

@@ -13,28 +13,9 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.toml")) + sorted((REPO / "examples").glob("*.toml"))
 
-_LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", socket.gethostname()}
+_LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
 
-def _own_addresses() -> set[str]:
-    """This machine's own addresses (engines such as vLLM bind and dial them): those its name
-    resolves to locally, and the source address of its default route (a UDP socket's connect
-    sends nothing)."""
-    found: set[str] = set()
-    try:
-        found.update(socket.gethostbyname_ex(socket.gethostname())[2])
-    except OSError:
-        pass
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("192.0.2.1", 9))
-            found.add(probe.getsockname()[0])
-    except OSError:
-        pass
-    return found
-
-
-_LOCAL_NAMES |= _own_addresses()
 
 
 def _is_local(host: object) -> bool:

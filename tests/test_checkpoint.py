@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from runner.errors import RuntimeFailure
 from runner.state.checkpoint import (
     COMPLETE,
     TrainingState,
@@ -106,8 +107,10 @@ def test_failure_while_writing_leaves_earlier_checkpoint(tmp_path, model, monkey
         raise OSError("disk full")
 
     monkeypatch.setattr("runner.state.checkpoint.save_file", explode)
-    with pytest.raises(OSError):
+    with pytest.raises(RuntimeFailure, match=r"^policy at step 2: cannot write checkpoint .*"
+                       r"step-000002: OSError: disk full; the partial checkpoint was removed"):
         _save(tmp_path, 2, model, opt)
     after = {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()}
     assert before == after
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
     assert latest_checkpoint(tmp_path) == first

@@ -5,6 +5,12 @@ A local path is a file (``.jsonl``/``.json``, ``.parquet``, ``.csv``) or a folde
 ``test.jsonl``; a folder without such names is one ``train`` split). A single file is one split
 under whatever name ``split`` gives.
 
+Text files (jsonl, json, csv) are checked first: invalid UTF-8 and a malformed jsonl line are
+reported with the file and the line number an editor shows, an empty file is named as empty.
+``datasets`` converts a local file to Arrow before reading it; that cache goes under the
+project's cache folder, ``<POSTTRAIN_HOME>/datasets`` (default
+``~/.cache/posttrain-runner/datasets``), and whatever a failed read left there is removed.
+
 A hub name needs the network or the local ``datasets`` cache. Before asking the hub, the host is
 probed once with a short timeout; when it does not answer, only the cache is tried, so a run
 without network fails at once with the dataset named instead of retrying for half a minute.
@@ -14,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
+import shutil
 import socket
 import threading
 from collections.abc import Iterator
@@ -25,6 +33,7 @@ from urllib.parse import urlparse
 from runner.errors import Problem, RecipeError
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+TEXT_SUFFIXES = (".jsonl", ".json", ".csv")
 PROBE_TIMEOUT_S = 3.0
 
 
@@ -70,24 +79,89 @@ def load_local(path: str, split: str, *, key: str, split_key: str) -> tuple[Any,
     The parts are the path as written, the total size and the content sha256 of its data files.
     """
     builder, files = local_files(path, key=key)
+    for file in files:
+        if file.suffix.lower() in TEXT_SUFFIXES:
+            check_text_file(file, key=key)
     size, sha = digest_files(path, files)
     import datasets
 
+    cache = arrow_cache_dir()
+    before = _entries(cache)
     try:
         if len(files) == 1 and Path(path).is_file():
-            ds = datasets.load_dataset(builder, data_files={split: str(files[0])}, split=split)
+            ds = datasets.load_dataset(builder, data_files={split: str(files[0])}, split=split,
+                                       cache_dir=str(cache))
         else:
-            ds = datasets.load_dataset(builder, data_dir=path, split=split)
+            ds = datasets.load_dataset(builder, data_dir=path, split=split, cache_dir=str(cache))
     except ValueError as exc:
+        _remove_new(cache, before)
         if "split" in str(exc).lower():
             raise RecipeError([Problem(split_key, f"{path}: {exc}", got=split)]) from exc
-        raise _unreadable(key, path, exc) from exc
+        raise _unreadable(key, path, files, exc) from exc
     except Exception as exc:  # noqa: BLE001 - datasets raises many kinds on a bad file
-        raise _unreadable(key, path, exc) from exc
+        _remove_new(cache, before)
+        raise _unreadable(key, path, files, exc) from exc
     return ds, {"path": path, "file_size": str(size), "content_sha256": sha, "split": split}
 
 
-def _unreadable(key: str, path: str, exc: Exception) -> RecipeError:
+def arrow_cache_dir() -> Path:
+    """Where ``datasets`` keeps the Arrow copies of local data files: ``<home>/datasets``."""
+    from runner.models.home import home
+
+    return home() / "datasets"
+
+
+def _entries(folder: Path) -> set[Path]:
+    return set(folder.rglob("*")) if folder.is_dir() else set()
+
+
+def _remove_new(folder: Path, before: set[Path]) -> None:
+    """Remove what a failed read added to the cache (partial Arrow files, lock files)."""
+    for entry in sorted(_entries(folder) - before, key=lambda p: len(p.parts)):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def check_text_file(file: Path, *, key: str) -> None:
+    """Refuse a text data file that is not UTF-8 (naming the line an editor shows, counted
+    from 1) or that holds nothing but blank lines."""
+    content = False
+    with file.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RecipeError([Problem(key, f"{file} line {number}: not valid UTF-8 "
+                                           f"({exc.reason} at byte {exc.start + 1} of the line)",
+                                           hint="save the file as UTF-8")]) from None
+            content = content or bool(raw.strip())
+    if not content:
+        raise RecipeError([Problem(key, f"{file} is empty", hint="give a file with data rows")])
+
+
+def first_bad_jsonl_line(file: Path) -> str:
+    """``"<file> line N: ..."`` for the first line that is not valid JSON, or ""."""
+    with file.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as exc:
+                return f"{file} line {number}: not valid JSON ({exc.msg} at column {exc.colno})"
+            except RecursionError:
+                return f"{file} line {number}: JSON nested too deeply"
+    return ""
+
+
+def _unreadable(key: str, path: str, files: list[Path], exc: Exception) -> RecipeError:
+    for file in files:
+        if file.suffix.lower() == ".jsonl":
+            where = first_bad_jsonl_line(file)
+            if where:
+                return RecipeError([Problem(key, where, hint="write one JSON object per line")])
     cause = exc.__cause__ or exc
     return RecipeError([Problem(key, f"datasets could not read {path}: {type(cause).__name__}: "
                                 f"{str(cause)[:300]}", hint="check the file is valid for its type")])

@@ -7,21 +7,21 @@ Sources (``DatasetPreferenceEnv`` picks one):
   ``winner``, and ``rejected`` or ``loser``); blank lines are skipped;
 - a tar archive (plain or compressed): every regular member whose name ends in ``.json`` is one
   sample, an object with the same keys as a jsonl line; samples are taken in member-name order
-  and other regular members (a README, a licence) are ignored. Members are read one by one into
-  memory, nothing is extracted to disk, and an archive holding a member with an absolute path,
-  a ``..`` component, a link or a device is refused as a whole;
+  and other regular members (a README, a licence) are ignored. The archive is read to its end
+  or refused (``runner.data.tar_samples``): members one by one, at most
+  ``data.tar_member_max_bytes`` each, nothing extracted to disk;
 - built-in arithmetic pairs: the correct answer preferred to a wrong one.
 
-Chosen and rejected must have the same payload shape: both text, both mappings with the same
+File answers must be text or tables (a number, null or a list is refused with the file and
+line); chosen and rejected must have the same payload shape: both text, both mappings with the same
 keys (values compared the same way), or both lists of the same length.
 """
 
 from __future__ import annotations
 
 import json
-import tarfile
 from collections.abc import Callable, Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -30,9 +30,11 @@ from runner.data import arithmetic, contract
 from runner.data.cursor import fingerprint_of
 from runner.data.files import digest_files
 from runner.data.membership import text_id
+from runner.data.tar_samples import read_tar_samples
 from runner.errors import ExtensionError, Problem, RecipeError
 
 Triple = tuple[Any, Any, Any]
+TAR_MEMBER_MAX_BYTES = 64 * 2**20  # the default of data.tar_member_max_bytes
 
 
 @attrs.frozen
@@ -160,14 +162,19 @@ def factory_pairs(dotted: str, kwargs: Mapping[str, Any], *, key: str, shuffle: 
 
 
 def file_pairs(path: str, keys: PairKeys, *, kind: str, key: str, shuffle: bool, split: str,
-               limit: int | None = None) -> PairSource:
+               limit: int | None = None,
+               max_member_bytes: int = TAR_MEMBER_MAX_BYTES) -> PairSource:
     """Pairs of a jsonl file (``kind="jsonl"``) or a tar archive (``kind="tar"``)."""
     file = Path(path)
     if not file.is_file():
         raise RecipeError([Problem(key, "no such file", got=path)])
-    samples = _read_jsonl(file, key) if kind == "jsonl" else _read_tar(file, key)
+    if kind == "jsonl":
+        samples = _read_jsonl(file, key)
+    else:
+        samples = read_tar_samples(file, key, max_member_bytes)
     if not samples:
-        raise RecipeError([Problem(key, f"{path} holds no preference pairs")])
+        empty = "is empty" if file.stat().st_size == 0 else "holds no preference pairs"
+        raise RecipeError([Problem(key, f"{path} {empty}")])
     triples = [_triple(sample, keys, key, path, where) for where, sample in samples]
     triples = triples if limit is None else triples[:limit]
     size, sha = digest_files(path, [file])
@@ -179,48 +186,28 @@ def file_pairs(path: str, keys: PairKeys, *, kind: str, key: str, shuffle: bool,
 
 
 def _read_jsonl(file: Path, key: str) -> list[tuple[str, Any]]:
+    """``(where, parsed JSON)`` per non-blank line; lines are numbered as an editor shows them."""
     samples = []
-    with file.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with file.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"{file} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RecipeError([Problem(key, f"{where}: not valid UTF-8 ({exc.reason} at "
+                                           f"byte {exc.start + 1} of the line)",
+                                           hint="save the file as UTF-8")]) from None
             if not line.strip():
                 continue
             try:
                 samples.append((f"line {number}", json.loads(line.rstrip("\r\n"))))
             except json.JSONDecodeError as exc:
-                raise RecipeError([Problem(key, f"{file} line {number}: not valid JSON "
+                raise RecipeError([Problem(key, f"{where}: not valid JSON "
                                            f"({exc.msg} at column {exc.colno})",
-                                           hint="write one JSON object per line")]) from exc
+                                           hint="write one JSON object per line")]) from None
+            except RecursionError:
+                raise RecipeError([Problem(key, f"{where}: JSON nested too deeply")]) from None
     return samples
-
-
-def _read_tar(file: Path, key: str) -> list[tuple[str, Any]]:
-    samples = []
-    try:
-        archive = tarfile.open(file, mode="r:*")
-    except tarfile.TarError as exc:
-        raise RecipeError([Problem(key, f"{file} is not a readable tar archive ({exc})")]) from exc
-    with archive:
-        for member in archive:  # one member at a time, read into memory
-            name, parts = member.name, PurePosixPath(member.name).parts
-            if name.startswith(("/", "\\")) or ".." in parts or (parts and ":" in parts[0]):
-                raise _unsafe(key, file, name, "has an absolute path or a '..' component")
-            if member.issym() or member.islnk() or member.isdev() or member.isfifo():
-                raise _unsafe(key, file, name, "is a link or a device, not a regular file")
-            if not member.isfile() or not name.endswith(".json"):
-                continue
-            handle = archive.extractfile(member)
-            assert handle is not None  # regular files always have data
-            try:
-                samples.append((f"member {name!r}", json.loads(handle.read())))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise RecipeError([Problem(key, f"{file} member {name!r}: not valid JSON "
-                                           f"({exc})")]) from exc
-    return sorted(samples, key=lambda s: s[0])
-
-
-def _unsafe(key: str, file: Path, name: str, why: str) -> RecipeError:
-    return RecipeError([Problem(key, f"{file} member {name!r} {why}; the archive is refused",
-                                hint="pack samples as plain .json files under relative paths")])
 
 
 def _triple(sample: Any, keys: PairKeys, key: str, path: str, where: str) -> Triple:
@@ -240,10 +227,25 @@ def _triple(sample: Any, keys: PairKeys, key: str, path: str, where: str) -> Tri
     chosen = pick((keys.chosen,) if keys.chosen else ("chosen", "winner"), "data.chosen_key")
     rejected = pick((keys.rejected,) if keys.rejected else ("rejected", "loser"),
                     "data.rejected_key")
+    for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(value, str | Mapping):
+            raise RecipeError([Problem(key, f"{path} {where}: the {name} is "
+                                       f"{_json_kind(value)}, not text", got=value,
+                                       hint=f"write the {name} as a JSON string")])
     mismatch = shape_mismatch(chosen, rejected)
     if mismatch:
         raise _shape_error(key, path, where, mismatch)
     return prompt, chosen, rejected
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "a list" if isinstance(value, list) else f"a {type(value).__name__}"
 
 
 def synthetic_pairs(count: int, split: str, *, lo: int, hi: int, ops: tuple[str, ...],

@@ -95,7 +95,10 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     )
     if declared in GENERIC_TOKENIZER_CLASSES:
         return PreTrainedTokenizerFast.from_pretrained(str(folder))
-    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise _known_failure(exc, folder, trust_remote_code) from exc
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> Any:
@@ -104,7 +107,36 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: 
     from transformers import AutoModelForCausalLM
 
     folder = _folder(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+        )
+    except ValueError as exc:
+        raise _known_failure(exc, folder, trust_remote_code) from exc
     return model.eval()
+
+
+def _known_failure(exc: ValueError, folder: Path, trust_remote_code: bool) -> Exception:
+    """transformers' multi-line ValueError for a model that needs its own code (or whose
+    model_type it does not know) as one recipe problem; any other ValueError as it is."""
+    text = str(exc)
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    model_type = config.get("model_type", "") if isinstance(config, dict) else ""
+    if "trust_remote_code" in text and not trust_remote_code:
+        return RecipeError([Problem(
+            "model.trust_remote_code", f"{folder}: model_type {model_type!r} needs the Python "
+            "code in the model folder (its auto_map), which runs only when allowed",
+            got=False, hint="set model.trust_remote_code = true if you trust that code, or use "
+            "a model whose type transformers knows")])
+    if "instantiate the backend tokenizer" in text:
+        return RecipeError([Problem(
+            "model.path", f"{folder}: holds no tokenizer transformers can load",
+            hint="a model folder needs tokenizer.json (or a slow tokenizer's files)")])
+    if "does not recognize this architecture" in text or "Unrecognized" in text:
+        return RecipeError([Problem(
+            "model.path", f"{folder}: transformers does not know model_type {model_type!r} and "
+            "the folder brings no code for it", hint="upgrade transformers or use another model")])
+    return exc

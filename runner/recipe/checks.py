@@ -304,3 +304,52 @@ RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
 def check_recipe(recipe: Recipe) -> list[Problem]:
     """Every cross-field problem of ``recipe``, in a stable order."""
     return [problem for rule in RULES for problem in rule(recipe)]
+
+
+# --- bounds of integer keys (documented in README.md, Limits) ------------------------------
+
+MAX_ITEMS = 1_000_000  # data.count, data.validation.size, data.synthetic_pairs
+MAX_ARITHMETIC_POOL = 1_000_000  # (max_operand - min_operand + 1)**2 x len(operators)
+MAX_STEPS = 1_000_000_000  # run.max_steps and every "every N steps" key
+MAX_PER_STEP = 1_048_576  # per-step sizes: prompts, samples, pairs, epochs, minibatches, tokens
+MAX_TAR_MEMBER_BYTES = 1 << 34  # data.tar_member_max_bytes (16 GiB)
+
+_ITEM_KEYS = ("data.count", "data.validation.size", "data.synthetic_pairs")
+_STEP_KEYS = ("run.max_steps", "train.warmup_steps", "train.eval_every", "checkpoint.every_steps",
+              "checkpoint.keep_last", "logging.every_steps", "logging.sample_every")
+_PER_STEP_KEYS = ("train.grad_accum_steps", "rollout.max_new_tokens", "rollout.top_k",
+                  "rollout.batch_size", "algo.prompts_per_step", "algo.group_size",
+                  "algo.samples_per_prompt", "algo.pairs_per_step", "algo.ppo_epochs",
+                  "algo.minibatches")
+
+
+def _lookup(r: Recipe, dotted: str) -> object:
+    value: object = r
+    for part in dotted.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def check_limits(r: Recipe) -> list[Problem]:
+    """Integer keys bounded to what a run can use, so an absurd value fails here and not after
+    minutes of building data (or when seeding). The generic rules (finite floats, 64-bit
+    integers) are the converter's."""
+    p: list[Problem] = []
+    for keys, limit in ((_ITEM_KEYS, MAX_ITEMS), (_STEP_KEYS, MAX_STEPS),
+                        (_PER_STEP_KEYS, MAX_PER_STEP)):
+        for k in keys:
+            value = _lookup(r, k)
+            if isinstance(value, int) and value > limit:
+                p.append(Problem(k, f"must be at most {limit:,}", got=value))
+    d = r.data
+    span = d.max_operand - d.min_operand + 1
+    if span > 0 and span * span * max(1, len(d.operators)) > MAX_ARITHMETIC_POOL:
+        p.append(Problem("data.max_operand", "the built-in arithmetic pool (max_operand - "
+                         f"min_operand + 1)**2 x len(operators) must be at most "
+                         f"{MAX_ARITHMETIC_POOL:,}", got=d.max_operand,
+                         hint="narrow the operand range"))
+    size = d.tar_member_max_bytes
+    if not 1 <= size <= MAX_TAR_MEMBER_BYTES:
+        p.append(Problem("data.tar_member_max_bytes", f"must be in [1, {MAX_TAR_MEMBER_BYTES:,}]",
+                         got=size))
+    return p

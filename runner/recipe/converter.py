@@ -6,6 +6,7 @@ Problems come back as ``runner.errors.Problem`` objects whose ``key`` is the dot
 from __future__ import annotations
 
 import difflib
+import math
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -45,15 +46,48 @@ def _mismatch(tp: Any, value: Any) -> _Invalid:
     return _Invalid([Problem("", f"expected {_type_name(tp)}", got=value)])
 
 
+# TOML integers are 64-bit signed; a value outside cannot be written back to
+# recipe.resolved.toml by other tools, seeded, or used as a count.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+MAX_FREEFORM_DEPTH = 32  # nesting of arrays and tables inside a free-form table
+
+
+def _value_problem(value: Any) -> Problem | None:
+    """The generic rule every number of a recipe obeys: finite floats, 64-bit integers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return Problem("", "must be a finite number", got=value,
+                       hint="inf and nan are not usable values")
+    if isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
+        return Problem("", "is outside the 64-bit integer range (-2**63 to 2**63 - 1)", got=value)
+    return None
+
+
 def _strict(tp: type, accept: tuple[type, ...], convert: Callable[[Any], Any]) -> Callable:
     def hook(value: Any, _: Any) -> Any:
         if isinstance(value, bool) and tp is not bool:
             raise _mismatch(tp, value)
         if not isinstance(value, accept):
             raise _mismatch(tp, value)
+        problem = _value_problem(value)
+        if problem is not None:
+            raise _Invalid([problem])
         return convert(value)
 
     return hook
+
+
+def _freeform_problems(value: Any, depth: int = 0) -> list[Problem]:
+    """Problems of a free-form value (factory_kwargs): the generic number rules, bounded nesting."""
+    if depth > MAX_FREEFORM_DEPTH:
+        return [Problem("", f"is nested more than {MAX_FREEFORM_DEPTH} levels deep")]
+    if isinstance(value, Mapping):
+        return [_prefix(p, str(k)) for k, v in value.items()
+                for p in _freeform_problems(v, depth + 1)]
+    if isinstance(value, list | tuple):
+        return [_prefix(p, f"[{i}]") for i, v in enumerate(value)
+                for p in _freeform_problems(v, depth + 1)]
+    problem = _value_problem(value)
+    return [problem] if problem is not None else []
 
 
 def _literal_hook(tp: Any) -> Callable:
@@ -98,6 +132,9 @@ def _list_hook(conv: cattrs.Converter, tp: Any) -> Callable:
 def _dict_hook(value: Any, _: Any) -> dict:
     if not isinstance(value, Mapping):
         raise _mismatch(dict, value)
+    problems = _freeform_problems(value)
+    if problems:
+        raise _Invalid(problems)
     return dict(value)
 
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import difflib
+import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import attrs
 
 from runner.errors import Problem, RecipeError
-from runner.recipe.checks import check_recipe
+from runner.recipe.checks import check_limits, check_recipe
 from runner.recipe.converter import structure_recipe
 from runner.recipe.schema import ALGO_KINDS, FREEFORM_KEYS, Recipe
 
@@ -30,10 +31,36 @@ class Override:
     text: str
 
 
-def parse_value(text: str) -> Any:
-    """A TOML literal (``4``, ``true``, ``[1, 2]``, ``{a = 1}``, ``"s"``), else the raw string."""
+class UnreadableValue(ValueError):
+    """An override value that is valid TOML syntax but cannot be read (see ``toml_loads``)."""
+
+
+def toml_loads(text: str) -> dict[str, Any]:
+    """``tomllib.loads`` that fails only with ``TOMLDecodeError`` or ``UnreadableValue``.
+
+    tomllib itself raises ``ValueError`` for an integer of more than Python's 4,300 digits and
+    ``RecursionError`` for arrays or tables nested a few hundred deep.
+    """
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        raise
+    except RecursionError:
+        raise UnreadableValue("is nested too deeply to read") from None
+    except ValueError as exc:
+        if "digits" in str(exc):
+            raise UnreadableValue("holds an integer too long to read (more than "
+                                  f"{sys.get_int_max_str_digits()} digits)") from None
+        raise UnreadableValue(str(exc)) from None
+
+
+def parse_value(text: str) -> Any:
+    """A TOML literal (``4``, ``true``, ``[1, 2]``, ``{a = 1}``, ``"s"``), else the raw string.
+
+    Raises ``UnreadableValue`` for a literal TOML accepts but Python cannot read.
+    """
+    try:
+        return toml_loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
 
@@ -49,7 +76,11 @@ def parse_overrides(items: Sequence[str]) -> tuple[list[Override], list[Problem]
                         source=OVERRIDE_SOURCE)
             )
             continue
-        overrides.append(Override(key, parse_value(value.strip()), text))
+        try:
+            overrides.append(Override(key, parse_value(value.strip()), text))
+        except UnreadableValue as exc:
+            problems.append(Problem(key, f"the value {exc}", hint="give a plain TOML value",
+                                    source=OVERRIDE_SOURCE))
     return overrides, problems
 
 
@@ -108,13 +139,20 @@ def read_toml(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise RecipeError([Problem("", "recipe file not found", hint="check the path")],
                           source=str(path)) from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise RecipeError([Problem("", f"line {line}: not valid UTF-8 ({exc.reason})",
+                                   hint="save the recipe as UTF-8")], source=str(path)) from None
+    except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte
         raise RecipeError([Problem("", f"cannot read the recipe: {exc}")], source=str(path)) from None
     try:
-        return tomllib.loads(text)
+        return toml_loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError([Problem("", f"not valid TOML: {exc}",
                                    hint="fix the syntax at that line")], source=str(path)) from None
+    except UnreadableValue as exc:
+        raise RecipeError([Problem("", f"the recipe {exc}", hint="give plain TOML values")],
+                          source=str(path)) from None
 
 
 def recipe_from_mapping(raw: Mapping[str, Any], source: str = "",
@@ -129,7 +167,7 @@ def recipe_from_mapping(raw: Mapping[str, Any], source: str = "",
     recipe, problems = structure_recipe(raw)
     if recipe is None:
         raise RecipeError(_mark_override_keys(problems, parsed), source=source)
-    problems = check_recipe(recipe)
+    problems = check_recipe(recipe) + check_limits(recipe)
     if problems:
         raise RecipeError(_mark_override_keys(problems, parsed), source=source)
     return recipe
@@ -142,7 +180,12 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
 
 def _mark_override_keys(problems: list[Problem], overrides: Sequence[Override]) -> list[Problem]:
     given = {ov.key for ov in overrides}
-    return [attrs.evolve(p, source=OVERRIDE_SOURCE) if p.key in given else p for p in problems]
+
+    def from_override(key: str) -> bool:
+        return key in given or any(key.startswith((g + ".", g + "[")) for g in given)
+
+    return [attrs.evolve(p, source=OVERRIDE_SOURCE) if from_override(p.key) else p
+            for p in problems]
 
 
 def _deep_copy(value: Any) -> Any:

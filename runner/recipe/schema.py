@@ -95,6 +95,9 @@ class DataConfig:
     metadata_columns: list[str] = key([], "PPO only: allowlist of extra columns carried into the trajectory.")
     jsonl_path: str = key("", "DPO only: a jsonl file of (prompt, chosen, rejected) objects.")
     tar_path: str = key("", "DPO only: a tar archive of preference samples (read in memory).")
+    tar_member_max_bytes: int = key(
+        64 * 2**20, "DPO tar archives: most bytes read from one .json member; larger is refused."
+    )
     synthetic_pairs: int = key(0, "DPO only: number of built-in arithmetic preference pairs.")
     chosen_key: str = key("", "DPO: key of the preferred answer; empty accepts chosen or winner.")
     rejected_key: str = key("", "DPO: key of the rejected answer; empty accepts rejected or loser.")

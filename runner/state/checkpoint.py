@@ -9,31 +9,44 @@ Layout of ``<output_dir>/checkpoints/``::
       optimizer-NAME.*      optimizers of the extra modules
       rng.safetensors       torch RNG state;     state.json  step, cursor, scheduler, python/numpy RNG
       metrics.jsonl         the metrics rows written up to this step
+      MANIFEST.json         size and sha256 of every file above (runner.state.integrity)
       COMPLETE              written last, inside the temporary folder, before the rename
     latest                  name of the newest complete checkpoint (replaced atomically)
 
 Loading never unpickles: tensors come from safetensors, everything else from JSON.
 A crash at any point leaves earlier checkpoints untouched; a half-written one stays under a
-``.tmp-`` name that resume ignores and the next save removes.
+``.tmp-`` name that resume ignores and the next save removes. A write that fails (a full disk,
+a read-only folder) removes its temporary folder and raises ``RuntimeFailure`` naming the step
+and the path. Resume verifies the newest checkpoint against its manifest and falls back to the
+newest intact one, saying which it skipped and why.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from runner.errors import RuntimeFailure
+from runner.state import integrity
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
+WRITER_ROLE = "policy"  # the role that writes checkpoints (rank 0 of the policy)
+_log = logging.getLogger(__name__)
 
 
 def step_dirname(step: int) -> str:
@@ -125,6 +138,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fail_cleanly(write: Callable[..., Path]) -> Callable[..., Path]:
+    """A failed write (full disk, read-only folder) becomes one ``RuntimeFailure`` naming the
+    step and the path; the temporary folder (and pointer) of this process are removed first."""
+
+    @functools.wraps(write)
+    def wrapper(root: Path, step: int, **parts: Any) -> Path:
+        try:
+            return write(root, step, **parts)
+        except (OSError, SafetensorError, RuntimeError) as exc:
+            for partial in (root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}",
+                            root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"):
+                if partial.is_dir():
+                    shutil.rmtree(partial, ignore_errors=True)
+                elif partial.exists():
+                    partial.unlink(missing_ok=True)
+            raise RuntimeFailure(
+                WRITER_ROLE, step, f"cannot write checkpoint {root / step_dirname(step)}: "
+                f"{describe_write_error(exc)}; the partial checkpoint was removed and earlier "
+                "checkpoints are untouched") from exc
+
+    return wrapper
+
+
+def describe_write_error(exc: BaseException) -> str:
+    """One line for a failed write: the OS reason and the file when known."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{exc.strerror} [errno {exc.errno}]{where}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+@_fail_cleanly
 def save_checkpoint(
     root: Path,
     step: int,
@@ -169,6 +214,7 @@ def save_checkpoint(
     with open(tmp / "metrics.jsonl", "w", encoding="utf-8") as f:
         for row in metrics_rows:
             f.write(json.dumps(row, sort_keys=True) + "\n")
+    integrity.write_manifest(tmp, step, skip=(COMPLETE,))
     (tmp / COMPLETE).write_text(str(step))
     _fsync_dir(tmp)
     if final.exists():  # a checkpoint of this step from an earlier lineage: replace it
@@ -217,21 +263,26 @@ def _prune(root: Path, keep_last: int) -> None:
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoint folders under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step-*") if (p / COMPLETE).is_file()]
-    return sorted(found, key=checkpoint_step)
+    return [p for p in integrity.step_folders(root) if (p / COMPLETE).is_file()]
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The folder named by ``latest`` when complete, else the newest complete one."""
-    pointer = root / LATEST
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / COMPLETE).is_file():
-            return candidate
-    complete = complete_checkpoints(root)
-    return complete[-1] if complete else None
+def latest_checkpoint(root: Path, on_skip: Callable[[str], None] | None = None) -> Path | None:
+    """The newest intact checkpoint: the folder named by ``latest`` when it verifies, else the
+    newest complete one that does. None when there is no complete checkpoint at all.
+
+    Each newer checkpoint passed over is reported through ``on_skip`` (default: a warning on
+    the ``runner.state.checkpoint`` logger). When complete checkpoints exist but none is
+    intact, raises ``RuntimeFailure`` rather than letting the run start over silently.
+    """
+    found, skipped, total = integrity.find_intact(root, LATEST, COMPLETE)
+    for skip in skipped:
+        (on_skip or _log.warning)(skip.message())
+    if found is None and total:
+        reasons = "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
+        raise RuntimeFailure("resume", None, f"no intact checkpoint in {root} ({reasons}); "
+                             "set checkpoint.resume = 'never' or choose another run.output_dir "
+                             "to start over")
+    return found
 
 
 @attrs.frozen
@@ -274,6 +325,15 @@ def _load_optimizer(path: Path, prefix: str) -> dict[str, Any]:
 
 
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
+    """The checkpoint at ``path``; a file that cannot be read raises ``RuntimeFailure``."""
+    try:
+        return _load_checkpoint(path)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise RuntimeFailure("resume", None, f"cannot load checkpoint {path}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+
+def _load_checkpoint(path: Path) -> LoadedCheckpoint:
     raw = json.loads((path / "state.json").read_text(encoding="utf-8"))
     rng = raw.pop("rng")
     state = TrainingState(**raw)

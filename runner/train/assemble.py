@@ -137,10 +137,11 @@ def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[st
         extra_optimizers={name: t.optimizer for name, t in extra.items()})
 
 
-def find_resume(recipe: Recipe, plan: RunPlan) -> LoadedCheckpoint | None:
+def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedCheckpoint | None:
+    """The newest intact checkpoint (damaged newer ones are skipped, saying why)."""
     if recipe.checkpoint.resume == "never":
         return None
-    path = latest_checkpoint(plan.checkpoint_dir)
+    path = latest_checkpoint(plan.checkpoint_dir, on_skip=reporter.message)
     return load_checkpoint(path) if path is not None else None
 
 
@@ -242,7 +243,7 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
 
     seed_everything(recipe.run.seed, recipe.run.deterministic)
     step = _Steps()
-    ckpt = step("checkpoint", lambda: find_resume(recipe, plan))
+    ckpt = step("checkpoint", lambda: find_resume(recipe, plan, reporter))
     if ckpt is not None:
         step("checkpoint", lambda: check_world_change(recipe, plan, ckpt))
     opened = step("data", lambda: _open_data(recipe, ctx))

@@ -2,6 +2,9 @@
 
 Keys under ``time/`` and ``perf/`` are wall-clock measurements; everything else is a pure
 function of the run's inputs, which is what the exact-resume tests compare.
+
+A write that fails (a full disk, a read-only folder) raises ``RuntimeFailure`` naming the
+writer's role, the step and the file.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from runner.errors import RuntimeFailure
+
 TIMING_PREFIXES = ("time/", "perf/")
+WRITER_ROLE = "policy"  # rank 0 of the policy writes metrics (and checkpoints)
 
 
 def is_timing(key: str) -> bool:
@@ -28,11 +34,9 @@ class MetricsLog:
         self._tb = None
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
         # Rewrite from the rows we resume with: drops rows a killed run wrote after its checkpoint.
-        with open(path, "w", encoding="utf-8") as f:
-            for row in self.rows:
-                f.write(json.dumps(row, sort_keys=True) + "\n")
+        step = int(self.rows[-1]["step"]) if self.rows and "step" in self.rows[-1] else None
+        self._append(self.rows, "w", step)
         if tensorboard_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -44,12 +48,23 @@ class MetricsLog:
                                            "logging.tensorboard = false")]) from exc
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
+    def _append(self, rows: list[dict[str, Any]], mode: str, step: int | None) -> None:
+        text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, mode, encoding="utf-8") as f:
+                f.write(text)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise RuntimeFailure(WRITER_ROLE, step, f"cannot write metrics to {self.path}: "
+                                 f"{reason} [errno {exc.errno}]") from exc
+
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         if self.path is None:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
+        step = row.get("step")
+        self._append([row], "a", int(step) if isinstance(step, int) else None)
         if self._tb is not None:
             step = int(row["step"])
             for key, value in row.items():
