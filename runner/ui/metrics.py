@@ -60,11 +60,10 @@ class MetricsLog:
                                  f"{reason} [errno {exc.errno}]") from exc
 
     def write(self, row: dict[str, Any]) -> None:
+        if self.path is not None:
+            step = row.get("step")
+            self._append([row], "a", int(step) if isinstance(step, int) else None)
         self.rows.append(row)
-        if self.path is None:
-            return
-        step = row.get("step")
-        self._append([row], "a", int(step) if isinstance(step, int) else None)
         if self._tb is not None:
             step = int(row["step"])
             for key, value in row.items():
