@@ -136,7 +136,8 @@ class GRPOConfig:
         "policy", "Where the behaviour logprobs come from: recomputed by the policy, or the engine's."
     )
     shared_prefix_filter: bool = key(
-        False, "Drop completions whose token prefix repeats another's in the group (needs a packer)."
+        False, "Leave out of the loss the completion tokens every member of a group shares at its "
+        "start (measured on the engine's token ids); they carry no signal within the group."
     )
 
 

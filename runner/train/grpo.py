@@ -35,9 +35,9 @@ from runner.train.rollouts import (
     Trajectory,
     evaluate,
     item_ids_metric,
-    reward_side_prefixes,
     sample,
     score,
+    shared_prefixes,
 )
 
 
@@ -47,19 +47,18 @@ def run(run: RunContext) -> dict[str, Any]:
     rewards = build_rewards(run.recipe.reward)
     reference = (Frozen(run.model_path, run.recipe, run.accelerator.device)
                  if algo.kl_beta > 0 else None)
-    reward_packer = run.build_packer() if algo.shared_prefix_filter else None  # only when used
-    return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, reward_packer, step),
+    return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, step),
                     (lambda: evaluate(run, rewards)) if run.has_held_out else None)
 
 
 def _one_step(run: RunContext, algo: GRPOConfig, rewards: Any, reference: Frozen | None,
-              reward_packer: Any, step: int) -> dict[str, Any]:
+              step: int) -> dict[str, Any]:
     recipe = run.recipe
     t0 = time.perf_counter()
     traj = sample(run, algo.prompts_per_step, algo.group_size, step)
     t1 = time.perf_counter()
     traj = score(traj, rewards, step)
-    ignore = reward_side_prefixes(reward_packer, traj, algo.group_size) if reward_packer else None
+    ignore = shared_prefixes(traj, algo.group_size) if algo.shared_prefix_filter else None
     t2 = time.perf_counter()
     layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step, algo.group_size)
     rewards_all = gather_rows(run.comm, layout, traj.rewards)

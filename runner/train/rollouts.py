@@ -63,11 +63,10 @@ def shared_prefix_lengths(token_lists: Sequence[Sequence[int]], group_size: int)
     return out
 
 
-def reward_side_prefixes(packer: DataPacker, traj: Trajectory, group_size: int) -> list[int]:
-    """Shared-prefix lengths in token space, from the completions' text encoded by the
-    reward-side packer (a fresh instance from the student's packer factory)."""
-    tokens = [packer.encode_rollout_input(text) for text in traj.texts]
-    return shared_prefix_lengths(tokens, group_size)
+def shared_prefixes(traj: Trajectory, group_size: int) -> list[int]:
+    """Shared-prefix lengths of the trajectory's groups, on the engine's own token ids (the
+    positions the loss mask is laid on)."""
+    return shared_prefix_lengths([c.token_ids for c in traj.completions], group_size)
 
 
 def sampling(cfg: RolloutConfig, n: int, seed: int, *, greedy: bool = False) -> SamplingConfig:
