@@ -248,8 +248,6 @@ def test_prompt_source_trains_two_steps(extension_root, tmp_path, recipe, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the start-of-run message is the training loop's to print "
-                   "(runner.data.sources.held_out_reason gives the text)")
 def test_the_run_says_at_start_that_it_has_no_held_out_evaluation(extension_root, tmp_path):
     done = run_subprocess(extension_root, GRPO, *PROMPT_SOURCE, *TWO_STEPS, *SMALL["grpo"],
                           f"run.output_dir={tmp_path}")

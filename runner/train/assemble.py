@@ -274,7 +274,10 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     options = {"trust_remote_code": trust, "dtype": dtype}
     packer = step("policy", lambda: build_packer(base, model_type, factory, **options))
     rollout = None
-    if recipe.algo.kind != "dpo":
+    dpo_held_out = recipe.algo.kind == "dpo" and data is not None and data.held_out is not None
+    if dpo_held_out:  # DPO evaluates by generation too: the held-out prompts, chosen = reference
+        val_items = [_pair_item(p) for p in data.validation_pairs()]
+    if recipe.algo.kind != "dpo" or dpo_held_out:
         rollout = step("rollout", lambda: Rollout(make_engine(recipe, model_dir),
                                                   build_packer(base, model_type, factory, **options)))
     fingerprint = data.cursor.fingerprint if data is not None else ""
@@ -285,14 +288,21 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
                          ckpt.metrics_rows if ckpt else [],
                          plan.output_dir / "tensorboard" if recipe.logging.tensorboard and ctx.is_main
                          else None)
-    has_held_out = bool(opened and opened[1] is not None) or (
-        recipe.algo.kind == "dpo" and data is not None and data.held_out is not None)
+    has_held_out = bool(opened and opened[1] is not None) or dpo_held_out
     reason = held_out_reason(recipe.data, recipe.algo.kind)
     if reason:
-        reporter.message(f"no held-out evaluation: {reason}")
+        reporter.message(f"held-out evaluation: {reason}")
     return RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
                       parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
                       has_held_out)
+
+
+def _pair_item(pair: Any) -> Any:
+    """A held-out preference pair as a prompt item whose reference is the chosen answer."""
+    from runner.types import ObsBundle
+
+    return ObsBundle(pair.prompt, reference=pair.chosen if isinstance(pair.chosen, str) else "",
+                     id=pair.id)
 
 
 def _trained(model: Any, recipe: Recipe) -> Any:

@@ -21,11 +21,13 @@ from runner.algorithms.dpo import DPOLossInputs, dpo_loss
 from runner.launch.collective import interleave
 from runner.packers.base import RLPolicyInput
 from runner.recipe.schema import DPOConfig
+from runner.rewards import build_rewards
 from runner.train.assemble import RunContext
 from runner.train.batches import Minibatch, reduce_history, train_minibatch
 from runner.train.loop import run_loop
 from runner.train.policy import batch_logprobs, split_even
 from runner.train.roles import Frozen
+from runner.train.rollouts import evaluate
 from runner.types import ObsBundle
 from runner.ui import Reporter
 
@@ -35,6 +37,7 @@ class DPORun:
     run: RunContext
     algo: DPOConfig
     reference: Frozen
+    rewards: Any  # the recipe's reward functions, scoring greedy held-out generations
     cache: dict[str, tuple[float, float]]  # pair id -> reference (chosen, rejected) logprobs
 
     @property
@@ -131,13 +134,16 @@ def held_out(run: DPORun) -> dict[str, float]:
                                                                            run.device)), run.algo)
         loss_sum += float(loss) * len(part)
     correct, loss_sum, n = ctx.comm.sum([correct, loss_sum, len(pairs)])
-    return {"eval/preference_accuracy": correct / max(1.0, n), "eval/loss": loss_sum / max(1.0, n)}
+    ctx.sync_weights()  # the generation engine gets the policy's weights at evaluations only
+    return {"eval/preference_accuracy": correct / max(1.0, n), "eval/loss": loss_sum / max(1.0, n),
+            **evaluate(ctx, run.rewards)}
 
 
 def run(ctx: RunContext) -> dict[str, Any]:
     algo = ctx.recipe.algo
     assert isinstance(algo, DPOConfig)
-    dpo = DPORun(ctx, algo, Frozen(ctx.model_path, ctx.recipe, ctx.accelerator.device), {})
+    dpo = DPORun(ctx, algo, Frozen(ctx.model_path, ctx.recipe, ctx.accelerator.device),
+                 build_rewards(ctx.recipe.reward), {})
     if algo.precompute_reference:
         precompute(dpo, ctx.reporter)
     return run_loop(ctx, lambda s: one_step(dpo, s),
