@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,13 +22,12 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([exe, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-def test_validate_manifest_is_fast_and_imports_no_torch():
-    start = time.perf_counter()
+def test_validate_manifest_imports_no_torch():
+    """What keeps --validate-manifest fast (the benchmark table has its time): no torch, no
+    user code."""
     out = cli("--validate-manifest", GRPO)
-    elapsed = time.perf_counter() - start
     assert out.returncode == 0, out.stderr
     assert "recipe is valid" in out.stdout
-    assert elapsed < 5  # a generous bound for a loaded CI machine; the benchmark table has the real number
     code = ("import sys; from runner.cli import main; rc = main(['--validate-manifest', "
             f"{GRPO!r}]); assert 'torch' not in sys.modules; sys.exit(rc)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
