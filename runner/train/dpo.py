@@ -25,7 +25,7 @@ from runner.rewards import build_rewards
 from runner.train.assemble import RunContext
 from runner.train.batches import Minibatch, reduce_history, train_minibatch
 from runner.train.loop import run_loop
-from runner.train.policy import batch_logprobs, split_even
+from runner.train.policy import split_even
 from runner.train.roles import Frozen
 from runner.train.rollouts import evaluate
 from runner.types import ObsBundle
@@ -49,9 +49,10 @@ class DPORun:
         return self.run.accelerator.device
 
 
-def sequence_logprobs(model: Any, packer: Any, inputs: Sequence[RLPolicyInput], device: Any) -> torch.Tensor:
-    """Summed completion-token logprobs of each sequence: [len(inputs)]."""
-    lp_BT, mask_BT = batch_logprobs(model, packer.collate(inputs).to(device))
+def sequence_logprobs(role: Any, packer: Any, inputs: Sequence[RLPolicyInput], device: Any) -> torch.Tensor:
+    """Summed completion-token logprobs of each sequence under ``role`` (the policy or the
+    reference): [len(inputs)]."""
+    lp_BT, mask_BT = role.logprobs(packer.collate(inputs).to(device))
     return (lp_BT * mask_BT).sum(-1)
 
 
@@ -74,7 +75,7 @@ def reference_logprobs(run: DPORun, pairs: Sequence[Any], inputs: Sequence[RLPol
     if run.algo.precompute_reference and all(p.id in run.cache for p in pairs):
         values = torch.tensor([run.cache[p.id] for p in pairs], device=run.device)
         return values[:, 0], values[:, 1]
-    lp = sequence_logprobs(run.reference.model, run.packer, inputs, run.device)
+    lp = sequence_logprobs(run.reference, run.packer, inputs, run.device)
     return lp[:n], lp[n:]
 
 
@@ -99,7 +100,7 @@ def one_step(run: DPORun, step: int) -> dict[str, Any]:
         part = [pairs[i] for i in rows.tolist()]
         inputs = _pack(run.packer, part)
         ref_c, ref_r = reference_logprobs(run, part, inputs)
-        lp = sequence_logprobs(ctx.policy.model, run.packer, inputs, run.device)
+        lp = sequence_logprobs(ctx.policy, run.packer, inputs, run.device)
         n = len(part)
         return dpo_loss(DPOLossInputs(policy_chosen_B=lp[:n], policy_rejected_B=lp[n:],
                                       ref_chosen_B=ref_c, ref_rejected_B=ref_r,
@@ -125,7 +126,7 @@ def held_out(run: DPORun) -> dict[str, float]:
         part = pairs[chunk]
         inputs = _pack(run.packer, part)
         ref_c, ref_r = reference_logprobs(run, part, inputs)
-        lp = sequence_logprobs(ctx.policy.model, run.packer, inputs, run.device)
+        lp = sequence_logprobs(ctx.policy, run.packer, inputs, run.device)
         margin = (lp[:len(part)] - ref_c) - (lp[len(part):] - ref_r)
         correct += float((margin > 0).sum() + 0.5 * (margin == 0).sum())
         loss, _ = dpo_loss(DPOLossInputs(policy_chosen_B=lp[:len(part)], policy_rejected_B=lp[len(part):],

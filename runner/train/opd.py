@@ -152,7 +152,6 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
     traj = score(traj, rewards, step)
     t1 = time.perf_counter()
     batch, old_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
-    model = run.policy.model
     t2 = time.perf_counter()
     layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
     tokens = [float(t) for t in mask_BT.sum(-1).tolist()]
@@ -161,7 +160,7 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
 
     def loss_fn(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         sub = select_rows(batch, rows)
-        logits = forward_logits(model, sub) / T
+        logits = run.policy.logits(sub) / T
         lp_BT = token_logprobs(logits, sub.input_ids_BT[:, 1:])
         w = lp_BT.shape[1]
         full = algo.full_kl

@@ -109,7 +109,7 @@ def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen,
     with torch.no_grad():
         old_BT, mask_BT = run.policy.logprobs(batch, T)
         ref_BT = reference.logprobs(batch, T)[0]
-        old_values_BT = critic.model(batch) * mask_BT
+        old_values_BT = critic(batch) * mask_BT
         # GAE runs over completions laid from column 0; the results go back to the batch grid.
         starts = _completion_starts(mask_BT)
         old_c, ref_c, values_c, mask_c = [_left_align(x, starts) for x in
@@ -130,7 +130,7 @@ def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen,
         w = lp_BT.shape[1]
         return ppo_loss(PPOLossInputs(
             logprobs_BT=lp_BT, old_logprobs_BT=old_BT[idx, :w], adv_BT=adv_BT[idx, :w],
-            mask_BT=sub_mask_BT, values_BT=critic.model(sub), old_values_BT=old_values_BT[idx, :w],
+            mask_BT=sub_mask_BT, values_BT=critic(sub), old_values_BT=old_values_BT[idx, :w],
             returns_BT=returns_BT[idx, :w]), algo)
 
     history = []

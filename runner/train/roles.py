@@ -17,7 +17,7 @@ import torch
 from runner.packers.base import DataPacker, PolicyBatch
 from runner.recipe.schema import Recipe
 from runner.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
-from runner.train.policy import batch_logprobs, make_optimizer, make_scheduler
+from runner.train.policy import batch_logprobs, forward_logits, make_optimizer, make_scheduler
 from runner.types import ObsBundle
 
 
@@ -34,6 +34,14 @@ class Trainable:
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         return batch_logprobs(self.model, batch, temperature)
+
+    def logits(self, batch: PolicyBatch) -> torch.Tensor:
+        """Next-token logits on the shifted grid [B, T-1, V] (a language model)."""
+        return forward_logits(self.model, batch)
+
+    def __call__(self, batch: PolicyBatch) -> torch.Tensor:
+        """The module's own output (a critic's values)."""
+        return self.model(batch)
 
     def unwrapped(self) -> Any:
         return self.accelerator.unwrap_model(self.model)
