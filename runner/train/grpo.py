@@ -94,14 +94,19 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
     batch = run.policy_packer.collate(inputs).to(device)
     width = batch.input_ids_BT.shape[1] - 1
     temperature = recipe.rollout.temperature
+    # One pass in one minibatch over freshly sampled data: the behaviour logprobs are the
+    # training forward's own (detached), so no separate scoring forward is needed.
+    on_policy = algo.ppo_epochs == 1 and algo.minibatches == 1 and algo.old_logprobs == "policy"
     with torch.no_grad():
         engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions], width).to(device)
-        policy_BT, mask_BT = policy.logprobs(batch, temperature)
-        old_BT = engine_BT if algo.old_logprobs == "engine" else policy_BT
+        old_BT = engine_BT if algo.old_logprobs == "engine" else None
+        if not on_policy and old_BT is None:
+            old_BT = policy.logprobs(batch, temperature)[0]
         ref_BT = reference.logprobs(batch, temperature)[0] if reference is not None else None
-        # The engine sampled with the weights the policy had before this update: their
-        # logprobs of the sampled tokens differ only by numerics (a stale engine shows here).
-        gap = float(((engine_BT - policy_BT).abs() * mask_BT).max()) if mask_BT.any() else 0.0
+    # The first optimizer step's forwards run the weights the engine sampled with: their
+    # logprobs of the sampled tokens differ from the engine's only by numerics (a stale engine
+    # shows here).
+    gaps, first = [0.0], [True]
     tokens = [float(t) for t in batch.loss_mask_BT[:, 1:].sum(-1).tolist()]
     weights = gather_rows(run.comm, layout, tokens if algo.loss_agg == "token_mean" else
                           [1.0] * len(tokens))
@@ -110,8 +115,11 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
         sub = select_rows(batch, idx)
         lp_BT, mask_BT = policy.logprobs(sub, temperature)
         w = lp_BT.shape[1]
+        if first[0]:
+            gaps.append(float(((engine_BT[idx, :w] - lp_BT.detach()).abs() * mask_BT).max()))
+        old = lp_BT.detach() if old_BT is None else old_BT[idx, :w]
         return grpo_loss(GRPOLossInputs(
-            logprobs_BT=lp_BT, old_logprobs_BT=old_BT[idx, :w], adv_B=adv_B[idx],
+            logprobs_BT=lp_BT, old_logprobs_BT=old, adv_B=adv_B[idx],
             ref_logprobs_BT=None if ref_BT is None else ref_BT[idx, :w], mask_BT=mask_BT,
             max_tokens=recipe.rollout.max_new_tokens), algo)
 
@@ -121,9 +129,10 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
                               step_seed(recipe.run.seed, step, salt=1 + epoch)):
             history.append(train_minibatch([policy], mb, loss_fn, recipe.train.grad_accum_steps,
                                            layout.world, recipe.train.max_grad_norm))
+            first[0] = False
     policy.scheduler.step()
     out = reduce_history(run.comm, history)
     out["lr"] = policy.scheduler.get_last_lr()[0]
     out["adv_abs_mean"] = float(adv_all.abs().mean())
-    out["rollout/logprob_gap"] = max(run.comm.gather(gap))
+    out["rollout/logprob_gap"] = max(run.comm.gather(max(gaps)))
     return out

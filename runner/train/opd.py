@@ -27,7 +27,7 @@ from runner.rewards import build_rewards
 from runner.train.assemble import RunContext, item_seed
 from runner.train.batches import Layout, Minibatch, reduce_history, select_rows, train_minibatch
 from runner.train.loop import run_loop
-from runner.train.policy import batch_logprobs, completion_grid, forward_logits
+from runner.train.policy import completion_grid, forward_logits
 from runner.train.roles import Frozen
 from runner.train.rollouts import (
     Trajectory,
@@ -48,7 +48,8 @@ class Teacher:
         from runner.packers import build_packer
 
         self.path: Path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
-        self.model = Frozen(self.path, run.recipe, run.accelerator.device).model
+        self.frozen = Frozen(self.path, run.recipe, run.accelerator.device)
+        self.model = self.frozen.model
         self.mode = algo.mode
         self.device = run.accelerator.device
         self.pad_token_id = run.policy_packer.pad_token_id
@@ -70,7 +71,7 @@ class Teacher:
         """Teacher logprobs of each student completion token, on the student's grid [B, width]."""
         if self.mode == "same_tokenizer":
             batch = collate(inputs, self.pad_token_id).to(self.device)
-            return batch_logprobs(self.model, batch, temperature)[0][:, :width]
+            return self.frozen.logprobs(batch, temperature)[0][:, :width]
         values = [self._aligned(item, c, temperature)
                   for item, c in zip(traj.items, traj.completions, strict=True)]
         return completion_grid(inputs, values, width).to(self.device)
@@ -92,7 +93,7 @@ class Teacher:
             return [0.0] * len(ids)
         x = RLPolicyInput(tuple(prompt_ids) + tuple(teacher_ids), (0,) * len(prompt_ids)
                           + (1,) * len(teacher_ids), len(prompt_ids))
-        lp_BT, mask_BT = batch_logprobs(self.model, packer.collate([x]).to(self.device), temperature)
+        lp_BT, mask_BT = self.frozen.logprobs(packer.collate([x]).to(self.device), temperature)
         return align_to_student(student_spans, teacher_spans, lp_BT[mask_BT].tolist())
 
 
@@ -151,7 +152,16 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
     traj = sample(run, algo.prompts_per_step, algo.samples_per_prompt, step)
     traj = score(traj, rewards, step)
     t1 = time.perf_counter()
-    batch, old_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
+    inputs = traj.policy_inputs(run.policy_packer)
+    batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
+    mask_BT = batch.loss_mask_BT[:, 1:].bool()
+    teacher_BT = teacher.logprobs(traj, inputs, mask_BT.shape[1], T)
+    # One pass over freshly sampled data: the behaviour logprobs are the first forward's own
+    # (detached), so no separate scoring forward is needed.
+    old_BT = None
+    if algo.ppo_epochs > 1:
+        with torch.no_grad():
+            old_BT = run.policy.logprobs(batch, T)[0]
     t2 = time.perf_counter()
     layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
     tokens = [float(t) for t in mask_BT.sum(-1).tolist()]
@@ -160,12 +170,16 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
 
     def loss_fn(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         sub = select_rows(batch, rows)
-        logits = run.policy.logits(sub) / T
-        lp_BT = token_logprobs(logits, sub.input_ids_BT[:, 1:])
-        w = lp_BT.shape[1]
         full = algo.full_kl
+        if full:  # the full-vocabulary KL needs every logit of the completion positions
+            logits = run.policy.logits(sub) / T
+            lp_BT = token_logprobs(logits, sub.input_ids_BT[:, 1:])
+        else:
+            lp_BT, logits = run.policy.logprobs(sub, T)[0], None
+        w = lp_BT.shape[1]
+        old = lp_BT.detach() if old_BT is None else old_BT[rows, :w]
         return opd_loss(OPDLossInputs(
-            logprobs_BT=lp_BT, old_logprobs_BT=old_BT[rows, :w], teacher_logprobs_BT=teacher_BT[rows, :w],
+            logprobs_BT=lp_BT, old_logprobs_BT=old, teacher_logprobs_BT=teacher_BT[rows, :w],
             mask_BT=sub.loss_mask_BT[:, 1:].bool(), student_logits_BTV=logits if full else None,
             teacher_logits_BTV=_teacher_logits(teacher, sub, T, logits.shape[-1]) if full else None),
             algo)

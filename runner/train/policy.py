@@ -15,17 +15,39 @@ from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import TrainConfig
 
 
-def forward_logits(model: Any, batch: PolicyBatch) -> torch.Tensor:
-    """Logits predicting token t+1 from tokens <= t: shape [B, T-1, V], float32 (float64 when
-    the model computes in float64)."""
+def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0) -> torch.Tensor:
+    """Logits predicting token t+1 from tokens <= t, for the shifted-grid columns
+    ``keep_from .. T-2``: shape [B, T-1-keep_from, V], float32 (float64 when the model computes
+    in float64). With ``keep_from > 0`` the LM head runs only on those positions (the model's
+    ``logits_to_keep``) when the model supports it."""
     # No KV cache: none is needed to score, and transformers only detects packed sequences (and
     # builds the block-diagonal mask from the restarting position ids) when there is none.
-    if batch.packed:
-        out = model(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT, use_cache=False)
-    else:
-        out = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
-                    position_ids=batch.position_ids_BT, use_cache=False)
-    return at_least_float32(out.logits[:, :-1])
+    kwargs: dict[str, Any] = {"use_cache": False, "position_ids": batch.position_ids_BT}
+    if not batch.packed:
+        kwargs["attention_mask"] = batch.attention_mask_BT
+    T = batch.input_ids_BT.shape[1]
+    keep = keep_from > 0 and _takes_logits_to_keep(model)
+    if keep:
+        kwargs["logits_to_keep"] = T - keep_from
+    logits = model(input_ids=batch.input_ids_BT, **kwargs).logits
+    return at_least_float32(logits[:, :-1] if keep else logits[:, keep_from:-1])
+
+
+def _takes_logits_to_keep(model: Any) -> bool:
+    import inspect
+
+    target = getattr(model, "module", model)  # a DDP wrapper's module
+    try:
+        return "logits_to_keep" in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def first_loss_column(batch: PolicyBatch) -> int:
+    """The first shifted-grid column any row takes the loss on (0 for none): columns before it
+    hold prompt tokens only."""
+    cols = batch.loss_mask_BT[:, 1:].any(0).nonzero()
+    return int(cols[0]) if len(cols) else 0
 
 
 def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0
@@ -33,10 +55,16 @@ def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0
     """(logprobs_BT, mask_BT) of each token given its prefix, on the shifted grid [B, T-1].
 
     ``mask_BT`` marks completion tokens that the loss is taken on. Logits are divided by the
-    sampling temperature so the values match the engine's sampling distribution.
+    sampling temperature so the values match the engine's sampling distribution. Only the
+    columns from the first completion token on are scored (the LM head never runs on prompt
+    positions); columns before it are 0.
     """
-    logits = forward_logits(model, batch) / temperature
-    lp_BT = token_logprobs(logits, batch.input_ids_BT[:, 1:])
+    start = first_loss_column(batch)
+    logits = forward_logits(model, batch, start) / temperature
+    lp = token_logprobs(logits, batch.input_ids_BT[:, 1 + start:])
+    lp_BT = torch.zeros(lp.shape[0], batch.input_ids_BT.shape[1] - 1, dtype=lp.dtype,
+                        device=lp.device)
+    lp_BT[:, start:] = lp
     return lp_BT, batch.loss_mask_BT[:, 1:].bool()
 
 

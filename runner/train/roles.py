@@ -128,11 +128,15 @@ class Frozen:
         self.model = load_causal_lm(path, dtype=recipe.model.dtype,
                                     trust_remote_code=recipe.model.trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
+        # The trained models run under Accelerate's autocast; a frozen one gets the same.
+        self.bf16 = recipe.train.precision == "bf16"
+        self.device_type = torch.device(device).type
 
     @torch.no_grad()
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch_logprobs(self.model, batch, temperature)
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
+            return batch_logprobs(self.model, batch, temperature)
 
 
 class Rollout:
