@@ -243,3 +243,14 @@ def test_vllm_on_two_ranks_keeps_each_engine_in_sync(tmp_path):
     assert all(r["rollout/logprob_gap"] < 1e-5 for r in rows), rows
     first, last = final_weights(tmp_path, 1), final_weights(tmp_path, 3)
     assert any(not torch.equal(first[k], last[k]) for k in first)
+
+
+def test_a_rank_that_cannot_build_stops_every_rank_naming_it(tmp_path):
+    done = run_ranks(GRPO, tmp_path, 2, "run.max_steps=2", *SMALL, "data.validation.enabled=false",
+                     "data.factory=tests.extmods.ranked.build_prompts",
+                     "data.prompt_column=question", "data.response_column=answer")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "rank 0: error: rank 1 failed to build its data" in done.stderr
+    assert "the data share is not mounted on this node" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "checkpoints").exists()

@@ -263,27 +263,29 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     model_type = step("policy", lambda: recipe.model.model_type or read_model_type(base))
     # The tokenizer and packers come from the base folder: training changes weights only.
     tokenizer = step("policy", lambda: load_tokenizer(base, trust_remote_code=trust))
-    accelerator = step("policy", lambda: make_accelerator(recipe))
     model_dir = ckpt.model_dir if ckpt else base
-    policy = step("policy", lambda: prepare_trainable(
-        accelerator, _trained(load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust),
-                              recipe), recipe,
-        ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
-        ckpt_scheduler=ckpt.state.scheduler if ckpt else None))
+    model = step("policy", lambda: _trained(load_causal_lm(model_dir, dtype=dtype,
+                                                           trust_remote_code=trust), recipe))
     factory = recipe.data_packer.factory
     options = {"trust_remote_code": trust, "dtype": dtype}
     packer = step("policy", lambda: build_packer(base, model_type, factory, **options))
-    rollout = None
     dpo_held_out = recipe.algo.kind == "dpo" and data is not None and data.held_out is not None
     if dpo_held_out:  # DPO evaluates by generation too: the held-out prompts, chosen = reference
         val_items = [_pair_item(p) for p in data.validation_pairs()]
-    if recipe.algo.kind != "dpo" or dpo_held_out:
-        rollout = step("rollout", lambda: Rollout(make_engine(recipe, model_dir),
-                                                  build_packer(base, model_type, factory, **options)))
+    generates = recipe.algo.kind != "dpo" or dpo_held_out
+    engine_packer = (step("rollout", lambda: build_packer(base, model_type, factory, **options))
+                     if generates else None)
     fingerprint = data.cursor.fingerprint if data is not None else ""
     hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, base)))
               if ctx.world_size > 1 else {})
+    # Before the first collective of the build (DDP's parameter broadcast, the engine's setup):
+    # a rank that failed must not leave the others waiting inside one.
     handshake(comm, ctx, step.failed, fingerprint, hashes)
+    accelerator = make_accelerator(recipe)
+    policy = prepare_trainable(accelerator, model, recipe,
+                               ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
+                               ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
+    rollout = Rollout(make_engine(recipe, model_dir), engine_packer) if generates else None
     metrics = MetricsLog(plan.metrics_path if ctx.is_main else None,
                          ckpt.metrics_rows if ckpt else [],
                          plan.output_dir / "tensorboard" if recipe.logging.tensorboard and ctx.is_main
