@@ -245,3 +245,17 @@ def test_metrics_write_errors_are_one_line(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"loss": 0.5, "step": 1}\n'
     assert log.rows == [{"step": 1, "loss": 0.5}]
+
+
+def test_a_checkpoint_from_before_manifests_is_resumed_unverified(pristine, tmp_path):
+    root = tmp_path / "c"
+    shutil.copytree(pristine, root)
+    folder = root / "step-000002"
+    (folder / MANIFEST).unlink()
+    state = json.loads((folder / "state.json").read_text())
+    for key in ("world_size", "items_per_step"):  # what versions without manifests wrote
+        del state[key]
+    (folder / "state.json").write_text(json.dumps(state))
+    skipped = []
+    assert latest_checkpoint(root, on_skip=skipped.append) == folder
+    assert skipped == []

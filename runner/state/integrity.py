@@ -66,10 +66,23 @@ def _read_manifest(folder: Path) -> tuple[dict[str, Any] | None, str]:
     return doc, ""
 
 
+def written_before_manifests(folder: Path) -> bool:
+    """A checkpoint of a version that wrote no manifest: its state.json lacks ``world_size``
+    (written by every version that writes manifests)."""
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and "step" in state and "world_size" not in state
+
+
 def verify(folder: Path) -> str:
-    """Why ``folder`` is not an intact checkpoint, or "" when every file matches its manifest."""
+    """Why ``folder`` is not an intact checkpoint, or "" when every file matches its manifest
+    (or it was written by a version before manifests, which resume takes unverified)."""
     doc, why = _read_manifest(folder)
     if doc is None:
+        if not (folder / MANIFEST).exists() and written_before_manifests(folder):
+            return ""
         return why
     for rel, entry in sorted(doc["files"].items()):
         path = folder / rel
