@@ -7,7 +7,9 @@ Layout of ``<output_dir>/checkpoints/``::
       extra_models/NAME/    other trained modules (e.g. the PPO critic), safetensors
       optimizer.safetensors optimizer tensors;   optimizer.json  its param groups and layout
       optimizer-NAME.*      optimizers of the extra modules
-      rng.safetensors       torch RNG state;     state.json  step, cursor, scheduler, python/numpy RNG
+      rng.safetensors       every rank's torch (and CUDA) RNG state, ``torch.R`` / ``cuda.R``
+      state.json            step, cursor, scheduler, world size and global batch, every rank's
+                            python/numpy RNG state
       metrics.jsonl         the metrics rows written up to this step
       MANIFEST.json         size and sha256 of every file above (runner.state.integrity)
       COMPLETE              written last, inside the temporary folder, before the rename

@@ -86,7 +86,7 @@ def completion_grid(inputs: Sequence[RLPolicyInput], values: Sequence[Sequence[f
 def make_optimizer(model: Any, cfg: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr or cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             weight_decay=cfg.weight_decay, foreach=False)
+                             weight_decay=cfg.weight_decay, foreach=True)
 
 
 def lr_factor(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
