@@ -254,3 +254,10 @@ def test_a_rank_that_cannot_build_stops_every_rank_naming_it(tmp_path):
     assert "the data share is not mounted on this node" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_external_launcher_with_another_world_size_than_the_recipe_is_refused(tmp_path):
+    done = run_external(GRPO, tmp_path, 2, "run.max_steps=1", *SMALL, "launch.backend=torchrun",
+                        "launch.num_processes=4")
+    assert [d.returncode for d in done] == [2, 2]
+    assert all("launch.num_processes" in d.stderr and "launcher started 2" in d.stderr for d in done)

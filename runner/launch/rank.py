@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from runner.errors import Problem, RecipeError
 from runner.launch.collective import Collective
 from runner.launch.context import RankContext
 from runner.recipe.schema import Recipe
@@ -34,6 +35,13 @@ def run_rank(recipe: Recipe, ctx: RankContext, *, source: str, overrides: Sequen
     from runner.recipe.plan import make_plan
     from runner.train import run_recipe
 
+    launch = recipe.launch
+    if launch.backend != "local" and launch.num_processes != ctx.world_size:
+        raise RecipeError([Problem(
+            "launch.num_processes", f"the recipe asks for {launch.num_processes} ranks but the "
+            f"launcher started {ctx.world_size}", got=launch.num_processes,
+            hint=f"set launch.num_processes = {ctx.world_size}, or start "
+            f"{launch.num_processes} processes")])
     use_cuda = recipe.run.device != "cpu" and torch.cuda.is_available()
     comm = Collective.start(ctx, timeout_s=recipe.launch.collective_timeout_s, use_cuda=use_cuda)
     try:

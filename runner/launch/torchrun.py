@@ -106,6 +106,9 @@ class _Ranks:
         while True:
             codes = [p.poll() for p in self.procs]
             failed = [(r, c) for r, c in enumerate(codes) if c is not None and c not in (0, 130)]
+            if failed and self.signals >= 2:  # a second Ctrl-C killed them: the user's stop
+                self.kill()
+                return 130
             if failed:
                 rank, code = failed[0]
                 deadline = time.monotonic() + GRACE_S
