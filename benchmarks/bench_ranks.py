@@ -66,11 +66,11 @@ def allreduce_worker(n: int) -> None:
 
 
 def allreduce(model: str) -> None:
-    from runner.launch.torchrun import _loopback_store, rank_env
+    from runner.launch.torchrun import loopback_store, rank_env
     from runner.models import load_causal_lm
 
     n = sum(p.numel() for p in load_causal_lm(model).parameters())
-    store, port, sock = _loopback_store(60)
+    store, port, sock = loopback_store(60)
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); " \
            f"import bench_ranks; bench_ranks.allreduce_worker({n})"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=rank_env(r, 2, port, "bench"))

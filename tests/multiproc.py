@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-from datetime import timedelta
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -33,15 +31,9 @@ def run_external(recipe: str, out: Path, world: int, *overrides: str, timeout: f
     its workers (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, the agent store), the test
     itself hosting the rendezvous store on 127.0.0.1 (torchrun's own store would listen on every
     interface)."""
-    import torch.distributed as dist
+    from runner.launch.torchrun import loopback_store
 
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=sock.fileno(),
-                          wait_for_workers=False, multi_tenant=True, timeout=timedelta(seconds=120))
+    store, port, sock = loopback_store(120)
     procs = []
     for rank in range(world):
         env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),

@@ -36,7 +36,7 @@ GRACE_S = 3.0
 POLL_S = 0.05
 
 
-def _loopback_store(timeout_s: float) -> tuple[object, int, socket.socket]:
+def loopback_store(timeout_s: float) -> tuple[object, int, socket.socket]:
     """A TCPStore server listening on 127.0.0.1 only (a socket bound here is handed to it)."""
     import torch.distributed as dist
 
@@ -130,7 +130,7 @@ def launch_torchrun(payload: Payload, world: int, timeout_s: float) -> int:
     with tempfile.TemporaryDirectory(prefix="posttrain-launch-") as tmp:
         path = Path(tmp) / "payload.json"
         payload.write(path)
-        store, port, sock = _loopback_store(timeout_s)
+        store, port, sock = loopback_store(timeout_s)
         run_id = f"posttrain-{os.getpid()}-{port}"
         cmd = [sys.executable, "-m", "runner.launch.worker", str(path)]
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
