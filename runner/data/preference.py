@@ -92,9 +92,16 @@ class DatasetPreferenceEnv:
             self.held_out.pair(0)
         self.train.pair(0)  # a broken first item fails here, at setup, not at step 1
         self.rank, self.world = rank, world
-        self._stream = IndexStream(len(self.train), seed=seed, shuffle=data.shuffle, rank=rank,
-                                   world=world, fingerprint=self.train.fingerprint(),
-                                   cursor=cursor)
+        self._seed, self._shuffle = seed, data.shuffle
+        self.resume_at(cursor)
+
+    def resume_at(self, cursor: DataCursor | None) -> DatasetPreferenceEnv:
+        """Continue the batches from ``cursor`` (None: the start), without reading the sources
+        again."""
+        self._stream = IndexStream(len(self.train), seed=self._seed, shuffle=self._shuffle,
+                                   rank=self.rank, world=self.world,
+                                   fingerprint=self.train.fingerprint(), cursor=cursor)
+        return self
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, *, rank: int = 0, world: int = 1,

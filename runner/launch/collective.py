@@ -72,10 +72,9 @@ class Collective:
 
             dist.barrier()
 
-    # vLLM's engine shutdown destroys the default process group it joined: closing after it
-    # is a no-op.
-
     def close(self) -> None:
+        # vLLM's engine shutdown destroys the default process group it joined: closing after
+        # it is a no-op.
         if self.world > 1:
             import torch.distributed as dist
 

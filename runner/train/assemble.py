@@ -186,14 +186,9 @@ def _open_data(recipe: Recipe, ctx: RankContext) -> tuple[Any, Any, dict[str, st
 
         env = DatasetPreferenceEnv.from_recipe(recipe, rank=ctx.rank, world=ctx.world_size)
         return env, None, env.fingerprint_parts()
-    from runner.data.membership import check_overlap
-    from runner.data.sources import build_prompt_sources, check_columns
+    from runner.data.sources import build_prompt_sources
 
-    train, val = build_prompt_sources(recipe.data, recipe.algo.kind)
-    check_columns(train)
-    if val is not None:
-        check_columns(val)
-        check_overlap(train, val)
+    train, val = build_prompt_sources(recipe.data, recipe.algo.kind)  # columns, overlap checked
     return train, val, train.fingerprint_parts()
 
 
@@ -204,12 +199,7 @@ def _stream(recipe: Recipe, ctx: RankContext, opened: tuple[Any, Any, Any],
 
     train, val, _ = opened
     if recipe.algo.kind == "dpo":
-        if cursor is None:
-            return train, []
-        from runner.data.preference import DatasetPreferenceEnv
-
-        return DatasetPreferenceEnv.from_recipe(recipe, rank=ctx.rank, world=ctx.world_size,
-                                                cursor=cursor), []
+        return (train if cursor is None else train.resume_at(cursor)), []
     from runner.data.cursor import PromptStream
 
     stream = PromptStream(train, recipe.run.seed, recipe.data.shuffle, rank=ctx.rank,

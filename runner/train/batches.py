@@ -127,6 +127,7 @@ def select_rows(batch: Any, idx: torch.Tensor) -> Any:
                                    "loss_mask_BT", "seq_ids_BT")})
 
 
-def global_mean(comm: Collective, values: Sequence[float]) -> float:
-    total, count = comm.sum([float(sum(values)), float(len(values))])
-    return total / max(1.0, count)
+def rank_mean(comm: Collective, values: dict[str, float]) -> dict[str, float]:
+    """Per-key means over ranks of per-rank means over equally many items (reward parts)."""
+    summed = comm.sum(list(values.values()))
+    return {k: v / comm.world for k, v in zip(values, summed, strict=True)}

@@ -79,6 +79,17 @@ def reference_logprobs(run: DPORun, pairs: Sequence[Any], inputs: Sequence[RLPol
     return lp[:n], lp[n:]
 
 
+def pair_loss_inputs(run: DPORun, model: Any, pairs: Sequence[Any]) -> DPOLossInputs:
+    """The loss inputs of ``pairs``: ``model``'s and the reference's summed logprobs of the
+    chosen and rejected answers, and the chosen answers' token counts."""
+    inputs = _pack(run.packer, pairs)
+    n = len(pairs)
+    ref_c, ref_r = reference_logprobs(run, pairs, inputs)
+    lp = sequence_logprobs(model, run.packer, inputs, run.device)
+    return DPOLossInputs(policy_chosen_B=lp[:n], policy_rejected_B=lp[n:], ref_chosen_B=ref_c,
+                         ref_rejected_B=ref_r, chosen_tokens_B=completion_tokens(inputs[:n], run.device))
+
+
 def precompute(run: DPORun, reporter: Reporter) -> None:
     """Reference logprobs of every training and held-out pair, once (they never change)."""
     env = run.run.data
@@ -97,15 +108,7 @@ def one_step(run: DPORun, step: int) -> dict[str, Any]:
     whole = Minibatch(list(range(len(pairs))), [1.0] * len(pairs), float(algo.pairs_per_step))
 
     def loss_fn(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        part = [pairs[i] for i in rows.tolist()]
-        inputs = _pack(run.packer, part)
-        ref_c, ref_r = reference_logprobs(run, part, inputs)
-        lp = sequence_logprobs(ctx.policy, run.packer, inputs, run.device)
-        n = len(part)
-        return dpo_loss(DPOLossInputs(policy_chosen_B=lp[:n], policy_rejected_B=lp[n:],
-                                      ref_chosen_B=ref_c, ref_rejected_B=ref_r,
-                                      chosen_tokens_B=completion_tokens(inputs[:n], run.device)),
-                        algo)
+        return dpo_loss(pair_loss_inputs(run, ctx.policy, [pairs[i] for i in rows.tolist()]), algo)
 
     history = [train_minibatch([ctx.policy], whole, loss_fn, ctx.recipe.train.grad_accum_steps,
                                ctx.rank.world_size, ctx.recipe.train.max_grad_norm)]
@@ -124,16 +127,10 @@ def held_out(run: DPORun) -> dict[str, float]:
     correct = loss_sum = 0.0
     for chunk in split_even(len(pairs), max(1, len(pairs) // 64)):
         part = pairs[chunk]
-        inputs = _pack(run.packer, part)
-        ref_c, ref_r = reference_logprobs(run, part, inputs)
-        lp = sequence_logprobs(ctx.policy, run.packer, inputs, run.device)
-        margin = (lp[:len(part)] - ref_c) - (lp[len(part):] - ref_r)
+        x = pair_loss_inputs(run, ctx.policy, part)
+        margin = (x.policy_chosen_B - x.ref_chosen_B) - (x.policy_rejected_B - x.ref_rejected_B)
         correct += float((margin > 0).sum() + 0.5 * (margin == 0).sum())
-        loss, _ = dpo_loss(DPOLossInputs(policy_chosen_B=lp[:len(part)], policy_rejected_B=lp[len(part):],
-                                         ref_chosen_B=ref_c, ref_rejected_B=ref_r,
-                                         chosen_tokens_B=completion_tokens(inputs[:len(part)],
-                                                                           run.device)), run.algo)
-        loss_sum += float(loss) * len(part)
+        loss_sum += float(dpo_loss(x, run.algo)[0]) * len(part)
     correct, loss_sum, n = ctx.comm.sum([correct, loss_sum, len(pairs)])
     ctx.sync_weights()  # the generation engine gets the policy's weights at evaluations only
     return {"eval/preference_accuracy": correct / max(1.0, n), "eval/loss": loss_sum / max(1.0, n),

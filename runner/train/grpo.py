@@ -24,6 +24,7 @@ from runner.train.batches import (
     Layout,
     gather_rows,
     minibatches,
+    rank_mean,
     reduce_history,
     select_rows,
     train_minibatch,
@@ -71,11 +72,10 @@ def _one_step(run: RunContext, algo: GRPOConfig, rewards: Any, reference: Frozen
     if recipe.logging.sample_every and step % recipe.logging.sample_every == 0:
         run.reporter.sample(step, str(traj.items[0].prompt), traj.texts[0], traj.rewards[0])
     r = torch.tensor(rewards_all)
-    parts = dict(zip(traj.reward_parts, run.comm.sum(list(traj.reward_parts.values())), strict=True))
     n_tokens, n_completions = run.comm.sum([traj.n_tokens, len(traj.completions)])
     return {
         "reward/mean": float(r.mean()), "reward/max": float(r.max()),
-        **{k: v / run.rank.world_size for k, v in parts.items()},
+        **rank_mean(run.comm, traj.reward_parts),
         "completion_len": n_tokens / n_completions, **metrics, **item_ids_metric(traj),
         "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
         "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9),

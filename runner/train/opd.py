@@ -24,8 +24,15 @@ from runner.models.vocab import check_same_vocab
 from runner.packers.base import PolicyBatch, RLPolicyInput, collate
 from runner.recipe.schema import OPDConfig
 from runner.rewards import build_rewards
-from runner.train.assemble import RunContext, item_seed
-from runner.train.batches import Layout, Minibatch, reduce_history, select_rows, train_minibatch
+from runner.train.assemble import RunContext
+from runner.train.batches import (
+    Layout,
+    Minibatch,
+    rank_mean,
+    reduce_history,
+    select_rows,
+    train_minibatch,
+)
 from runner.train.loop import run_loop
 from runner.train.policy import completion_grid, forward_logits
 from runner.train.roles import Frozen
@@ -33,6 +40,7 @@ from runner.train.rollouts import (
     Trajectory,
     evaluate,
     item_ids_metric,
+    position_seeds,
     roll_out,
     sample,
     sampling,
@@ -121,10 +129,9 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
     sampled like the training rollouts, per-token ``logp_student - logp_teacher`` averaged over
     every completion token of every rank (the estimate the training metric ``reverse_kl``
     reports)."""
-    world, rank = run.rank.world_size, run.rank.rank
     total = count = 0.0
     if run.val_items:
-        seeds = [item_seed(HELD_OUT_SEED, 0, j * world + rank) for j in range(len(run.val_items))]
+        seeds = position_seeds(run, HELD_OUT_SEED, 0, len(run.val_items))
         traj = roll_out(run.rollout, run.val_items, sampling(run.recipe.rollout, 1, 0), seeds)
         _, student_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
         total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
@@ -192,8 +199,7 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
     run.sync_weights()
     t4 = time.perf_counter()
     reward_sum, n = run.comm.sum([sum(traj.rewards), len(traj.rewards)])
-    parts = dict(zip(traj.reward_parts, run.comm.sum(list(traj.reward_parts.values())), strict=True))
-    return {"reward/mean": reward_sum / n, **{k: v / layout.world for k, v in parts.items()},
+    return {"reward/mean": reward_sum / n, **rank_mean(run.comm, traj.reward_parts),
             **reduce_history(run.comm, history), **item_ids_metric(traj),
             "lr": run.policy.scheduler.get_last_lr()[0],
             "time/rollout": t1 - t0, "time/teacher": t2 - t1, "time/update": t3 - t2,

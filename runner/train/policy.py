@@ -3,6 +3,7 @@ LR schedule."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,11 +35,15 @@ def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0) -> torch.
 
 
 def _takes_logits_to_keep(model: Any) -> bool:
+    return _forward_takes_logits_to_keep(type(getattr(model, "module", model)))  # DDP: its module
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(cls: type) -> bool:
     import inspect
 
-    target = getattr(model, "module", model)  # a DDP wrapper's module
     try:
-        return "logits_to_keep" in inspect.signature(target.forward).parameters
+        return "logits_to_keep" in inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):
         return False
 

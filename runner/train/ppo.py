@@ -24,6 +24,7 @@ from runner.train.batches import (
     Layout,
     gather_rows,
     minibatches,
+    rank_mean,
     reduce_history,
     select_rows,
     train_minibatch,
@@ -147,9 +148,8 @@ def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen,
     t4 = time.perf_counter()
     kl_sum, n_tok = run.comm.sum([float(((old_BT - ref_BT) * mask_BT).sum()), float(mask_BT.sum())])
     r = torch.tensor(gather_rows(run.comm, layout, traj.rewards))
-    parts = dict(zip(traj.reward_parts, run.comm.sum(list(traj.reward_parts.values())), strict=True))
     return {"reward/mean": float(r.mean()), "reward/max": float(r.max()),
-            **{k: v / layout.world for k, v in parts.items()},
+            **rank_mean(run.comm, traj.reward_parts),
             "kl": kl_sum / max(1.0, n_tok), "lr": run.policy.scheduler.get_last_lr()[0], **reduce_history(run.comm, history), **item_ids_metric(traj),
             "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
             "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}

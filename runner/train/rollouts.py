@@ -90,14 +90,20 @@ def roll_out(rollout: Rollout, items: Sequence[ObsBundle], params: SamplingConfi
     return trajectory(items, rollout.generate(items, params, seeds))
 
 
+def position_seeds(run: RunContext, seed: int, step: int, n: int) -> list[int]:
+    """Seeds of this rank's ``n`` items of a batch, from each item's global position (rank r
+    holds positions r, r + world, ...): the same whatever the number of ranks."""
+    world, rank = run.rank.world_size, run.rank.rank
+    return [item_seed(seed, step, j * world + rank) for j in range(n)]
+
+
 def sample(run: RunContext, n_prompts: int, n_samples: int, step: int) -> Trajectory:
     """This rank's share of the step's ``n_prompts`` prompts from the global cursor, with
     ``n_samples`` completions each, seeded by each prompt's global position in the batch: the
     rollout every GRPO / PPO / OPD step starts with."""
-    world, rank = run.rank.world_size, run.rank.rank
-    indexed = run.data.next_indexed(n_prompts // world)
+    indexed = run.data.next_indexed(n_prompts // run.rank.world_size)
     items = [item for _, item in indexed]
-    seeds = [item_seed(run.recipe.run.seed, step, j * world + rank) for j in range(len(items))]
+    seeds = position_seeds(run, run.recipe.run.seed, step, len(items))
     traj = roll_out(run.rollout, items, sampling(run.recipe.rollout, n_samples, 0), seeds)
     if run.recipe.logging.item_ids:
         ids = interleave(run.comm.gather([i for i, _ in indexed]))
@@ -126,9 +132,8 @@ def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
                                        greedy=greedy),
                               max_new_tokens=cfg.max_new_tokens or run.recipe.rollout.max_new_tokens,
                               temperature=cfg.temperature if not greedy else 1.0)
-        world, rank = run.rank.world_size, run.rank.rank
-        seeds = [item_seed(run.recipe.run.seed, 0, j * world + rank) for j in range(len(items))]
-        traj = roll_out(run.rollout, items, params, seeds)
+        traj = roll_out(run.rollout, items, params, position_seeds(run, run.recipe.run.seed, 0,
+                                                                    len(items)))
         total, means = rewards.score(traj.texts, traj.items)
         parts = {k: v * len(total) for k, v in means.items()}  # means -> sums
     names = sorted(parts)
