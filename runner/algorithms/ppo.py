@@ -104,14 +104,18 @@ def clipped_policy_token_loss(
 
 
 def clipped_policy_loss(
-    logprobs_BT: Tensor, old_logprobs_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, eps: float
+    logprobs_BT: Tensor, old_logprobs_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, eps: float,
+    is_weights_BT: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Masked token mean of ``clipped_policy_token_loss``: -> (loss, metrics).
+    """Masked token mean of ``clipped_policy_token_loss`` (each token's term times
+    ``is_weights_BT`` when given, see ``grpo.engine_is_weights``): -> (loss, metrics).
 
     Metrics: policy_loss, clip_frac, ratio_mean, approx_kl (masked mean of the k3 estimate
     of KL(old || new)).
     """
     loss_BT, clipped_BT = clipped_policy_token_loss(logprobs_BT, old_logprobs_BT, adv_BT, eps)
+    if is_weights_BT is not None:
+        loss_BT = loss_BT * is_weights_BT
     loss = masked_mean(loss_BT, mask_BT)
     with torch.no_grad():
         log_ratio_BT = logprobs_BT - old_logprobs_BT
@@ -151,6 +155,7 @@ class PPOLossInputs:
     values_BT: Tensor
     old_values_BT: Tensor
     returns_BT: Tensor
+    is_weights_BT: Tensor | None = None
 
 
 def ppo_loss(inputs: PPOLossInputs, cfg: PPOConfig) -> tuple[Tensor, dict[str, float]]:
@@ -161,7 +166,7 @@ def ppo_loss(inputs: PPOLossInputs, cfg: PPOConfig) -> tuple[Tensor, dict[str, f
     """
     x = inputs
     policy_loss, metrics = clipped_policy_loss(
-        x.logprobs_BT, x.old_logprobs_BT, x.adv_BT, x.mask_BT, cfg.clip_eps
+        x.logprobs_BT, x.old_logprobs_BT, x.adv_BT, x.mask_BT, cfg.clip_eps, x.is_weights_BT
     )
     value_loss = clipped_value_loss(
         x.values_BT, x.old_values_BT, x.returns_BT, x.mask_BT, cfg.value_clip_eps

@@ -229,7 +229,17 @@ def _grpo_ranges(r: Recipe) -> list[Problem]:
                          f"({rollouts})", got=a.minibatches))
     if not r.reward.functions:
         p.append(Problem("reward.functions", "GRPO needs at least one reward function", got=[]))
+    p += _engine_is_ranges(r)
+    if a.engine_is_correction and a.old_logprobs == "engine":
+        p.append(Problem("algo.engine_is_correction", "compares the policy's behaviour logprobs "
+                         "with the engine's, but algo.old_logprobs = 'engine' makes them the same",
+                         got=True, hint="set algo.old_logprobs = 'policy', or turn the correction off"))
     return p
+
+
+def _engine_is_ranges(r: Recipe) -> list[Problem]:
+    a = r.algo
+    return _range("algo.engine_is_cap", a.engine_is_cap, a.engine_is_cap >= 1, ">= 1")
 
 
 def _dpo_ranges(r: Recipe) -> list[Problem]:
@@ -264,7 +274,7 @@ def _ppo_ranges(r: Recipe) -> list[Problem]:
                          f"({rollouts})", got=a.minibatches))
     if not r.reward.functions:
         p.append(Problem("reward.functions", "PPO needs at least one reward function", got=[]))
-    return p
+    return p + _engine_is_ranges(r)
 
 
 def _opd_ranges(r: Recipe) -> list[Problem]:

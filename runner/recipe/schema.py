@@ -139,6 +139,12 @@ class GRPOConfig:
         False, "Leave out of the loss the completion tokens every member of a group shares at its "
         "start (measured on the engine's token ids); they carry no signal within the group."
     )
+    engine_is_correction: bool = key(
+        False, "Weight each token's loss by the truncated importance ratio min(pi_old / "
+        "pi_engine, engine_is_cap) of the policy's and the engine's sampling probabilities, "
+        "correcting for an engine that computes with other numerics (e.g. bf16 weights)."
+    )
+    engine_is_cap: float = key(2.0, "Upper bound (>= 1) of the engine importance weight.")
 
 
 @attrs.frozen
@@ -177,6 +183,12 @@ class PPOConfig:
         "", "A separate model folder for the critic; empty: a value head on a copy of the policy."
     )
     critic_lr: float = key(0.0, "Learning rate of the critic; 0 uses train.lr.")
+    engine_is_correction: bool = key(
+        False, "Weight each token's loss by the truncated importance ratio min(pi_old / "
+        "pi_engine, engine_is_cap) of the policy's and the engine's sampling probabilities, "
+        "correcting for an engine that computes with other numerics (e.g. bf16 weights)."
+    )
+    engine_is_cap: float = key(2.0, "Upper bound (>= 1) of the engine importance weight.")
 
 
 @attrs.frozen
@@ -215,6 +227,10 @@ class RolloutConfig:
     top_p: float = key(1.0, "Nucleus sampling threshold.")
     top_k: int = key(0, "Top-k sampling; 0 disables it.")
     batch_size: int = key(64, "Prompts per generate call (hf engine).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = key(
+        "auto", "Weight dtype of the rollout engine. auto: the policy's compute dtype (bf16 "
+        "under bf16 training, only where bf16 is native; else float32)."
+    )
     gpu_memory_utilization: float = key(0.3, "vllm on GPU: fraction of GPU memory for the engine.")
     enable_sleep_mode: bool = key(False, "vllm on GPU: free engine memory between rollouts.")
     vllm_kv_cache_gb: float = key(1.0, "vllm on CPU: KV cache size in GiB.")
@@ -247,7 +263,11 @@ class TrainConfig:
     warmup_steps: int = key(0, "Linear warm-up steps.")
     grad_accum_steps: int = key(1, "Micro-batches accumulated per optimizer step.")
     max_grad_norm: float = key(1.0, "Clip the gradient norm to this; 0 disables clipping.")
-    precision: Literal["no", "bf16", "fp16"] = key("no", "Mixed precision passed to Accelerate.")
+    precision: Literal["auto", "no", "bf16", "fp16"] = key(
+        "no", "Mixed precision of the trained and frozen models' forwards (fp32 master weights "
+        "and optimizer state; log-softmax and losses in fp32). auto: bf16 where bf16 matrix "
+        "products are native (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else no."
+    )
     eval_every: int = key(10, "Evaluate on the held-out set every N steps (0: only start and end).")
     disable_dropout: bool = key(
         True, "Set every dropout probability of the trained models to 0, so the logprobs the "

@@ -70,7 +70,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 512,
                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False,
-                 kv_cache_gb: float = 1.0, trust_remote_code: bool = False) -> None:
+                 kv_cache_gb: float = 1.0, trust_remote_code: bool = False,
+                 dtype: str = "float32") -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         _loopback_process_group()
         if _on_cpu():
@@ -91,7 +92,7 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
                           enable_sleep_mode=enable_sleep_mode)
         self.sleep_between_rollouts = enable_sleep_mode and not _on_cpu()
-        self.llm = LLM(model=str(model_path), dtype="float32" if _on_cpu() else "auto", seed=seed,
+        self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed,
                        enforce_eager=True, max_model_len=max_model_len,
                        trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
                        **kwargs)

@@ -176,7 +176,9 @@ def make_accelerator(recipe: Recipe) -> Any:
     from accelerate import Accelerator
 
     cpu = recipe.run.device == "cpu" or (recipe.run.device == "auto" and not torch.cuda.is_available())
-    return Accelerator(cpu=cpu, mixed_precision=recipe.train.precision)
+    from runner.precision import resolve
+
+    return Accelerator(cpu=cpu, mixed_precision=resolve(recipe, "cpu" if cpu else "cuda").train)
 
 
 def _open_data(recipe: Recipe, ctx: RankContext) -> tuple[Any, Any, dict[str, str]]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from runner.algorithms.grpo import GRPOLossInputs, group_advantages, grpo_loss
+from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, group_advantages, grpo_loss
 from runner.recipe.schema import GRPOConfig
 from runner.rewards import build_rewards
 from runner.train.assemble import RunContext, step_seed
@@ -118,10 +118,12 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
         if first[0]:
             gaps.append(float(((engine_BT[idx, :w] - lp_BT.detach()).abs() * mask_BT).max()))
         old = lp_BT.detach() if old_BT is None else old_BT[idx, :w]
+        is_w = (engine_is_weights(old, engine_BT[idx, :w], algo.engine_is_cap)
+                if algo.engine_is_correction else None)
         return grpo_loss(GRPOLossInputs(
             logprobs_BT=lp_BT, old_logprobs_BT=old, adv_B=adv_B[idx],
             ref_logprobs_BT=None if ref_BT is None else ref_BT[idx, :w], mask_BT=mask_BT,
-            max_tokens=recipe.rollout.max_new_tokens), algo)
+            max_tokens=recipe.rollout.max_new_tokens, is_weights_BT=is_w), algo)
 
     history = []
     for epoch in range(algo.ppo_epochs):

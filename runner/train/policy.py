@@ -16,11 +16,12 @@ from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import TrainConfig
 
 
-def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0) -> torch.Tensor:
+def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0, upcast: bool = True
+                   ) -> torch.Tensor:
     """Logits predicting token t+1 from tokens <= t, for the shifted-grid columns
     ``keep_from .. T-2``: shape [B, T-1-keep_from, V], float32 (float64 when the model computes
-    in float64). With ``keep_from > 0`` the LM head runs only on those positions (the model's
-    ``logits_to_keep``) when the model supports it."""
+    in float64; the model's own dtype with ``upcast=False``). With ``keep_from > 0`` the LM head
+    runs only on those positions (the model's ``logits_to_keep``) when the model supports it."""
     # No KV cache: none is needed to score, and transformers only detects packed sequences (and
     # builds the block-diagonal mask from the restarting position ids) when there is none.
     kwargs: dict[str, Any] = {"use_cache": False, "position_ids": batch.position_ids_BT}
@@ -31,7 +32,8 @@ def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0) -> torch.
     if keep:
         kwargs["logits_to_keep"] = T - keep_from
     logits = model(input_ids=batch.input_ids_BT, **kwargs).logits
-    return at_least_float32(logits[:, :-1] if keep else logits[:, keep_from:-1])
+    logits = logits[:, :-1] if keep else logits[:, keep_from:-1]
+    return at_least_float32(logits) if upcast else logits
 
 
 def _takes_logits_to_keep(model: Any) -> bool:
@@ -65,8 +67,8 @@ def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0
     positions); columns before it are 0.
     """
     start = first_loss_column(batch)
-    logits = forward_logits(model, batch, start) / temperature
-    lp = token_logprobs(logits, batch.input_ids_BT[:, 1 + start:])
+    logits = forward_logits(model, batch, start, upcast=False)  # bf16 stays bf16 (chunked)
+    lp = token_logprobs(logits, batch.input_ids_BT[:, 1 + start:], temperature)
     lp_BT = torch.zeros(lp.shape[0], batch.input_ids_BT.shape[1] - 1, dtype=lp.dtype,
                         device=lp.device)
     lp_BT[:, start:] = lp

@@ -129,8 +129,10 @@ class Frozen:
                                     trust_remote_code=recipe.model.trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
         # The trained models run under Accelerate's autocast; a frozen one gets the same.
-        self.bf16 = recipe.train.precision == "bf16"
+        from runner.precision import resolve
+
         self.device_type = torch.device(device).type
+        self.bf16 = resolve(recipe, self.device_type).train == "bf16"
 
     @torch.no_grad()
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
