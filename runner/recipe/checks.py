@@ -170,6 +170,10 @@ def check_ranges(r: Recipe) -> list[Problem]:
     for name in ("adam_beta1", "adam_beta2"):
         value = getattr(r.train, name)
         p += _range(f"train.{name}", value, 0 <= value < 1, "in [0, 1)")
+    lora = r.model.lora
+    p += _range("model.lora.rank", lora.rank, lora.rank >= 0, ">= 0 (0: no adapters)")
+    p += _range("model.lora.alpha", lora.alpha, lora.alpha > 0, "> 0")
+    p += _range("model.lora.dropout", lora.dropout, 0 <= lora.dropout < 1, "in [0, 1)")
     p += _range("rollout.max_new_tokens", r.rollout.max_new_tokens, r.rollout.max_new_tokens >= 1, ">= 1")
     p += _range("rollout.temperature", r.rollout.temperature, r.rollout.temperature > 0, "> 0")
     p += _range("rollout.top_p", r.rollout.top_p, 0 < r.rollout.top_p <= 1, "in (0, 1]")

@@ -41,6 +41,17 @@ class RunConfig:
 
 
 @attrs.frozen
+class LoraConfig:
+    rank: int = key(0, "LoRA rank r of the adapters; 0: full fine-tuning (no adapters).")
+    alpha: float = key(16.0, "LoRA alpha: the adapters' update is scaled by alpha / rank.")
+    dropout: float = key(0.0, "Dropout on the adapters' input (applied in training forwards).")
+    target_modules: list[str] = key(
+        [], "Names (suffixes) of the linear layers that get adapters, e.g. [\"q_proj\", \"v_proj\"]; "
+        "empty: every linear layer except the LM head."
+    )
+
+
+@attrs.frozen
 class ModelConfig:
     path: str = key(
         "builtin:tiny-arith",
@@ -53,6 +64,10 @@ class ModelConfig:
     trust_remote_code: bool = key(False, "Allow the model folder's own Python code to run.")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = key(
         "float32", "Parameter dtype of the policy (float32 on CPU; float64 for numerical checks)."
+    )
+    lora: LoraConfig = table(
+        LoraConfig, "Train low-rank adapters (LoRA) instead of every weight: only the adapters "
+        "train and are checkpointed; the rollout engine receives the merged weights."
     )
 
 

@@ -47,7 +47,14 @@ class Trainable:
         return self.accelerator.unwrap_model(self.model)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((n, p.detach()) for n, p in self.unwrapped().named_parameters())
+        """The weights a rollout engine loads: the model's own parameter names (LoRA adapters
+        merged into the layers they adapt)."""
+        from runner.train.lora import is_lora, merged_weights
+
+        model = self.unwrapped()
+        if is_lora(model):
+            return merged_weights(model)
+        return ((n, p.detach()) for n, p in model.named_parameters())
 
 
 def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | None = None,
