@@ -284,6 +284,10 @@ class TrainConfig:
         "products are native (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else no."
     )
     eval_every: int = key(10, "Evaluate on the held-out set every N steps (0: only start and end).")
+    padding_free: bool = key(
+        True, "Score and train on sequences packed end to end (position ids restarting per "
+        "sequence) instead of padded rows, when the DataPacker allows it (can_pack)."
+    )
     disable_dropout: bool = key(
         True, "Set every dropout probability of the trained models to 0, so the logprobs the "
         "loss compares (old and new, policy and engine) differ by the update only."

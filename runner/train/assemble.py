@@ -279,6 +279,7 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     handshake(comm, ctx, step.failed, fingerprint, hashes)
     accelerator = make_accelerator(recipe)
     policy = prepare_trainable(accelerator, model, recipe,
+                               pad_free=recipe.train.padding_free and getattr(packer, "can_pack", False),
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
     rollout = Rollout(make_engine(recipe, model_dir), engine_packer) if generates else None

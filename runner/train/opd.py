@@ -56,7 +56,8 @@ class Teacher:
         from runner.packers import build_packer
 
         self.path: Path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
-        self.frozen = Frozen(self.path, run.recipe, run.accelerator.device)
+        self.frozen = Frozen(self.path, run.recipe, run.accelerator.device,
+                             run.policy.pad_free and algo.mode == "same_tokenizer")
         self.model = self.frozen.model
         self.mode = algo.mode
         self.device = run.accelerator.device

@@ -57,15 +57,21 @@ def first_loss_column(batch: PolicyBatch) -> int:
     return int(cols[0]) if len(cols) else 0
 
 
-def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0,
+                   pad_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_BT, mask_BT) of each token given its prefix, on the shifted grid [B, T-1].
 
     ``mask_BT`` marks completion tokens that the loss is taken on. Logits are divided by the
     sampling temperature so the values match the engine's sampling distribution. Only the
     columns from the first completion token on are scored (the LM head never runs on prompt
-    positions); columns before it are 0.
+    positions); columns before it are 0. With ``pad_free`` a padded batch of several rows runs
+    packed (``runner.train.packing``), with the same values on the same grid.
     """
+    if pad_free and not batch.packed and batch.input_ids_BT.shape[0] > 1:
+        from runner.train.packing import packed_logprobs
+
+        return packed_logprobs(model, batch, temperature,
+                               takes_logits_to_keep=_takes_logits_to_keep(model))
     start = first_loss_column(batch)
     logits = forward_logits(model, batch, start, upcast=False)  # bf16 stays bf16 (chunked)
     lp = token_logprobs(logits, batch.input_ids_BT[:, 1 + start:], temperature)
