@@ -14,7 +14,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from runner.algorithms.masked import at_least_float32, masked_mean, masked_sum
+from runner.algorithms.masked import at_least_float32, masked_mean, masked_sum, metric
 from runner.recipe.schema import GRPOConfig
 
 ADV_EPS = 1e-6  # small enough that [1, 0, 0, 1] gives 0.866024 (exact 0.866025) to 1e-5
@@ -138,11 +138,11 @@ class GRPOLossInputs:
     is_weights_BT: Tensor | None = None
 
 
-def grpo_loss(inputs: GRPOLossInputs, cfg: GRPOConfig) -> tuple[Tensor, dict[str, float]]:
+def grpo_loss(inputs: GRPOLossInputs, cfg: GRPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO loss: aggregate(clipped_token_loss + kl_beta * k3_kl) with cfg.loss_agg.
 
     l_bt = -min(r A_b, clip(r, 1 - eps_low, 1 + eps_high) A_b) + beta k3(pi, pi_ref)
-    (Shao et al. 2024, arXiv:2402.03300). Metrics (python floats, no grad): loss, pg_loss,
+    (Shao et al. 2024, arXiv:2402.03300). Metrics (detached 0-d tensors): loss, pg_loss,
     clip_frac, ratio_mean (masked token means), and kl when reference logprobs are given.
     """
     x = inputs
@@ -166,13 +166,13 @@ def grpo_loss(inputs: GRPOLossInputs, cfg: GRPOConfig) -> tuple[Tensor, dict[str
     with torch.no_grad():
         m = x.mask_BT
         metrics = {
-            "loss": float(loss),
-            "pg_loss": float(aggregate(pg_BT, m, cfg.loss_agg, x.max_tokens)),
-            "clip_frac": float(masked_mean(clipped_BT.float(), m)),
-            "ratio_mean": float(masked_mean(torch.exp(x.logprobs_BT - x.old_logprobs_BT), m)),
+            "loss": metric(loss),
+            "pg_loss": metric(aggregate(pg_BT, m, cfg.loss_agg, x.max_tokens)),
+            "clip_frac": metric(masked_mean(clipped_BT.float(), m)),
+            "ratio_mean": metric(masked_mean(torch.exp(x.logprobs_BT - x.old_logprobs_BT), m)),
         }
         if kl_BT is not None:
-            metrics["kl"] = float(masked_mean(kl_BT, m))
+            metrics["kl"] = metric(masked_mean(kl_BT, m))
         if x.is_weights_BT is not None:
-            metrics["engine_is_weight"] = float(masked_mean(x.is_weights_BT, m))
+            metrics["engine_is_weight"] = metric(masked_mean(x.is_weights_BT, m))
     return loss, metrics

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from runner.algorithms.grpo import clipped_token_loss
-from runner.algorithms.masked import masked_mean, masked_whiten
+from runner.algorithms.masked import masked_mean, masked_whiten, metric
 from runner.recipe.schema import PPOConfig
 
 
@@ -106,7 +106,7 @@ def clipped_policy_token_loss(
 def clipped_policy_loss(
     logprobs_BT: Tensor, old_logprobs_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, eps: float,
     is_weights_BT: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Masked token mean of ``clipped_policy_token_loss`` (each token's term times
     ``is_weights_BT`` when given, see ``grpo.engine_is_weights``): -> (loss, metrics).
 
@@ -120,10 +120,10 @@ def clipped_policy_loss(
     with torch.no_grad():
         log_ratio_BT = logprobs_BT - old_logprobs_BT
         metrics = {
-            "policy_loss": float(loss),
-            "clip_frac": float(masked_mean(clipped_BT.float(), mask_BT)),
-            "ratio_mean": float(masked_mean(torch.exp(log_ratio_BT), mask_BT)),
-            "approx_kl": float(masked_mean(torch.exp(log_ratio_BT) - 1 - log_ratio_BT, mask_BT)),
+            "policy_loss": metric(loss),
+            "clip_frac": metric(masked_mean(clipped_BT.float(), mask_BT)),
+            "ratio_mean": metric(masked_mean(torch.exp(log_ratio_BT), mask_BT)),
+            "approx_kl": metric(masked_mean(torch.exp(log_ratio_BT) - 1 - log_ratio_BT, mask_BT)),
         }
     return loss, metrics
 
@@ -158,7 +158,7 @@ class PPOLossInputs:
     is_weights_BT: Tensor | None = None
 
 
-def ppo_loss(inputs: PPOLossInputs, cfg: PPOConfig) -> tuple[Tensor, dict[str, float]]:
+def ppo_loss(inputs: PPOLossInputs, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """loss = clipped_policy_loss(eps=clip_eps) + vf_coef * clipped_value_loss(eps=value_clip_eps).
 
     (Schulman et al. 2017, eq. 9 without the entropy bonus.) Metrics: those of
@@ -172,6 +172,6 @@ def ppo_loss(inputs: PPOLossInputs, cfg: PPOConfig) -> tuple[Tensor, dict[str, f
         x.values_BT, x.old_values_BT, x.returns_BT, x.mask_BT, cfg.value_clip_eps
     )
     loss = policy_loss + cfg.vf_coef * value_loss
-    metrics["value_loss"] = float(value_loss.detach())
-    metrics["loss"] = float(loss.detach())
+    metrics["value_loss"] = metric(value_loss.detach())
+    metrics["loss"] = metric(loss.detach())
     return loss, metrics

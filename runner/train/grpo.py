@@ -107,7 +107,7 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
     # The first optimizer step's forwards run the weights the engine sampled with: their
     # logprobs of the sampled tokens differ from the engine's only by numerics (a stale engine
     # shows here).
-    gaps, first = [0.0], [True]
+    gaps, first = [torch.zeros(())], [True]
     tokens = [float(t) for t in batch.loss_mask_BT[:, 1:].sum(-1).tolist()]
     weights = gather_rows(run.comm, layout, tokens if algo.loss_agg == "token_mean" else
                           [1.0] * len(tokens))
@@ -117,7 +117,7 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
         lp_BT, mask_BT = policy.logprobs(sub, temperature)
         w = lp_BT.shape[1]
         if first[0]:
-            gaps.append(float(((engine_BT[idx, :w] - lp_BT.detach()).abs() * mask_BT).max()))
+            gaps.append(((engine_BT[idx, :w] - lp_BT.detach()).abs() * mask_BT).max())
         old = lp_BT.detach() if old_BT is None else old_BT[idx, :w]
         is_w = (engine_is_weights(old, engine_BT[idx, :w], algo.engine_is_cap)
                 if algo.engine_is_correction else None)
@@ -137,5 +137,5 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
     out = reduce_history(run.comm, history)
     out["lr"] = policy.scheduler.get_last_lr()[0]
     out["adv_abs_mean"] = float(adv_all.abs().mean())
-    out["rollout/logprob_gap"] = max(run.comm.gather(max(gaps)))
+    out["rollout/logprob_gap"] = max(run.comm.gather(float(torch.stack(gaps).max())))
     return out

@@ -19,7 +19,13 @@ from typing import Any
 import torch
 
 from runner.algorithms.logprobs import token_logprobs
-from runner.algorithms.opd import OPDLossInputs, align_to_student, opd_loss, sampled_reverse_kl
+from runner.algorithms.opd import (
+    OPDLossInputs,
+    align_to_student,
+    full_reverse_kl,
+    opd_loss,
+    sampled_reverse_kl,
+)
 from runner.models.vocab import check_same_vocab
 from runner.packers.base import PolicyBatch, RLPolicyInput, collate
 from runner.recipe.schema import OPDConfig
@@ -129,16 +135,26 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
     """The student's reverse KL to the teacher on the held-out prompts: one completion each,
     sampled like the training rollouts, per-token ``logp_student - logp_teacher`` averaged over
     every completion token of every rank (the estimate the training metric ``reverse_kl``
-    reports)."""
-    total = count = 0.0
+    reports). With one vocabulary also ``eval/reverse_kl_exact``: the full-vocabulary
+    KL(student || teacher) at the same positions, without the sampling noise of the estimate."""
+    total = count = exact = 0.0
     if run.val_items:
         seeds = position_seeds(run, HELD_OUT_SEED, 0, len(run.val_items))
         traj = roll_out(run.rollout, run.val_items, sampling(run.recipe.rollout, 1, 0), seeds)
-        _, student_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
+        batch, student_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
         total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
         count = float(mask_BT.sum())
-    total, count = run.comm.sum([total, count])
-    return {"eval/reverse_kl": total / max(1.0, count)}
+        if teacher.mode == "same_tokenizer":
+            T = run.recipe.rollout.temperature
+            student = run.policy.logits(batch) / T
+            kl_BT = full_reverse_kl(student, _teacher_logits(teacher, batch, T, student.shape[-1]),
+                                    mask_BT)
+            exact = float(kl_BT.sum())
+    total, count, exact = run.comm.sum([total, count, exact])
+    out = {"eval/reverse_kl": total / max(1.0, count)}
+    if teacher.mode == "same_tokenizer":
+        out["eval/reverse_kl_exact"] = exact / max(1.0, count)
+    return out
 
 
 @torch.no_grad()

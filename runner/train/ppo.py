@@ -81,7 +81,9 @@ def run(run: RunContext) -> dict[str, Any]:
     algo = run.recipe.algo
     assert isinstance(algo, PPOConfig)
     rewards = build_rewards(run.recipe.reward)
-    reference = Frozen(run.model_path, run.recipe, run.accelerator.device, run.policy.pad_free)
+    # kl_coef = 0: the penalty is 0 whatever the reference says, so none is built or run.
+    reference = (Frozen(run.model_path, run.recipe, run.accelerator.device, run.policy.pad_free)
+                 if algo.kl_coef > 0 else None)
     critic = build_critic(run)
     return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, critic, step),
                     (lambda: evaluate(run, rewards)) if run.has_held_out else None,
@@ -98,7 +100,8 @@ def global_whiten(comm, x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tens
     return torch.where(mask_BT, (x_BT - mean) * (var + 1e-8) ** -0.5, torch.zeros_like(x_BT))
 
 
-def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen, critic: Trainable,
+def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen | None,
+              critic: Trainable,
               step: int) -> dict[str, Any]:
     recipe, device = run.recipe, run.accelerator.device
     t0 = time.perf_counter()
@@ -118,7 +121,7 @@ def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen,
         gap = float(((engine_BT - old_BT).abs() * mask_BT).max()) if mask_BT.any() else 0.0
         is_BT = (engine_is_weights(old_BT, engine_BT, algo.engine_is_cap)
                  if algo.engine_is_correction else None)
-        ref_BT = reference.logprobs(batch, T)[0]
+        ref_BT = reference.logprobs(batch, T)[0] if reference is not None else old_BT
         old_values_BT = critic(batch) * mask_BT
         # GAE runs over completions laid from column 0; the results go back to the batch grid.
         starts = _completion_starts(mask_BT)
