@@ -153,3 +153,26 @@ def test_bf16_logits_are_scored_in_float32_without_a_full_copy():
     onehot = torch.nn.functional.one_hot(labels, 300).float()
     expected = onehot - torch.softmax(logits.detach().float(), -1)
     torch.testing.assert_close(grad.float(), expected, rtol=0, atol=8e-3)  # bf16 rounding
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bf16_vllm_engine_takes_weight_updates_and_the_correction_applies(tmp_path):
+    """vLLM in bf16 on this CPU: its weights stay updatable parameters (no packed kernel drops
+    them), the policy under bf16 autocast sees the engine's tokens with a small logprob gap,
+    and the importance weights stay near 1."""
+    pytest.importorskip("vllm")
+    from runner.precision import cpu_bf16_flags
+    from tests.resume_helpers import rows, run_cli
+
+    if not cpu_bf16_flags():
+        pytest.skip("this CPU has no native bf16: auto precision is fp32 here")
+    done = run_cli("recipes/grpo-arith.toml", tmp_path, "rollout.engine=vllm", "train.precision=auto",
+                   "algo.engine_is_correction=true", "run.max_steps=3", "algo.prompts_per_step=4",
+                   "algo.group_size=4", "rollout.max_new_tokens=4", "data.validation.enabled=false")
+    assert done.returncode == 0, done.stdout + done.stderr
+    metrics = rows(tmp_path)
+    assert len(metrics) == 3
+    for row in metrics:
+        assert 0 < row["rollout/logprob_gap"] < 0.2, row
+        assert abs(row["engine_is_weight"] - 1.0) < 0.05, row
