@@ -76,7 +76,8 @@ def _teacher(student: Path, teacher: Path) -> Teacher:
     what it reads (the recipe, the device, the student's packers)."""
     run = SimpleNamespace(recipe=Recipe(), accelerator=SimpleNamespace(device=torch.device("cpu")),
                           model_path=student, policy_packer=build_packer(student, "qwen2"),
-                          build_packer=lambda: build_packer(student, "qwen2"))
+                          build_packer=lambda: build_packer(student, "qwen2"),
+                          policy=SimpleNamespace(pad_free=False))
     return Teacher(run, OPDConfig(mode="cross_token_multimodal", teacher_path=str(teacher)))
 
 
