@@ -27,12 +27,11 @@ def _on_cpu() -> bool:
 
 
 def _max_positions(model_path: str) -> int | None:
-    """The model's own context limit from config.json (vLLM refuses a longer max_model_len)."""
-    import json
-    from pathlib import Path
+    """The model's own context limit from config.json (vLLM refuses a longer max_model_len);
+    a vision-language config keeps it under ``text_config``."""
+    from runner.models import text_config_value
 
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    value = config.get("max_position_embeddings")
+    value = text_config_value(model_path, "max_position_embeddings")
     return int(value) if value else None
 
 
