@@ -111,7 +111,7 @@ def processor_for(tokenizer: Any) -> Any:
                                   merge_size=MERGE,
                                   size={"shortest_edge": factor * factor,
                                         "longest_edge": 8 * 64 * 64},
-                                  fps=2.0, min_frames=2, max_frames=8)
+                                  fps=2.0, min_frames=2, max_frames=8, cap_pixels_per_frame=True)
     return Qwen3VLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=video,
                             chat_template=CHAT_TEMPLATE)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from runner.packers.base import EnginePrompt, as_engine_prompt
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig, prompt_seeds, trim_at_eos
 
 # Tokens the CPU scheduler may prefill in one engine step (whole prompts only, see below).
@@ -64,6 +65,19 @@ def _loopback_process_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
+def vllm_request(prompt: EnginePrompt) -> Any:
+    """A vLLM request: the *unexpanded* ids, with the media (vLLM's processor expands each
+    placeholder itself)."""
+    from vllm.inputs import TokensPrompt
+
+    request = TokensPrompt(prompt_token_ids=[int(t) for t in prompt.token_ids])
+    if prompt.multi_modal_data:
+        request["multi_modal_data"] = prompt.multi_modal_data
+        if prompt.mm_processor_kwargs:
+            request["mm_processor_kwargs"] = dict(prompt.mm_processor_kwargs)
+    return request
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -98,11 +112,11 @@ class VLLMEngine:
         self.eos_token_id = int(self.tokenizer.eos_token_id)
         self._asleep = False
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+    def generate(self, prompts: Sequence[EnginePrompt | Sequence[int]], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
+        prompts = [as_engine_prompt(p) for p in prompts]
         self._wake()
         s = sampling
         per_prompt = prompt_seeds(s, len(prompts), seeds)
@@ -114,8 +128,7 @@ class VLLMEngine:
                            stop_token_ids=[self.eos_token_id], skip_special_tokens=True)
             for i in range(len(prompts))
         ]
-        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate([vllm_request(p) for p in prompts], params, use_tqdm=False)
         result = []
         for prompt, out in zip(prompts, outputs, strict=True):
             completions = []
@@ -124,7 +137,7 @@ class VLLMEngine:
                 lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids, strict=False)]
                 completions.append(Completion(tuple(ids), self.tokenizer.decode(ids, skip_special_tokens=True),
                                               tuple(lps), finish))
-            result.append(RolloutOutput(tuple(int(t) for t in prompt), tuple(completions)))
+            result.append(RolloutOutput(prompt.token_ids, tuple(completions)))
         self._sleep()
         return result
 
@@ -133,6 +146,9 @@ class VLLMEngine:
         self._wake()
         self.llm.apply_model(lambda model: model.load_weights(iter(weights)))
         self.llm.reset_prefix_cache()
+        # A vision tower changed by the update must not serve embeddings of an image it
+        # encoded before (the encoder cache is keyed by the image, not the weights).
+        self.llm.llm_engine.reset_encoder_cache()
         self._sleep()
 
     def _sleep(self) -> None:
