@@ -15,7 +15,7 @@ import attrs
 
 from runner.errors import Problem, RecipeError
 from runner.recipe.schema import DataConfig
-from runner.types import ObsBundle
+from runner.types import MediaOrigin, ObsBundle
 
 
 @attrs.frozen
@@ -48,6 +48,7 @@ class ColumnMap:
             videos=_as_tuple(get(self.video, "data.video_column")) if self.video else (),
             id=str(get(self.id, "data.id_column")) if self.id else "",
             metadata={name: get(name, "data.metadata_columns") for name in self.metadata},
+            origin=MediaOrigin(where, self.image, self.video),
         )
 
 

@@ -6,10 +6,11 @@ multimodal packer asks for them: ``load_image`` returns a PIL RGB image, ``load_
 ``VideoClip`` (frames sampled uniformly, with the fps and frame indices the model's processor
 needs for its timestamps). Video files are decoded with PyAV.
 
-``check_media`` decodes every medium of an item once when the item is read for training or
-evaluation, so a bad one (an unreadable image, a video that fails to decode, a number in an
-image column) is a ``RecipeError`` naming the row and the column before anything is trained on
-the batch holding it. Membership ids never come through here (they read no media).
+``decode_media`` decodes an item's media for the packer that feeds them to the model: a bad
+one (an unreadable image, a video that fails to decode, a number in an image column) is a
+``RecipeError`` naming the row and the column, raised while the rollout of its batch is being
+prepared, so nothing is trained on that batch. Membership ids never come through here (they
+read no media).
 """
 
 from __future__ import annotations
@@ -137,15 +138,21 @@ def load_video(value: Any) -> VideoClip:
     return VideoClip(np.stack([decoded[i] for i in idx]), fps, tuple(idx), len(decoded))
 
 
-def check_media(item: ObsBundle, *, where: str, image_column: str, video_column: str) -> None:
-    """Decode each image and video of ``item``; the first that fails is a RecipeError naming
-    ``where`` (the row), the column and the medium's position in it."""
-    for media, column, key, load in ((item.images, image_column, "data.image_column", load_image),
-                                     (item.videos, video_column, "data.video_column", load_video)):
+def decode_media(item: ObsBundle) -> tuple[tuple[Any, ...], tuple[VideoClip, ...]]:
+    """The item's images (PIL RGB) and videos (``VideoClip``); the first that cannot be decoded
+    is a RecipeError naming the item's row (``item.origin``), the column and the medium's
+    position in it."""
+    origin = item.origin
+    images, videos = [], []
+    for media, column, key, load, out in (
+            (item.images, origin.image_column, "data.image_column", load_image, images),
+            (item.videos, origin.video_column, "data.video_column", load_video, videos)):
         for k, value in enumerate(media):
             try:
-                load(value)
+                out.append(load(value))
             except MediaError as exc:
-                raise RecipeError([Problem(
-                    key, f"{where}: column {column!r}, {key.split('.')[1].split('_')[0]} {k}: "
-                    f"{exc}", hint="fix or drop the row, or map it with data.items_fn")]) from None
+                kind = "image" if key == "data.image_column" else "video"
+                where = f"{origin.where or 'an item'}: column {column or '?'!r}, {kind} {k}"
+                raise RecipeError([Problem(key, f"{where}: {exc}", hint="fix or drop the row, "
+                                           "or map it with data.items_fn")]) from None
+    return tuple(images), tuple(videos)

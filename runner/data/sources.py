@@ -79,22 +79,16 @@ class PromptSource:
             raise IndexError(f"index {i} is outside 0..{self._length - 1} of {self.label}")
         return self._fetch(i)
 
-    def item(self, i: int, *, check_media: bool = True) -> ObsBundle:
-        """Row ``i`` in canonical form: items_fn applied, then the column mapping. Its images
-        and videos are decoded once to check them (``runner.data.media.check_media``) unless
-        ``check_media`` is False (membership ids read no media)."""
+    def item(self, i: int) -> ObsBundle:
+        """Row ``i`` in canonical form: items_fn applied, then the column mapping. The item
+        remembers the row and its media columns (``ObsBundle.origin``) so that a packer that
+        cannot decode one of its media names them."""
         row = self.raw(i)
         where = f"row {i} of {self.label}"
         if self._items_fn is not None:
             row = _apply_items_fn(self._items_fn, self.items_fn_path, row, i)
             where += " after data.items_fn"
-        item = self.columns.apply(row, where=where)
-        if check_media and (item.images or item.videos):
-            from runner.data.media import check_media as check
-
-            check(item, where=where, image_column=self.columns.image,
-                  video_column=self.columns.video)
-        return item
+        return self.columns.apply(row, where=where)
 
     def fingerprint_parts(self) -> dict[str, str]:
         return {**self.identity, "columns": self.columns.describe(),
@@ -109,7 +103,7 @@ class PromptSource:
         ids when it has them (reading no item), else from every item's canonical text."""
         if self._membership is not None:
             return self._membership()
-        return tuple(item_id(self.item(i, check_media=False), where=f"row {i} of {self.label}")
+        return tuple(item_id(self.item(i), where=f"row {i} of {self.label}")
                      for i in range(self._length))
 
     def describe(self) -> dict[str, str]:

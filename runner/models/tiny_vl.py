@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
 from tokenizers import AddedToken
 
 from runner.data import shapes as task

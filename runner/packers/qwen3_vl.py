@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from runner.data.media import VideoClip, load_image, load_video
+from runner.data.media import VideoClip, decode_media
 from runner.packers.base import EnginePrompt, PolicyBatch, RLPolicyInput
 from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
 from runner.types import ObsBundle
@@ -81,8 +81,7 @@ class Qwen3VLDataPacker(DecoderOnlyLLMDataPacker):
         self._tok()
         text = self.processor.apply_chat_template(self.messages(item), tokenize=False,
                                                   add_generation_prompt=True)
-        return VLRolloutInput(text, tuple(load_image(v) for v in item.images),
-                              tuple(load_video(v) for v in item.videos))
+        return VLRolloutInput(text, *decode_media(item))
 
     def process(self, rollout_input: VLRolloutInput) -> Any:
         """The processor's output for one prompt (``input_ids`` [1, T], ``mm_token_type_ids``,
