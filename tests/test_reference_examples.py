@@ -7,12 +7,10 @@ there, with only its imports mapped to ``runner.*`` (DESIGN.md, section 5). It i
 temporary ``my_project/posttrain_extensions.py`` and the commands run with that folder on
 ``PYTHONPATH``, as the document says.
 
-One part depends on work not done yet: ``Qwen3VLDataPacker`` (``runner.packers.qwen3_vl``) does
-not exist, and the module imports it at the top. Until it does, the commands that do not use it
-run against ``runnable_module()``: the same text without exactly two pieces, that import line
-and ``build_teacher_model_packer`` (both checked to be there, once). The command that needs it
-(cross-token OPD with ``data_packer.teacher_model_factory``) is skipped with that reason; once
-the packer exists, every command uses the full module and that one runs too.
+The module imports ``Qwen3VLDataPacker`` (``runner.packers.qwen3_vl``) at the top and its
+``build_teacher_model_packer`` returns one: the cross-token OPD commands with
+``data_packer.teacher_model_factory`` run with ``builtin:tiny-qwen3-vl`` as that teacher.
+``runnable_module()`` still drops exactly those two pieces if the packer module is absent.
 """
 
 from __future__ import annotations
