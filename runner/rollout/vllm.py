@@ -36,6 +36,35 @@ def _max_positions(model_path: str) -> int | None:
     return int(value) if value else None
 
 
+def _media_norms_differ(model_path: str) -> bool:
+    """Whether the folder's video processor rescales or normalises otherwise than its image
+    processor.
+
+    vLLM (0.32) normalises pixels on the device with *one* set of parameters, read from the
+    image processor's config, for images and videos alike ("mm_device_do_normalize"): a model
+    whose video processor uses another mean or std (the tiny Qwen3-VL does) would get wrong video
+    inputs. For such a folder the engine leaves normalisation to each processor on the host.
+    """
+    import json
+    from pathlib import Path
+
+    folder = Path(model_path)
+    keys = ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+    combined = folder / "processor_config.json"
+    try:
+        if combined.is_file():
+            config = json.loads(combined.read_text(encoding="utf-8"))
+            image, video = config.get("image_processor"), config.get("video_processor")
+        else:
+            image = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+            video = json.loads((folder / "video_preprocessor_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(image, dict) or not isinstance(video, dict):
+        return False
+    return any(image.get(k) != video.get(k) for k in keys)
+
+
 def _keep_plain_cpu_weights() -> None:
     """Make vLLM's CPU linear layers keep their weights as ordinary parameters.
 
@@ -103,6 +132,8 @@ class VLLMEngine:
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
                           enable_sleep_mode=enable_sleep_mode)
+        if _media_norms_differ(str(model_path)):
+            kwargs["mm_device_do_normalize"] = False
         self.sleep_between_rollouts = enable_sleep_mode and not _on_cpu()
         self.llm = LLM(model=str(model_path), dtype="float32" if _on_cpu() else "auto", seed=seed,
                        enforce_eager=True, max_model_len=max_model_len,
