@@ -31,7 +31,9 @@ from runner.packers.base import EnginePrompt, PolicyBatch, RLPolicyInput
 from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
 from runner.types import ObsBundle
 
-ROW_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+# second_per_grid_ts: Qwen2.5-VL's seconds per temporal patch of each video.
+ROW_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+            "second_per_grid_ts")
 TOKEN_KEYS = ("mm_token_type_ids",)
 MEMO_SIZE = 512  # processed prompts kept (one per distinct item of recent batches)
 
@@ -46,7 +48,8 @@ class VLRolloutInput:
 
 
 class Qwen3VLDataPacker(DecoderOnlyLLMDataPacker):
-    """The built-in packer for Qwen3-VL models (``model_type`` ``qwen3_vl``)."""
+    """The built-in packer for Qwen3-VL models (``model_type`` ``qwen3_vl``), and for Qwen2-VL
+    and Qwen2.5-VL, whose processors follow the same contract (tested on images)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -20,6 +20,8 @@ PACKERS_BY_MODEL_TYPE: dict[str, Callable[[], DataPacker]] = {
     "mistral": DecoderOnlyLLMDataPacker,
     "gpt2": DecoderOnlyLLMDataPacker,
     "qwen3_vl": Qwen3VLDataPacker,
+    "qwen2_5_vl": Qwen3VLDataPacker,  # the same processor contract (tests/test_qwen2_vl_packers.py)
+    "qwen2_vl": Qwen3VLDataPacker,
 }
 
 
