@@ -176,7 +176,9 @@ def make_accelerator(recipe: Recipe) -> Any:
     from accelerate import Accelerator
 
     cpu = recipe.run.device == "cpu" or (recipe.run.device == "auto" and not torch.cuda.is_available())
-    return Accelerator(cpu=cpu, mixed_precision=recipe.train.precision)
+    from runner.precision import resolve
+
+    return Accelerator(cpu=cpu, mixed_precision=resolve(recipe, "cpu" if cpu else "cuda").train)
 
 
 def _open_data(recipe: Recipe, ctx: RankContext) -> tuple[Any, Any, dict[str, str]]:
@@ -256,9 +258,13 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     # tokenizer, image and video processor configs, chat template), so a checkpoint folder
     # loads with AutoProcessor too.
     tokenizer = step("policy", lambda: _codec(base, trust))
-    model_dir = ckpt.model_dir if ckpt else base
+    # With LoRA the base weights always come from the base folder; a checkpoint holds adapters.
+    lora = recipe.model.lora.rank > 0
+    model_dir = ckpt.model_dir if ckpt and not lora else base
     model = step("policy", lambda: _trained(load_causal_lm(model_dir, dtype=dtype,
                                                            trust_remote_code=trust), recipe))
+    if lora and model is not None:
+        model = step("policy", lambda: _with_adapters(model, recipe, ckpt, reporter))
     factory = recipe.data_packer.factory
     options = {"trust_remote_code": trust, "dtype": dtype}
     packer = step("policy", lambda: build_packer(base, model_type, factory, **options))
@@ -276,9 +282,12 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     handshake(comm, ctx, step.failed, fingerprint, hashes)
     accelerator = make_accelerator(recipe)
     policy = prepare_trainable(accelerator, model, recipe,
+                               pad_free=recipe.train.padding_free and getattr(packer, "can_pack", False),
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
     rollout = Rollout(make_engine(recipe, model_dir), engine_packer) if generates else None
+    if rollout is not None and lora and ckpt is not None:  # the engine starts from the base
+        rollout.update_weights(policy.named_weights())
     metrics = MetricsLog(plan.metrics_path if ctx.is_main else None,
                          ckpt.metrics_rows if ckpt else [],
                          plan.output_dir / "tensorboard" if recipe.logging.tensorboard and ctx.is_main
@@ -308,6 +317,19 @@ def _pair_item(pair: Any) -> Any:
 
     return ObsBundle(pair.prompt, reference=pair.chosen if isinstance(pair.chosen, str) else "",
                      id=pair.id)
+
+
+def _with_adapters(model: Any, recipe: Recipe, ckpt: LoadedCheckpoint | None,
+                   reporter: Reporter) -> Any:
+    from runner.train.lora import apply_lora, load_adapters, trainable_share
+
+    model = apply_lora(model, recipe.model.lora, recipe.run.seed)
+    if ckpt is not None:
+        load_adapters(model, ckpt.model_dir)
+    n, total = trainable_share(model)
+    reporter.message(f"LoRA rank {recipe.model.lora.rank}: {n:,} of {total:,} parameters train "
+                     f"({100 * n / total:.2f}%)")
+    return model
 
 
 def _trained(model: Any, recipe: Recipe) -> Any:
