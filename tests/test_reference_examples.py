@@ -142,10 +142,12 @@ PREFERENCE_SOURCE = (f"data.factory={EXT}.build_preference_dataset",
                      "+data.factory_kwargs.count=1000", "data.shuffle=true", "data.synthetic_pairs=0")
 DEFAULT_PACKER = (f"data_packer.factory={EXT}.build_default_packer",)
 # The teacher packer is a Qwen3VLDataPacker: the "distinct Qwen3-VL teacher model" is the tiny
-# built-in one (the student stays the recipe's text model).
+# built-in one (the student stays the recipe's text model); a teacher with its own vocabulary
+# has no full-vocabulary KL with the student.
 TEACHER_PACKER = (f"data_packer.factory={EXT}.build_default_packer",
                   f"data_packer.teacher_model_factory={EXT}.build_teacher_model_packer",
-                  "algo.mode=cross_token_multimodal", "algo.teacher_path=builtin:tiny-qwen3-vl")
+                  "algo.mode=cross_token_multimodal", "algo.teacher_path=builtin:tiny-qwen3-vl",
+                  "algo.full_kl=false")  # opd-arith's exact KL needs one shared vocabulary
 # Small and short: the experiment-and-model overrides of a test.
 TWO_STEPS = ("run.max_steps=2", "checkpoint.every_steps=2", "rollout.max_new_tokens=4")
 SMALL = {"grpo": ("algo.prompts_per_step=4", "algo.group_size=2", "algo.minibatches=1"),
