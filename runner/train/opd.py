@@ -65,7 +65,7 @@ class Teacher:
 
         self.path: Path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
         self.frozen = Frozen(self.path, run.recipe, run.accelerator.device,
-                             run.policy.pad_free and algo.mode == "same_tokenizer")
+                             algo.mode == "same_tokenizer" and run.policy.pad_free)
         self.model = self.frozen.model
         self.mode = algo.mode
         self.device = run.accelerator.device
