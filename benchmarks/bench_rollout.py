@@ -23,6 +23,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=128, help="sequences per generate call (hf)")
+    parser.add_argument("--media", choices=["none", "image", "video"], default="none",
+                        help="prompts of the built-in image task (a 32x32 picture each) or "
+                        "one 6-frame video each (a vision-language --model)")
     args = parser.parse_args()
 
     from runner.data.arithmetic import problems
@@ -35,8 +38,9 @@ def main() -> None:
     quiet_libraries()
     path = resolve_model_path(args.model)
     packer = build_packer(path, read_model_type(path))
-    items = [ObsBundle(p.question, str(p.answer)) for p in problems("train", args.prompts)]
-    prompts = [packer.encode_rollout_input(packer.get_rollout_input(i)) for i in items]
+    items = media_items(args.media, args.prompts) if args.media != "none" else [
+        ObsBundle(p.question, str(p.answer)) for p in problems("train", args.prompts)]
+    prompts = [packer.engine_prompt(packer.get_rollout_input(i)) for i in items]
     start = time.perf_counter()
     if args.engine == "vllm":
         from runner.rollout.vllm import VLLMEngine
@@ -62,8 +66,39 @@ def main() -> None:
     update = time.perf_counter() - t
     best = min(times)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"| {args.engine} | {args.model} | {args.prompts}x{args.samples}x{args.tokens} | "
+    media = "" if args.media == "none" else f" ({args.media})"
+    print(f"| {args.engine} | {args.model}{media} | {args.prompts}x{args.samples}x{args.tokens} | "
           f"{tokens} | {best:.2f} | {tokens / best:.0f} | {update:.3f} | {startup:.1f} | {rss_mb:.0f} |")
+
+
+def media_items(kind: str, n: int) -> list:
+    """``n`` prompts of the image task, with its picture or with a 6-frame video of it."""
+    import io
+
+    import av
+    import numpy as np
+
+    from runner.data.shapes import QUESTION, shapes
+    from runner.types import ObsBundle
+
+    out = []
+    for s in shapes("train", n):
+        if kind == "image":
+            out.append(ObsBundle(QUESTION, s.colour, images=(s.png(),)))
+            continue
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mp4") as container:
+            stream = container.add_stream("mpeg4", rate=4)
+            stream.width = stream.height = 32
+            stream.pix_fmt = "yuv420p"
+            frame = np.asarray(s.image(), dtype=np.uint8)
+            for _ in range(6):
+                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        out.append(ObsBundle(QUESTION, s.colour, videos=(buf.getvalue(),)))
+    return out
 
 
 if __name__ == "__main__":

@@ -62,10 +62,7 @@ def packing_rows(recipe: Recipe) -> list[tuple[str, str]]:
                  ("tokens (chosen)", str(len(chosen.input_ids)))]
         return rows
     item = build_prompt_source(recipe.data, recipe.algo.kind).item(0)
-    rollout_input = packer.get_rollout_input(item)
-    ids = packer.encode_rollout_input(rollout_input)
-    rows += [("rollout input", repr(rollout_input)), ("prompt tokens", f"{len(ids)}: {ids[:24]}"
-                                                       + (" ..." if len(ids) > 24 else ""))]
+    rows += packer.describe_rollout_input(packer.get_rollout_input(item))
     if recipe.algo.kind == "opd":
         teacher = resolve_model_path(recipe.algo.teacher_path)
         rows.append(("teacher", f"{recipe.algo.teacher_path} -> {teacher} ({recipe.algo.mode})"))

@@ -181,8 +181,8 @@ def test_which_keys_combine_is_checked_once_with_the_recipe():
     with pytest.raises(RecipeError, match="data.path: data.factory and data.path are mutually "
                        "exclusive"):
         recipe_from_mapping({"data": {"factory": f"{HERE}.rows", "path": "x.jsonl"}})
-    with pytest.raises(RecipeError, match="data.image_column: only used by PPO"):
-        recipe_from_mapping({"data": {"image_column": "img"}})
+    with pytest.raises(RecipeError, match="data.id_column: only used by PPO"):
+        recipe_from_mapping({"data": {"id_column": "uid"}})
     with pytest.raises(RecipeError, match="data.validation.jsonl_path: only used by DPO"):
         recipe_from_mapping({"data": {"validation": {"jsonl_path": "h.jsonl"}}})
     src = ("runner/data/sources.py", "runner/data/columns.py", "runner/data/preference.py")

@@ -117,13 +117,20 @@ def test_dpo_rejects_prompt_dataset_path():
         {"algo": {"kind": "dpo"}, "data": {"path": "x.jsonl"}})
 
 
-@pytest.mark.parametrize("key,value", [("image_column", "img"), ("video_column", "vid"),
-                                       ("id_column", "id"), ("metadata_columns", ["a"])])
+@pytest.mark.parametrize("key,value", [("id_column", "id"), ("metadata_columns", ["a"])])
 def test_ppo_only_keys(key, value):
     for kind in ("grpo", "dpo", "opd"):
         line = one_problem({"algo": {"kind": kind}, "data": {key: value}})
         assert f"data.{key}: only used by PPO" in line
     recipe_from_mapping({"algo": {"kind": "ppo"}, "data": {key: value}})
+
+
+@pytest.mark.parametrize("key,value", [("image_column", "img"), ("video_column", "vid")])
+def test_media_columns_are_for_ppo_grpo_and_opd(key, value):
+    line = one_problem({"algo": {"kind": "dpo"}, "data": {key: value}})
+    assert f"data.{key}: only used by PPO, GRPO and OPD" in line
+    for kind in ("ppo", "grpo", "opd"):
+        recipe_from_mapping({"algo": {"kind": kind}, "data": {key: value}})
 
 
 @pytest.mark.parametrize("key,value", [("jsonl_path", "p.jsonl"), ("tar_path", "p.tar"),

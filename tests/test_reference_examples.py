@@ -7,12 +7,10 @@ there, with only its imports mapped to ``runner.*`` (DESIGN.md, section 5). It i
 temporary ``my_project/posttrain_extensions.py`` and the commands run with that folder on
 ``PYTHONPATH``, as the document says.
 
-One part depends on work not done yet: ``Qwen3VLDataPacker`` (``runner.packers.qwen3_vl``) does
-not exist, and the module imports it at the top. Until it does, the commands that do not use it
-run against ``runnable_module()``: the same text without exactly two pieces, that import line
-and ``build_teacher_model_packer`` (both checked to be there, once). The command that needs it
-(cross-token OPD with ``data_packer.teacher_model_factory``) is skipped with that reason; once
-the packer exists, every command uses the full module and that one runs too.
+The module imports ``Qwen3VLDataPacker`` (``runner.packers.qwen3_vl``) at the top and its
+``build_teacher_model_packer`` returns one: the cross-token OPD commands with
+``data_packer.teacher_model_factory`` run with ``builtin:tiny-qwen3-vl`` as that teacher.
+``runnable_module()`` still drops exactly those two pieces if the packer module is absent.
 """
 
 from __future__ import annotations
@@ -143,9 +141,13 @@ PROMPT_SOURCE = (f"data.factory={EXT}.build_prompt_dataset", "+data.factory_kwar
 PREFERENCE_SOURCE = (f"data.factory={EXT}.build_preference_dataset",
                      "+data.factory_kwargs.count=1000", "data.shuffle=true", "data.synthetic_pairs=0")
 DEFAULT_PACKER = (f"data_packer.factory={EXT}.build_default_packer",)
+# The teacher packer is a Qwen3VLDataPacker: the "distinct Qwen3-VL teacher model" is the tiny
+# built-in one (the student stays the recipe's text model); a teacher with its own vocabulary
+# has no full-vocabulary KL with the student.
 TEACHER_PACKER = (f"data_packer.factory={EXT}.build_default_packer",
                   f"data_packer.teacher_model_factory={EXT}.build_teacher_model_packer",
-                  "algo.mode=cross_token_multimodal")
+                  "algo.mode=cross_token_multimodal", "algo.teacher_path=builtin:tiny-qwen3-vl",
+                  "algo.full_kl=false")  # opd-arith's exact KL needs one shared vocabulary
 # Small and short: the experiment-and-model overrides of a test.
 TWO_STEPS = ("run.max_steps=2", "checkpoint.every_steps=2", "rollout.max_new_tokens=4")
 SMALL = {"grpo": ("algo.prompts_per_step=4", "algo.group_size=2", "algo.minibatches=1"),

@@ -15,7 +15,7 @@ import attrs
 
 from runner.errors import Problem, RecipeError
 from runner.recipe.schema import DataConfig
-from runner.types import ObsBundle
+from runner.types import MediaOrigin, ObsBundle
 
 
 @attrs.frozen
@@ -48,12 +48,20 @@ class ColumnMap:
             videos=_as_tuple(get(self.video, "data.video_column")) if self.video else (),
             id=str(get(self.id, "data.id_column")) if self.id else "",
             metadata={name: get(name, "data.metadata_columns") for name in self.metadata},
+            origin=MediaOrigin(where, self.image, self.video),
         )
 
 
+MEDIA_ALGORITHMS = ("ppo", "grpo", "opd")  # algorithms whose items may carry images / videos
+
+
 def column_map(data: DataConfig, algo_kind: str) -> ColumnMap:
-    """The mapping a recipe asks for. PPO-only keys outside PPO are refused with the recipe
-    (``runner.recipe.checks.check_algorithm_keys``), so here they are only ever empty."""
+    """The mapping a recipe asks for. Keys of other algorithms are refused with the recipe
+    (``runner.recipe.checks.check_algorithm_keys``), so here they are only ever empty: image
+    and video columns for PPO, GRPO and OPD, id and metadata columns for PPO."""
+    if algo_kind in MEDIA_ALGORITHMS and algo_kind != "ppo":
+        return ColumnMap(prompt=data.prompt_column, response=data.response_column,
+                         image=data.image_column, video=data.video_column)
     if algo_kind != "ppo":
         return ColumnMap(prompt=data.prompt_column, response=data.response_column)
     return ColumnMap(prompt=data.prompt_column, response=data.response_column,

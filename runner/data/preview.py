@@ -48,9 +48,18 @@ def describe_data(recipe: Recipe) -> list[tuple[str, str]]:
     return rows
 
 
+def _shown(value: Any) -> Any:
+    """Raw media bytes as their size, not their content."""
+    if isinstance(value, bytes | bytearray):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, tuple):
+        return [_shown(v) for v in value]
+    return value
+
+
 def canonical(item: Any) -> str:
     """An item as compact JSON of its non-empty fields, cut to ITEM_CHARS characters."""
-    fields = {k: v for k, v in attrs.asdict(item, recurse=False).items()
-              if v not in ("", (), {}, None)}
+    fields = {k: _shown(v) for k, v in attrs.asdict(item, recurse=False).items()
+              if v not in ("", (), {}, None) and k != "origin"}
     text = json.dumps(fields, ensure_ascii=False, default=repr)
     return text if len(text) <= ITEM_CHARS else text[:ITEM_CHARS - 3] + "..."

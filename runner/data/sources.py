@@ -80,7 +80,9 @@ class PromptSource:
         return self._fetch(i)
 
     def item(self, i: int) -> ObsBundle:
-        """Row ``i`` in canonical form: items_fn applied, then the column mapping."""
+        """Row ``i`` in canonical form: items_fn applied, then the column mapping. The item
+        remembers the row and its media columns (``ObsBundle.origin``) so that a packer that
+        cannot decode one of its media names them."""
         row = self.raw(i)
         where = f"row {i} of {self.label}"
         if self._items_fn is not None:

@@ -70,6 +70,12 @@ def _tiny(name: str) -> Builder:
     return build
 
 
+def _tiny_vl(folder: Path) -> dict[str, object]:
+    from runner.models.tiny_vl import build_tiny_vl
+
+    return build_tiny_vl(folder, "tiny-qwen3-vl")
+
+
 def _smollm2(folder: Path) -> dict[str, object]:
     from runner.models.smollm2 import convert
 
@@ -80,6 +86,7 @@ BUILTINS: dict[str, Builder] = {
     "tiny-arith": _tiny("tiny-arith"),
     "tiny-arith-char": _tiny("tiny-arith-char"),
     "tiny-arith-teacher": _tiny("tiny-arith-teacher"),
+    "tiny-qwen3-vl": _tiny_vl,
     "smollm2-135m-instruct": _smollm2,
 }
 
@@ -88,6 +95,7 @@ BUILTIN_MODEL_TYPES: dict[str, str] = {
     "tiny-arith": "qwen2",
     "tiny-arith-char": "qwen2",
     "tiny-arith-teacher": "qwen2",
+    "tiny-qwen3-vl": "qwen3_vl",
     "smollm2-135m-instruct": "llama",
 }
 

@@ -101,14 +101,45 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
         raise _known_failure(exc, folder, trust_remote_code) from exc
 
 
+def is_multimodal(path: str | Path) -> bool:
+    """Whether a folder's config.json describes a vision-language model (it has a
+    ``vision_config``), read as plain JSON."""
+    config = _folder(path) / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("vision_config"), dict)
+
+
+def text_config_value(path: str | Path, name: str) -> Any:
+    """A text-model fact (``hidden_size``, ``max_position_embeddings``, ...) of a folder's
+    config.json: from its ``text_config`` when the model is multimodal (where VL configs keep
+    them), else from the top level; None when absent."""
+    data = json.loads((_folder(path) / "config.json").read_text(encoding="utf-8"))
+    text = data.get("text_config")
+    if isinstance(text, dict) and name in text:
+        return text[name]
+    return data.get(name)
+
+
+def text_hidden_size(config: Any) -> int:
+    """``hidden_size`` of a loaded model config, from ``text_config`` for a VL model."""
+    text = getattr(config, "text_config", None)
+    return int(getattr(text, "hidden_size", None) or config.hidden_size)
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> Any:
-    """``AutoModelForCausalLM`` of a folder (or ``builtin:NAME``) in ``dtype``, in eval mode."""
+    """The language model of a folder (or ``builtin:NAME``) in ``dtype``, in eval mode:
+    ``AutoModelForCausalLM``, or for a vision-language folder the image-text-to-text class
+    (``AutoModelForCausalLM`` refuses e.g. ``qwen3_vl``)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder = _folder(path)
+    auto = AutoModelForImageTextToText if is_multimodal(folder) else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             str(folder), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
         )
     except ValueError as exc:

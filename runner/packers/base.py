@@ -29,11 +29,44 @@ class RLPolicyInput:
     input_ids: tuple[int, ...]
     loss_mask: tuple[int, ...]
     n_prompt_tokens: int
-    extra: dict[str, Any] = attrs.field(factory=dict)  # model-specific inputs (pixel values, ...)
+    # Packer-owned model inputs, passed on to every forward (policy, reference, critic, teacher):
+    # ``extra`` holds per-sequence tensors that collate concatenates along dim 0 (pixel values
+    # and grids of its images), ``token_extra`` per-token values (one per input id, e.g.
+    # ``mm_token_type_ids``) that collate pads with 0 like the ids.
+    extra: dict[str, Any] = attrs.field(factory=dict)
+    token_extra: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
 
     @property
     def completion_ids(self) -> tuple[int, ...]:
         return self.input_ids[self.n_prompt_tokens:]
+
+
+@attrs.frozen
+class ModelExtras:
+    """A batch's packer-owned model inputs: per-token tensors [B, T] (padded like the ids) and
+    per-row lists of tensors that the forward concatenates along dim 0 (rows without one are
+    skipped; a key no row has is not passed)."""
+
+    token_BT: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    rows: dict[str, tuple[torch.Tensor | None, ...]] = attrs.field(factory=dict)
+
+    def select(self, idx: torch.Tensor, width: int) -> ModelExtras:
+        rows = [int(i) for i in idx.tolist()]
+        return ModelExtras({k: v[idx, :width] for k, v in self.token_BT.items()},
+                           {k: tuple(v[i] for i in rows) for k, v in self.rows.items()})
+
+    def to(self, device: torch.device | str) -> ModelExtras:
+        return ModelExtras({k: v.to(device) for k, v in self.token_BT.items()},
+                           {k: tuple(None if t is None else t.to(device) for t in v)
+                            for k, v in self.rows.items()})
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        out = dict(self.token_BT)
+        for k, v in self.rows.items():
+            present = [t for t in v if t is not None]
+            if present:
+                out[k] = torch.cat(present, dim=0)
+        return out
 
 
 @attrs.frozen
@@ -42,18 +75,69 @@ class PolicyBatch:
 
     With ``packed=True`` the sequences are concatenated into one row (B = 1) and
     ``position_ids`` restart at 0 for each sequence; ``seq_ids_BT`` tells them apart.
+    ``position_ids_BT`` is None for a model that computes its own positions (Qwen3-VL's 3-D
+    M-RoPE: 1-D positions passed to it would shift its logits). ``extras`` are the packer's own
+    model inputs (pixel values, ...), passed on by every forward.
     """
 
     input_ids_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
-    position_ids_BT: torch.Tensor
+    position_ids_BT: torch.Tensor | None
     loss_mask_BT: torch.Tensor
     seq_ids_BT: torch.Tensor
     packed: bool = False
+    extras: ModelExtras = ModelExtras()
 
     def to(self, device: torch.device | str) -> PolicyBatch:
-        return attrs.evolve(self, **{f.name: getattr(self, f.name).to(device)
-                                     for f in attrs.fields(PolicyBatch) if f.name != "packed"})
+        moved = {f.name: getattr(self, f.name).to(device) for f in attrs.fields(PolicyBatch)
+                 if f.name not in ("packed", "extras") and getattr(self, f.name) is not None}
+        return attrs.evolve(self, **moved, extras=self.extras.to(device))
+
+    def select(self, idx: torch.Tensor) -> PolicyBatch:
+        """Rows ``idx`` of a padded batch, trimmed to their longest sequence."""
+        width = int(self.attention_mask_BT[idx].sum(-1).max())
+        cut = {name: getattr(self, name)[idx, :width] for name in
+               ("input_ids_BT", "attention_mask_BT", "position_ids_BT", "loss_mask_BT",
+                "seq_ids_BT") if getattr(self, name) is not None}
+        return attrs.evolve(self, **cut, extras=self.extras.select(idx, width))
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of a forward besides ``input_ids``: the attention mask (not when
+        packed), the position ids (when the batch has them) and the packer's extras."""
+        kwargs: dict[str, Any] = {} if self.packed else {"attention_mask": self.attention_mask_BT}
+        if self.position_ids_BT is not None:
+            kwargs["position_ids"] = self.position_ids_BT
+        return {**kwargs, **self.extras.model_kwargs()}
+
+
+@attrs.frozen
+class EnginePrompt:
+    """What a rollout engine generates from, made by the packer from its rollout input.
+
+    ``token_ids``: the prompt's ids as a vLLM engine takes them; for a multimodal prompt these
+    hold each image or video placeholder once, unexpanded (vLLM runs the model's processor on
+    ``multi_modal_data`` and expands them itself). ``expanded_ids``: the processor's ids, with
+    every placeholder repeated once per vision token ((): the same as ``token_ids``); the hf
+    engine and the policy read these, with ``hf_inputs`` (the processor's tensors that batch
+    by concatenation along dim 0: ``pixel_values``, ``image_grid_thw``, ...) and
+    ``hf_token_inputs`` (one value per expanded id: ``mm_token_type_ids``; padded with 0).
+    """
+
+    token_ids: tuple[int, ...]
+    expanded_ids: tuple[int, ...] = ()
+    hf_inputs: dict[str, Any] = attrs.field(factory=dict)
+    hf_token_inputs: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
+    multi_modal_data: dict[str, Any] = attrs.field(factory=dict)
+    mm_processor_kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def full_ids(self) -> tuple[int, ...]:
+        return self.expanded_ids or self.token_ids
+
+
+def as_engine_prompt(prompt: Any) -> EnginePrompt:
+    """An ``EnginePrompt`` as it is; token ids as a text-only one."""
+    return prompt if isinstance(prompt, EnginePrompt) else EnginePrompt(tuple(int(t) for t in prompt))
 
 
 @attrs.frozen
@@ -95,7 +179,21 @@ class DataPacker(ABC):
 
     @abstractmethod
     def encode_rollout_input(self, rollout_input: Any) -> list[int]:
-        """Token ids of a rollout input, exactly as the engine will see them."""
+        """Token ids of a rollout input, exactly as the model sees them (a multimodal packer:
+        the processor's ids, every image placeholder expanded)."""
+
+    def engine_prompt(self, rollout_input: Any) -> EnginePrompt:
+        """What the rollout engine receives for ``rollout_input``: its token ids, and for a
+        multimodal packer its media (see ``EnginePrompt``)."""
+        if isinstance(rollout_input, EnginePrompt):
+            return rollout_input
+        return EnginePrompt(tuple(self.encode_rollout_input(rollout_input)))
+
+    def describe_rollout_input(self, rollout_input: Any) -> list[tuple[str, str]]:
+        """(label, value) rows that show a packed rollout input (``--dry-run``)."""
+        ids = self.encode_rollout_input(rollout_input)
+        return [("rollout input", repr(rollout_input)),
+                ("prompt tokens", f"{len(ids)}: {ids[:24]}" + (" ..." if len(ids) > 24 else ""))]
 
     # --- policy side ----------------------------------------------------------------------
     @abstractmethod
@@ -139,6 +237,9 @@ class DataPacker(ABC):
 def collate(inputs: Sequence[RLPolicyInput], pad_token_id: int, *, packed: bool = False) -> PolicyBatch:
     if not inputs:
         raise ValueError("cannot collate an empty batch")
+    if packed and any(x.extra or x.token_extra for x in inputs):
+        raise ValueError("padding-free packing cannot carry a packer's extra model inputs "
+                         "(pixel values, mm_token_type_ids): collate these sequences padded")
     if packed:
         ids = [t for x in inputs for t in x.input_ids]
         loss = [m for x in inputs for m in x.loss_mask]
@@ -160,4 +261,25 @@ def collate(inputs: Sequence[RLPolicyInput], pad_token_id: int, *, packed: bool 
         loss_mask[b, :n] = torch.tensor(x.loss_mask, dtype=torch.long)
         seq_ids[b, :n] = b
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return PolicyBatch(input_ids, attention, position_ids, loss_mask, seq_ids)
+    return PolicyBatch(input_ids, attention, position_ids, loss_mask, seq_ids,
+                       extras=collate_extras(inputs, width))
+
+
+def collate_extras(inputs: Sequence[RLPolicyInput], width: int) -> ModelExtras:
+    """The packer-owned inputs of a padded batch: ``token_extra`` right-padded with 0 to
+    ``width``, ``extra`` kept per row (None where a row has none)."""
+    token_keys = sorted({k for x in inputs for k in x.token_extra})
+    row_keys = sorted({k for x in inputs for k in x.extra})
+    token_BT = {}
+    for k in token_keys:
+        grid = torch.zeros((len(inputs), width), dtype=torch.long)
+        for b, x in enumerate(inputs):
+            values = x.token_extra.get(k)
+            if values is not None:
+                if len(values) != len(x.input_ids):
+                    raise ValueError(f"token_extra[{k!r}] has {len(values)} values for "
+                                     f"{len(x.input_ids)} input ids")
+                grid[b, :len(values)] = torch.tensor(values, dtype=torch.long)
+        token_BT[k] = grid
+    rows = {k: tuple(x.extra.get(k) for x in inputs) for k in row_keys}
+    return ModelExtras(token_BT, rows)

@@ -10,6 +10,7 @@ from runner.errors import ExtensionError, Problem, RecipeError
 from runner.extensions import call_factory
 from runner.packers.base import DataPacker, ModelOptions
 from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
+from runner.packers.qwen3_vl import Qwen3VLDataPacker
 
 # model_type (from config.json) -> zero-argument packer factory. Explicit, filled by no import.
 PACKERS_BY_MODEL_TYPE: dict[str, Callable[[], DataPacker]] = {
@@ -18,6 +19,9 @@ PACKERS_BY_MODEL_TYPE: dict[str, Callable[[], DataPacker]] = {
     "llama": DecoderOnlyLLMDataPacker,
     "mistral": DecoderOnlyLLMDataPacker,
     "gpt2": DecoderOnlyLLMDataPacker,
+    "qwen3_vl": Qwen3VLDataPacker,
+    "qwen2_5_vl": Qwen3VLDataPacker,  # the same processor contract (tests/test_qwen2_vl_packers.py)
+    "qwen2_vl": Qwen3VLDataPacker,
 }
 
 

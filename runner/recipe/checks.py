@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from runner.errors import Problem
-from runner.recipe.schema import DataConfig, DPOConfig, OPDConfig, PPOConfig, Recipe
+from runner.recipe.schema import DataConfig, DPOConfig, GRPOConfig, OPDConfig, PPOConfig, Recipe
 from runner.rewards.builtin import BUILTIN_REWARDS as BUILTIN_REWARD_FUNCTIONS
 
 BUILTIN_REWARDS = tuple(BUILTIN_REWARD_FUNCTIONS)
@@ -61,8 +61,9 @@ def check_dpo_source(r: Recipe) -> list[Problem]:
     return problems
 
 
-_ONLY_FOR: tuple[tuple[tuple[str, ...], type, str], ...] = (
-    (("image_column", "video_column", "id_column", "metadata_columns"), PPOConfig, "PPO"),
+_ONLY_FOR: tuple[tuple[tuple[str, ...], type | tuple[type, ...], str], ...] = (
+    (("image_column", "video_column"), (PPOConfig, GRPOConfig, OPDConfig), "PPO, GRPO and OPD"),
+    (("id_column", "metadata_columns"), PPOConfig, "PPO"),
     (("jsonl_path", "tar_path", "synthetic_pairs", "chosen_key", "rejected_key"), DPOConfig, "DPO"),
 )
 

@@ -49,6 +49,18 @@ def format_reward(completions: Sequence[str], items: Sequence[ObsBundle]) -> lis
     return [1.0 if _ONLY_INTEGER.match(text) else 0.0 for text in completions]
 
 
+def exact_match(completions: Sequence[str], items: Sequence[ObsBundle]) -> list[float]:
+    """1.0 when the completion, stripped and lower-cased, is the item's reference answer (the
+    built-in image task's colour names), else 0.0.
+
+    >>> exact_match(["red", " Blue ", "red!"], [ObsBundle("q", "red"), ObsBundle("q", "blue"),
+    ...                                         ObsBundle("q", "red")])
+    [1.0, 1.0, 0.0]
+    """
+    return [1.0 if text.strip().lower() == str(item.reference).strip().lower() else 0.0
+            for text, item in zip(completions, items, strict=True)]
+
+
 def final_answer(text: str) -> str:
     r"""The part of ``text`` math-verify should read: after the last ``####`` when there is one
     (the GSM8K answer marker), else all of it (math-verify then finds ``\boxed{}``, a stated
@@ -89,4 +101,4 @@ def math_verify_reward(completions: Sequence[str], items: Sequence[ObsBundle]) -
 
 
 BUILTIN_REWARDS = {"arithmetic_exact": arithmetic_exact, "format": format_reward,
-                   "math_verify": math_verify_reward}
+                   "math_verify": math_verify_reward, "exact_match": exact_match}

@@ -1,6 +1,7 @@
 """The RolloutEngine protocol and the values that cross it.
 
-An engine generates ``n`` completions per prompt (prompts are token ids made by the packer),
+An engine generates ``n`` completions per prompt (prompts are the packer's ``EnginePrompt`` s,
+or plain token ids for text),
 returns token ids, text, per-token logprobs and finish reasons, takes new weights from the policy
 without restarting, and closes. Logprobs are those of the sampling distribution at the given
 temperature, before top-p/top-k truncation: ``log_softmax(logits / temperature)``.
@@ -13,6 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
+
+from runner.packers.base import EnginePrompt
 
 
 @attrs.frozen
@@ -44,9 +47,10 @@ class RolloutOutput:
 class RolloutEngine(Protocol):
     name: str
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+    def generate(self, prompts: Sequence[EnginePrompt | Sequence[int]], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
-        """``len(prompts)`` outputs, each with ``sampling.n`` completions.
+        """``len(prompts)`` outputs, each with ``sampling.n`` completions; an output's
+        ``prompt_ids`` are its prompt's ``token_ids``.
 
         ``seeds[i]`` seeds prompt i's samples, so a prompt's completions do not depend on which
         other prompts share the batch (or the rank); without ``seeds`` they derive from

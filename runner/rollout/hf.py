@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from runner.errors import RunnerError
+from runner.packers.base import EnginePrompt, as_engine_prompt
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig, prompt_seeds, trim_at_eos
 
 
@@ -52,6 +53,23 @@ class RowSampler:
         return out.scatter(1, choice.to(scores.device), 0.0)
 
 
+def left_padded_inputs(prompts: Sequence[EnginePrompt], width: int) -> dict[str, torch.Tensor]:
+    """The prompts' processor inputs as one batch: ``hf_token_inputs`` left-padded with 0 to
+    ``width`` like the ids, ``hf_inputs`` (pixel values, grids) concatenated along dim 0 in row
+    order (rows without one skipped)."""
+    out: dict[str, torch.Tensor] = {}
+    for k in sorted({k for p in prompts for k in p.hf_token_inputs}):
+        grid = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            values = p.hf_token_inputs.get(k, ())
+            if values:
+                grid[row, width - len(values):] = torch.tensor(values, dtype=torch.long)
+        out[k] = grid
+    for k in sorted({k for p in prompts for k in p.hf_inputs}):
+        out[k] = torch.cat([p.hf_inputs[k] for p in prompts if k in p.hf_inputs], dim=0)
+    return out
+
+
 def row_seed(prompt_seed: int, sample: int) -> int:
     return (prompt_seed * 1_000_003 + sample * 7_919 + 1) % 2**63
 
@@ -77,35 +95,37 @@ class HFEngine:
                    batch_size=batch_size)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+    def generate(self, prompts: Sequence[EnginePrompt | Sequence[int]], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
+        prompts = [as_engine_prompt(p) for p in prompts]
         per_prompt = prompt_seeds(sampling, len(prompts), seeds)
-        flat = [(list(p), row_seed(seed, j)) for p, seed in zip(prompts, per_prompt, strict=True)
+        flat = [(p, row_seed(seed, j)) for p, seed in zip(prompts, per_prompt, strict=True)
                 for j in range(sampling.n)]
         completions: list[Completion] = []
         for start in range(0, len(flat), self.batch_size):
             completions += self._generate_batch(flat[start:start + self.batch_size], sampling)
         n = sampling.n
-        return [RolloutOutput(tuple(int(t) for t in p), tuple(completions[i * n:(i + 1) * n]))
+        return [RolloutOutput(p.token_ids, tuple(completions[i * n:(i + 1) * n]))
                 for i, p in enumerate(prompts)]
 
-    def _generate_batch(self, rows: list[tuple[list[int], int]], s: SamplingConfig) -> list[Completion]:
+    def _generate_batch(self, rows: list[tuple[EnginePrompt, int]], s: SamplingConfig) -> list[Completion]:
         from transformers import GenerationConfig, LogitsProcessorList
 
         device = next(self.model.parameters()).device
-        batch = [p for p, _ in rows]
+        batch = [p.full_ids for p, _ in rows]
         width = max(len(p) for p in batch)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(batch), width), dtype=torch.long)
         for row, p in enumerate(batch):
             input_ids[row, width - len(p):] = torch.tensor(p)
             attention[row, width - len(p):] = 1
+        extras = {k: v.to(device) for k, v in left_padded_inputs([p for p, _ in rows], width).items()}
         config = GenerationConfig(
             do_sample=False, max_new_tokens=s.max_new_tokens, pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_id, output_logits=True, return_dict_in_generate=True)
         processors = LogitsProcessorList([] if s.greedy else [RowSampler([r for _, r in rows], s)])
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                                  generation_config=config, logits_processor=processors)
+                                  generation_config=config, logits_processor=processors, **extras)
         new_BT = out.sequences[:, width:].cpu()
         temperature = 1.0 if s.greedy else s.temperature
         logits_BTV = torch.stack(out.logits, dim=1).float().cpu() / temperature

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from runner.packers.base import EnginePrompt, as_engine_prompt
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig, prompt_seeds, trim_at_eos
 
 # Tokens the CPU scheduler may prefill in one engine step (whole prompts only, see below).
@@ -28,13 +29,41 @@ def _on_cpu() -> bool:
 
 
 def _max_positions(model_path: str) -> int | None:
-    """The model's own context limit from config.json (vLLM refuses a longer max_model_len)."""
+    """The model's own context limit from config.json (vLLM refuses a longer max_model_len);
+    a vision-language config keeps it under ``text_config``."""
+    from runner.models import text_config_value
+
+    value = text_config_value(model_path, "max_position_embeddings")
+    return int(value) if value else None
+
+
+def _media_norms_differ(model_path: str) -> bool:
+    """Whether the folder's video processor rescales or normalises otherwise than its image
+    processor.
+
+    vLLM (0.32) normalises pixels on the device with *one* set of parameters, read from the
+    image processor's config, for images and videos alike ("mm_device_do_normalize"): a model
+    whose video processor uses another mean or std (the tiny Qwen3-VL does) would get wrong video
+    inputs. For such a folder the engine leaves normalisation to each processor on the host.
+    """
     import json
     from pathlib import Path
 
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    value = config.get("max_position_embeddings")
-    return int(value) if value else None
+    folder = Path(model_path)
+    keys = ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+    combined = folder / "processor_config.json"
+    try:
+        if combined.is_file():
+            config = json.loads(combined.read_text(encoding="utf-8"))
+            image, video = config.get("image_processor"), config.get("video_processor")
+        else:
+            image = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+            video = json.loads((folder / "video_preprocessor_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(image, dict) or not isinstance(video, dict):
+        return False
+    return any(image.get(k) != video.get(k) for k in keys)
 
 
 def _keep_plain_cpu_weights() -> None:
@@ -70,6 +99,19 @@ def _loopback_process_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
+def vllm_request(prompt: EnginePrompt) -> Any:
+    """A vLLM request: the *unexpanded* ids, with the media (vLLM's processor expands each
+    placeholder itself)."""
+    from vllm.inputs import TokensPrompt
+
+    request = TokensPrompt(prompt_token_ids=[int(t) for t in prompt.token_ids])
+    if prompt.multi_modal_data:
+        request["multi_modal_data"] = prompt.multi_modal_data
+        if prompt.mm_processor_kwargs:
+            request["mm_processor_kwargs"] = dict(prompt.mm_processor_kwargs)
+    return request
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -96,6 +138,8 @@ class VLLMEngine:
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
                           enable_sleep_mode=enable_sleep_mode)
+        if _media_norms_differ(str(model_path)):
+            kwargs["mm_device_do_normalize"] = False
         self.sleep_between_rollouts = enable_sleep_mode and not _on_cpu()
         self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed,
                        enforce_eager=True, max_model_len=max_model_len,
@@ -105,11 +149,11 @@ class VLLMEngine:
         self.eos_token_id = int(self.tokenizer.eos_token_id)
         self._asleep = False
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+    def generate(self, prompts: Sequence[EnginePrompt | Sequence[int]], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
+        prompts = [as_engine_prompt(p) for p in prompts]
         self._wake()
         s = sampling
         per_prompt = prompt_seeds(s, len(prompts), seeds)
@@ -121,8 +165,7 @@ class VLLMEngine:
                            stop_token_ids=[self.eos_token_id], skip_special_tokens=True)
             for i in range(len(prompts))
         ]
-        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate([vllm_request(p) for p in prompts], params, use_tqdm=False)
         result = []
         for prompt, out in zip(prompts, outputs, strict=True):
             completions = []
@@ -131,7 +174,7 @@ class VLLMEngine:
                 lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids, strict=False)]
                 completions.append(Completion(tuple(ids), self.tokenizer.decode(ids, skip_special_tokens=True),
                                               tuple(lps), finish))
-            result.append(RolloutOutput(tuple(int(t) for t in prompt), tuple(completions)))
+            result.append(RolloutOutput(prompt.token_ids, tuple(completions)))
         self._sleep()
         return result
 
@@ -140,6 +183,9 @@ class VLLMEngine:
         self._wake()
         self.llm.apply_model(lambda model: model.load_weights(iter(weights)))
         self.llm.reset_prefix_cache()
+        # A vision tower changed by the update must not serve embeddings of an image it
+        # encoded before (the encoder cache is keyed by the image, not the weights).
+        self.llm.llm_engine.reset_encoder_cache()
         self._sleep()
 
     def _sleep(self) -> None:

@@ -229,7 +229,7 @@ class _Steps:
 
 def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, reporter: Reporter,
              source: str, overrides: Sequence[str]) -> RunContext:
-    from runner.models import load_causal_lm, load_tokenizer, read_model_type, resolve_model_path
+    from runner.models import load_causal_lm, read_model_type, resolve_model_path
     from runner.packers import build_packer
     from runner.rollout.factory import make_engine
 
@@ -254,7 +254,10 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     trust, dtype = recipe.model.trust_remote_code, recipe.model.dtype
     model_type = step("policy", lambda: recipe.model.model_type or read_model_type(base))
     # The tokenizer and packers come from the base folder: training changes weights only.
-    tokenizer = step("policy", lambda: load_tokenizer(base, trust_remote_code=trust))
+    # Checkpoints save it beside the weights: a vision-language model's processor (its
+    # tokenizer, image and video processor configs, chat template), so a checkpoint folder
+    # loads with AutoProcessor too.
+    tokenizer = step("policy", lambda: _codec(base, trust))
     # With LoRA the base weights always come from the base folder; a checkpoint holds adapters.
     lora = recipe.model.lora.rank > 0
     model_dir = ckpt.model_dir if ckpt and not lora else base
@@ -296,6 +299,16 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     return RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
                       parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
                       has_held_out)
+
+
+def _codec(base: Path, trust: bool) -> Any:
+    from runner.models import is_multimodal, load_tokenizer
+
+    if is_multimodal(base):
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(str(base), trust_remote_code=trust)
+    return load_tokenizer(base, trust_remote_code=trust)
 
 
 def _pair_item(pair: Any) -> Any:

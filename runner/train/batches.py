@@ -121,11 +121,9 @@ def reduce_history(comm: Collective, history: Sequence[dict[str, float]]) -> dic
 
 
 def select_rows(batch: Any, idx: torch.Tensor) -> Any:
-    """Rows ``idx`` of a padded batch, trimmed to their longest sequence."""
-    width = int(batch.attention_mask_BT[idx].sum(-1).max())
-    return attrs.evolve(batch, **{name: getattr(batch, name)[idx, :width] for name in
-                                  ("input_ids_BT", "attention_mask_BT", "position_ids_BT",
-                                   "loss_mask_BT", "seq_ids_BT")})
+    """Rows ``idx`` of a padded batch, trimmed to their longest sequence (with the packer's
+    extra model inputs of those rows)."""
+    return batch.select(idx)
 
 
 def rank_mean(comm: Collective, values: dict[str, float]) -> dict[str, float]:

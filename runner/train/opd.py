@@ -30,6 +30,7 @@ from runner.models.vocab import check_same_vocab
 from runner.packers.base import PolicyBatch, RLPolicyInput, collate
 from runner.recipe.schema import OPDConfig
 from runner.rewards import build_rewards
+from runner.rollout.base import Completion
 from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
@@ -64,7 +65,7 @@ class Teacher:
 
         self.path: Path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
         self.frozen = Frozen(self.path, run.recipe, run.accelerator.device,
-                             run.policy.pad_free and algo.mode == "same_tokenizer")
+                             algo.mode == "same_tokenizer" and run.policy.pad_free)
         self.model = self.frozen.model
         self.mode = algo.mode
         self.device = run.accelerator.device
@@ -100,15 +101,15 @@ class Teacher:
         prefix = [len(codec.decode(ids[:k])) for k in range(len(ids) + 1)]
         student_spans = list(zip(prefix, prefix[1:], strict=False))
         text = codec.decode(ids)
-        prompt_ids = packer.encode_rollout_input(packer.get_rollout_input(item))
         teacher_ids, teacher_spans = packer.encode_with_offsets(text)
         if completion.finish_reason == "stop":
             teacher_ids.append(packer.eos_token_id)
             teacher_spans.append((len(text), len(text)))
         if not teacher_ids:
             return [0.0] * len(ids)
-        x = RLPolicyInput(tuple(prompt_ids) + tuple(teacher_ids), (0,) * len(prompt_ids)
-                          + (1,) * len(teacher_ids), len(prompt_ids))
+        # The teacher's packer builds its own input from the item (a multimodal teacher's
+        # includes the item's images), followed by the completion in the teacher's tokens.
+        x = packer.get_policy_input(item, Completion(tuple(teacher_ids), text, (), "length"))
         lp_BT, mask_BT = self.frozen.logprobs(packer.collate([x]).to(self.device), temperature)
         return align_to_student(student_spans, teacher_spans, lp_BT[mask_BT].tolist())
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from runner.algorithms.masked import masked_sum
 from runner.algorithms.grpo import engine_is_weights
+from runner.algorithms.masked import masked_sum
 from runner.algorithms.ppo import PPOLossInputs, gae, kl_penalized_rewards, ppo_loss
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import PPOConfig
@@ -52,14 +52,23 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, batch: PolicyBatch) -> torch.Tensor:
         """Values on the shifted grid [B, T-1]: the value of the state before token t+1."""
-        kwargs = {} if batch.packed else {"attention_mask": batch.attention_mask_BT}
-        hidden = self.backbone(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT,
-                               use_cache=False, **kwargs).last_hidden_state
+        hidden = self.backbone(input_ids=batch.input_ids_BT, use_cache=False,
+                               **batch.model_kwargs()).last_hidden_state
         return self.v_head(hidden[:, :-1].to(self.v_head.weight.dtype)).squeeze(-1)
 
 
+def critic_backbone(lm: Any) -> Any:
+    """The module under the LM head whose hidden states the value head reads: the decoder of a
+    text model; for a vision-language model its whole base model (vision tower included: the
+    critic sees the images), which ``get_decoder`` would leave out."""
+    base = getattr(lm, "model", None)
+    if base is not None and getattr(base, "visual", None) is not None:
+        return base
+    return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+
+
 def build_critic(run: RunContext) -> Trainable:
-    from runner.models import load_causal_lm, resolve_model_path
+    from runner.models import load_causal_lm, resolve_model_path, text_hidden_size
 
     algo = run.recipe.algo
     assert isinstance(algo, PPOConfig)
@@ -68,8 +77,7 @@ def build_critic(run: RunContext) -> Trainable:
                         trust_remote_code=run.recipe.model.trust_remote_code)
     if run.recipe.train.disable_dropout:
         disable_dropout(lm)
-    critic = ValueModel(lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model,
-                        lm.config.hidden_size)
+    critic = ValueModel(critic_backbone(lm), text_hidden_size(lm.config))
     if run.ckpt is not None:
         critic.load_state_dict(run.ckpt.extra_state(CRITIC))
     saved = run.ckpt.state.extra.get(CRITIC, {}) if run.ckpt else {}

@@ -160,7 +160,7 @@ class Rollout:
 
     def generate(self, items: Sequence[ObsBundle], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
-        prompts = [self.packer.encode_rollout_input(self.packer.get_rollout_input(item))
+        prompts = [self.packer.engine_prompt(self.packer.get_rollout_input(item))
                    for item in items]
         return self.engine.generate(prompts, sampling, seeds)
 
