@@ -42,7 +42,11 @@ ROW_TOKENS = 128
 
 def pack(batch: PolicyBatch, pad_token_id: int = 0, row_tokens: int = ROW_TOKENS) -> Packed:
     """Lay the sequences of a right-padded ``batch`` into as few rows of ``row_tokens``
-    positions (at least the longest sequence) as they fit."""
+    positions (at least the longest sequence) as they fit. A batch with packer-owned model
+    inputs (images, per-token types) or without 1-D positions cannot be packed: ValueError."""
+    if batch.extras.model_kwargs() or batch.position_ids_BT is None:
+        raise ValueError("this batch carries model inputs beyond ids and 1-D positions (a "
+                         "multimodal packer's); it cannot run padding-free")
     lengths = [int(n) for n in batch.attention_mask_BT.sum(-1).tolist()]
     capacity = max(max(lengths), row_tokens)
     fill: list[int] = []
