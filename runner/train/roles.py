@@ -146,6 +146,11 @@ class Rollout:
         self.engine = engine
         self.packer = packer
 
+    @property
+    def shared(self) -> bool:
+        """One engine serves every rank (a rollout actor): rank 0 alone updates its weights."""
+        return bool(getattr(self.engine, "shared", False))
+
     def generate(self, items: Sequence[ObsBundle], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
         prompts = [self.packer.encode_rollout_input(self.packer.get_rollout_input(item))
