@@ -125,7 +125,7 @@ class RankActor:
         self.store = listening_store(host, timeout_s)
         return host, self.store[1]
 
-    def run(self, payload: Payload, master: tuple[str, int], local_rank: int,
+    def run(self, payload: Payload, master: tuple[str, int], local_rank: int, local_world: int,
             roles: Any = None) -> tuple[int, str]:
         """The rank program; (exit code, the error lines it printed)."""
         import ray
@@ -136,7 +136,11 @@ class RankActor:
         from runner.ui.quiet import quiet_libraries
 
         host, port = master
-        os.environ.update({"MASTER_ADDR": host, "MASTER_PORT": str(port),
+        # What torchrun gives its workers: torch.distributed and Accelerate (which picks DDP
+        # from it) read this environment.
+        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world),
+                           "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world),
+                           "MASTER_ADDR": host, "MASTER_PORT": str(port),
                            "TORCHELASTIC_USE_AGENT_STORE": "True"})
         if host == LOOPBACK:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -325,6 +329,8 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
             rollout = start_rollout_actors(ray, payload, recipe, env,
                                            [at(world + i) for i in range(launch.rollout_actors)])
             extra = {f"rollout actor {i}": a for i, a in enumerate(rollout)}
+            for actor in rollout:  # its errors come back from the first rollout that needs it
+                actor.build.remote()
             roles = RoleActors(tuple(rollout), launch.collective_timeout_s)
         watch = _Watch(ray, ranks, extra)
         for s in old:
@@ -334,10 +340,11 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
         check_versions(package_versions(), hellos)
         master = ray.get(ranks[0].rendezvous.remote(launch.collective_timeout_s),
                          timeout=launch.collective_timeout_s)
+        nodes = [hellos[f"rank {r}"]["node"] for r in range(world)]
         # Ray shows an actor only the GPUs it reserved: its device is cuda:0.
-        local = ([0] * world if launch.gpus_per_rank else
-                 _local_ranks([hellos[f"rank {r}"]["node"] for r in range(world)]))
-        watch.refs = [a.run.remote(payload, master, local[r], roles) for r, a in enumerate(ranks)]
+        local = [0] * world if launch.gpus_per_rank else _local_ranks(nodes)
+        watch.refs = [a.run.remote(payload, master, local[r], nodes.count(nodes[r]), roles)
+                      for r, a in enumerate(ranks)]
         return watch.wait()
     finally:
         if watch is not None:

@@ -46,6 +46,10 @@ class RolloutActor:
                 "node": ray.get_runtime_context().get_node_id(),
                 "ip": ray.util.get_node_ip_address()}
 
+    def build(self) -> str:
+        """Build the engine now (the driver asks at start, so the first rollout does not wait)."""
+        return self._engine().name
+
     def _engine(self) -> Any:
         if self.engine is None:
             from runner.models import resolve_model_path

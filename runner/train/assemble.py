@@ -284,6 +284,10 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     # a rank that failed must not leave the others waiting inside one.
     handshake(comm, ctx, step.failed, fingerprint, hashes)
     accelerator = make_accelerator(recipe)
+    if accelerator.num_processes != ctx.world_size:  # no DDP: the ranks would train apart
+        raise RunnerError(f"Accelerate sees {accelerator.num_processes} process(es) but this is "
+                          f"rank {ctx.rank} of {ctx.world_size}: the launcher did not set RANK, "
+                          "WORLD_SIZE and LOCAL_RANK")
     policy = prepare_trainable(accelerator, model, recipe,
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
