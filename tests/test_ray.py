@@ -92,6 +92,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _group(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _cmdline(pid: int) -> str:
     try:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -100,9 +107,9 @@ def _cmdline(pid: int) -> str:
 
 
 class Cluster:
-    """A Ray head started by ``ray start`` in its own temporary folder; its processes are the
-    ones naming that folder and their children (stopped by pid: other clusters on the machine
-    are left alone)."""
+    """A Ray head started by ``ray start`` in a session of its own and its own temporary folder;
+    its processes are that session's process group, the ones naming the folder, and their
+    children (stopped by pid: other clusters on the machine are left alone)."""
 
     def __init__(self) -> None:
         self.temp = tempfile.mkdtemp(prefix="ptr-ray-")  # short: Ray's unix socket paths
@@ -112,14 +119,18 @@ class Cluster:
                "--port", self.address.split(":")[1], "--num-cpus", "3", "--num-gpus", "0",
                "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", self.temp]
         env = {**ray_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # a one-node cluster
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.group = proc.pid
+        done = subprocess.CompletedProcess(cmd, proc.wait(timeout=120), proc.stdout.read(), "")
         if done.returncode != 0:
             self.stop()
             raise AssertionError(f"ray start failed: {done.stdout}{done.stderr}")
 
     def pids(self) -> set[int]:
         roots = {int(p.name) for p in Path("/proc").iterdir()
-                 if p.name.isdigit() and self.temp in _cmdline(int(p.name))}
+                 if p.name.isdigit() and (self.temp in _cmdline(int(p.name))
+                                          or _group(int(p.name)) == self.group)}
         return set().union(*(descendants(p) for p in roots)) if roots else set()
 
     def stop(self) -> None:
