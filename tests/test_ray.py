@@ -9,9 +9,11 @@ subprocess with one intra-op thread, like the torchrun runs it is compared with.
   extension module's packer subclass, on the existing cluster; DPO on the example's dataset
   factory, on a local cluster started by the run, whose every listener is on 127.0.0.1 (both
   extension pieces are imported inside the actors);
-- Ray separate (one hf rollout actor, weights through the object store) is bitwise equal too:
-  the hf engine samples each row from its own seeded generator, so where it runs changes
-  nothing; the engine's logprobs after each sync equal the policy's within 1e-5;
+- Ray separate (one hf rollout actor, weights through the object store; for DPO the frozen
+  reference in an actor) is bitwise equal too: the hf engine samples each row from its own
+  seeded generator and the reference scores the same batches with the same thread count, so
+  where they run changes nothing; the engine's logprobs after each sync equal the policy's
+  within 1e-5;
 - killing the rollout actor ends the run with exit 1 naming it and the step; a Ctrl-C of the
   rerun stops after an agreed step with a checkpoint; the next rerun ends exactly like the
   uninterrupted run;
@@ -119,7 +121,7 @@ class Cluster:
         self.address = f"127.0.0.1:{_free_port()}"
         ray = Path(sys.executable).with_name("ray")
         cmd = [str(ray), "start", "--head", "--node-ip-address", "127.0.0.1",
-               "--port", self.address.split(":")[1], "--num-cpus", "3", "--num-gpus", "0",
+               "--port", self.address.split(":")[1], "--num-cpus", "4", "--num-gpus", "0",
                "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", self.temp]
         env = {**ray_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # a one-node cluster
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -187,7 +189,7 @@ def test_colocated_on_an_existing_cluster_equals_torchrun(cluster, torchrun_grpo
     assert listening and all(_loopback(a) for a in listening), listening
 
 
-def test_colocated_on_its_own_local_cluster_equals_torchrun_and_listens_on_loopback(tmp_path):
+def test_dpo_local_cluster_and_reference_actor_equal_torchrun_on_loopback(cluster, tmp_path):
     torchrun = tmp_path / "torchrun"
     done = run_ranks(DPO, torchrun, 2, *DPO_SMALL)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -208,6 +210,11 @@ def test_colocated_on_its_own_local_cluster_equals_torchrun_and_listens_on_loopb
     while _alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(pids)  # the local cluster is gone with the run
+
+    separate = tmp_path / "separate"  # the reference in an actor of its own
+    done = run_ray(DPO, separate, cluster.address, *DPO_SMALL, *SEPARATE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_run(separate, torchrun, 2, FILES)
 
 
 def _alive(pids: set[int]) -> set[int]:

@@ -64,6 +64,14 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def actor_hello() -> dict[str, Any]:
+    """What an actor tells the driver at start: versions, process id, node."""
+    import ray
+
+    return {"versions": package_versions(), "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+
 def version_mismatches(driver: Mapping[str, str], actor: Mapping[str, str]) -> list[str]:
     """The packages whose versions differ between the driver and an actor, as 'name X (driver
     Y)'.
@@ -109,12 +117,7 @@ class RankActor:
         return f"rank {self.rank}"
 
     def hello(self) -> dict[str, Any]:
-        """Versions, process id and node of this actor."""
-        import ray
-
-        return {"versions": package_versions(), "pid": os.getpid(),
-                "node": ray.get_runtime_context().get_node_id(),
-                "ip": ray.util.get_node_ip_address()}
+        return actor_hello()
 
     def rendezvous(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0: host the ranks' TCPStore on this node's address; (address, port)."""
@@ -183,9 +186,9 @@ def _init_ray(recipe: Recipe) -> Any:
 
     options: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
     if local:
-        actors = launch.rollout_actors if launch.placement == "separate" else 0
-        cpus = launch.num_processes * launch.cpus_per_rank + actors * launch.cpus_per_rollout_actor
-        gpus = launch.num_processes * launch.gpus_per_rank + actors * launch.gpus_per_rollout_actor
+        actors = _role_actors(recipe)
+        cpus = launch.num_processes * launch.cpus_per_rank + actors * launch.cpus_per_role_actor
+        gpus = launch.num_processes * launch.gpus_per_rank + actors * launch.gpus_per_role_actor
         options.update(num_cpus=max(1, int(-(-cpus // 1))), num_gpus=int(-(-gpus // 1)),
                        include_dashboard=False, _node_ip_address=LOOPBACK)
     try:
@@ -196,21 +199,34 @@ def _init_ray(recipe: Recipe) -> Any:
     return ray
 
 
+def _role_actors(recipe: Recipe) -> int:
+    """How many role actors the run has: rollout actors, then one per frozen role."""
+    if recipe.launch.placement != "separate":
+        return 0
+    from runner.launch.ray_roles import frozen_roles
+
+    return recipe.launch.rollout_actors + len(frozen_roles(recipe))
+
+
 def _placement(ray: Any, recipe: Recipe) -> Any:
-    """One placement group: a bundle per rank, then one per rollout actor."""
+    """One placement group: a bundle per rank, then one per role actor."""
     from ray.util.placement_group import placement_group
 
     launch = recipe.launch
     rank = {"CPU": launch.cpus_per_rank, "GPU": launch.gpus_per_rank}
     bundles = [{k: v for k, v in rank.items() if v}] * launch.num_processes
-    if launch.placement == "separate":
-        actor = {"CPU": launch.cpus_per_rollout_actor, "GPU": launch.gpus_per_rollout_actor}
-        bundles += [{k: v for k, v in actor.items() if v}] * launch.rollout_actors
+    actor = {"CPU": launch.cpus_per_role_actor, "GPU": launch.gpus_per_role_actor}
+    bundles += [{k: v for k, v in actor.items() if v}] * _role_actors(recipe)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     strategy = "STRICT_PACK" if len(nodes) <= 1 else "PACK"
     group = placement_group(bundles, strategy=strategy)
     try:
-        ray.get(group.ready(), timeout=launch.collective_timeout_s)
+        try:
+            ray.get(group.ready(), timeout=min(10.0, launch.collective_timeout_s))
+        except ray.exceptions.GetTimeoutError:
+            print(f"waiting for the Ray cluster to place {len(bundles)} actor(s) {bundles}; it "
+                  f"has {ray.cluster_resources()}", file=sys.stderr)
+            ray.get(group.ready(), timeout=max(0.0, launch.collective_timeout_s - 10.0))
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(group)
         raise RunnerError(
@@ -329,20 +345,30 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
         extra: dict[str, Any] = {}
         roles = None
         if launch.placement == "separate":
-            from runner.launch.ray_roles import RoleActors, start_rollout_actors
+            from runner.launch.ray_roles import (
+                RoleActors,
+                frozen_roles,
+                start_frozen_actors,
+                start_rollout_actors,
+            )
 
+            n = launch.rollout_actors
             rollout = start_rollout_actors(ray, payload, recipe, env,
-                                           [at(world + i) for i in range(launch.rollout_actors)])
-            extra = {f"rollout actor {i}": a for i, a in enumerate(rollout)}
-            roles = RoleActors(tuple(rollout), launch.collective_timeout_s)
+                                           [at(world + i) for i in range(n)])
+            frozen = start_frozen_actors(ray, payload, recipe, env,
+                                         [at(world + n + i)
+                                          for i in range(len(frozen_roles(recipe)))])
+            extra = ({f"rollout actor {i}": a for i, a in enumerate(rollout)}
+                     | {f"{role} actor": a for role, a in frozen})
+            roles = RoleActors(tuple(rollout), launch.collective_timeout_s, tuple(frozen))
         watch = _Watch(ray, ranks, extra)
         for s in old:
             signal.signal(s, watch.forward)
         who = {f"rank {r}": a for r, a in enumerate(ranks)} | extra
         hellos = dict(zip(who, _answers(ray, list(who.values()), "hello", launch, who), strict=True))
         check_versions(package_versions(), hellos)
-        if roles is not None:  # errors come back from the first rollout that needs the engine
-            for actor in roles.rollout:
+        if roles is not None:  # errors come back from the first call that needs the model
+            for actor in [*roles.rollout, *(a for _, a in roles.frozen)]:
                 actor.build.remote()
         master = ray.get(ranks[0].rendezvous.remote(launch.collective_timeout_s),
                          timeout=launch.collective_timeout_s)

@@ -1,4 +1,5 @@
-"""Roles in Ray actors of their own (``launch.placement = "separate"``): the rollout engine.
+"""Roles in Ray actors of their own (``launch.placement = "separate"``): the rollout engine, the
+frozen reference and the OPD teacher.
 
 A ``RolloutActor`` builds the recipe's engine (hf or vLLM) from the resolved recipe text, as a
 rank would, and serves ``generate`` on token ids: the policy ranks keep the data (the global
@@ -10,6 +11,10 @@ store once, every rollout actor loads that one object in place (``update_weights
 ranks wait at a barrier until it is loaded (``RunContext.sync_weights``). Every call is bounded
 by ``launch.collective_timeout_s``; a dead or silent actor is an ``ActorDied`` error naming it
 (the loop adds the step).
+
+The reference and the teacher: a ``FrozenActor`` loads the role's model (the policy's base
+model, or ``algo.teacher_path``) and scores the batches the ranks send it (``RemoteFrozen``: the
+``Frozen`` interface, ``logprobs`` and ``logits``); batches and results cross as CPU tensors.
 """
 
 from __future__ import annotations
@@ -38,13 +43,9 @@ class RolloutActor:
         return f"rollout actor {self.index}"
 
     def hello(self) -> dict[str, Any]:
-        import ray
+        from runner.launch.ray_backend import actor_hello
 
-        from runner.launch.ray_backend import package_versions
-
-        return {"versions": package_versions(), "pid": os.getpid(),
-                "node": ray.get_runtime_context().get_node_id(),
-                "ip": ray.util.get_node_ip_address()}
+        return actor_hello()
 
     def build(self) -> str:
         """Build the engine now (the driver asks at start, so the first rollout does not wait)."""
@@ -74,16 +75,102 @@ class RolloutActor:
         return len(state)
 
 
+class FrozenActor:
+    """The frozen reference or teacher of a run, in a Ray actor of its own."""
+
+    def __init__(self, role: str, payload: Payload) -> None:
+        self.role = role
+        self.payload = payload
+        self.model: Any = None
+
+    def __repr__(self) -> str:
+        return f"{self.role} actor"
+
+    def hello(self) -> dict[str, Any]:
+        from runner.launch.ray_backend import actor_hello
+
+        return actor_hello()
+
+    def build(self) -> str:
+        if self.model is None:
+            import torch
+
+            from runner.models import resolve_model_path
+            from runner.train.roles import Frozen
+            from runner.ui.quiet import quiet_libraries
+
+            os.chdir(self.payload.cwd)
+            if self.payload.cwd not in sys.path:
+                sys.path.insert(0, self.payload.cwd)
+            quiet_libraries()
+            recipe = self.payload.recipe()
+            path = (resolve_model_path(recipe.algo.teacher_path, key="algo.teacher_path")
+                    if self.role == "teacher" else resolve_model_path(recipe.model.path))
+            cuda = recipe.run.device != "cpu" and torch.cuda.is_available()
+            self.model = Frozen(path, recipe, "cuda" if cuda else "cpu")
+        return self.role
+
+    def logprobs(self, batch: Any, temperature: float) -> tuple[Any, Any]:
+        self.build()
+        lp, mask = self.model.logprobs(batch.to(self.model.device_type), temperature)
+        return lp.cpu(), mask.cpu()
+
+    def logits(self, batch: Any) -> Any:
+        self.build()
+        return self.model.logits(batch.to(self.model.device_type)).cpu()
+
+
 @attrs.frozen
 class RoleActors:
     """The role actors a rank calls (plain handles: Ray pickles them)."""
 
     rollout: tuple[Any, ...] = ()
     timeout_s: float = 300.0
+    frozen: tuple[tuple[str, Any], ...] = ()  # (role, actor): "reference", "teacher"
 
     def rollout_engine(self, ctx: Any) -> RemoteEngine:
         """Rank ``ctx.rank``'s engine: actor ``rank % len(rollout)``."""
         return RemoteEngine(self.rollout, ctx.rank % len(self.rollout), self.timeout_s)
+
+    def frozen_of(self, role: str) -> Any:
+        return dict(self.frozen).get(role)
+
+    def remote_frozen(self, role: str, device: Any) -> RemoteFrozen:
+        return RemoteFrozen(self.frozen_of(role), role, device, self.timeout_s)
+
+
+class RemoteFrozen:
+    """The ``Frozen`` interface of a model that lives in a ``FrozenActor``."""
+
+    def __init__(self, actor: Any, role: str, device: Any, timeout_s: float) -> None:
+        self.actor, self.role, self.device, self.timeout_s = actor, role, device, timeout_s
+
+    def logprobs(self, batch: Any, temperature: float = 1.0) -> tuple[Any, Any]:
+        ref = self.actor.logprobs.remote(batch.to("cpu"), temperature)
+        lp, mask = _get(ref, "scoring", f"the {self.role} actor", self.timeout_s)
+        return lp.to(self.device), mask.to(self.device)
+
+    def logits(self, batch: Any) -> Any:
+        ref = self.actor.logits.remote(batch.to("cpu"))
+        return _get(ref, "scoring", f"the {self.role} actor", self.timeout_s).to(self.device)
+
+
+def _get(refs: Any, what: str, who: str, timeout_s: float) -> Any:
+    """``ray.get`` with the run's time bound; a dead, silent or failing actor is named."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ActorDied(f"{who} did not finish {what} within {timeout_s:g} s "
+                        "(launch.collective_timeout_s)") from None
+    except ray.exceptions.RayActorError as exc:
+        lines = str(exc).strip().splitlines()
+        raise ActorDied(f"{who} died during {what} ({lines[0] if lines else 'no reason'})"
+                        ) from None
+    except ray.exceptions.RayTaskError as exc:  # the role raised: its own error
+        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        raise RunnerError(f"{who}: {what} failed: {type(cause).__name__}: {cause}") from None
 
 
 class RemoteEngine:
@@ -96,20 +183,7 @@ class RemoteEngine:
         self.actors, self.index, self.timeout_s = tuple(actors), index, timeout_s
 
     def _get(self, refs: Any, what: str, who: str) -> Any:
-        import ray
-
-        try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise ActorDied(f"{who} did not finish {what} within {self.timeout_s:g} s "
-                            "(launch.collective_timeout_s)") from None
-        except ray.exceptions.RayActorError as exc:
-            lines = str(exc).strip().splitlines()
-            raise ActorDied(f"{who} died during {what} ({lines[0] if lines else 'no reason'})"
-                            ) from None
-        except ray.exceptions.RayTaskError as exc:  # the engine raised: its own error
-            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-            raise RunnerError(f"{who}: {what} failed: {type(cause).__name__}: {cause}") from None
+        return _get(refs, what, who, self.timeout_s)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Any,
                  seeds: Sequence[int] | None = None) -> list[Any]:
@@ -130,11 +204,31 @@ class RemoteEngine:
         """The driver stops the actors when the run ends."""
 
 
+def frozen_roles(recipe: Recipe) -> list[str]:
+    """The frozen roles of a recipe's algorithm (each gets an actor under 'separate')."""
+    algo = recipe.algo
+    if algo.kind == "opd":
+        return ["teacher"]
+    if algo.kind in ("dpo", "ppo") or (algo.kind == "grpo" and algo.kl_beta > 0):
+        return ["reference"]
+    return []
+
+
+def start_frozen_actors(ray: Any, payload: Payload, recipe: Recipe, env: dict[str, Any],
+                        placements: list[Any]) -> list[tuple[str, Any]]:
+    launch = recipe.launch
+    cls = ray.remote(FrozenActor)
+    return [(role, cls.options(num_cpus=launch.cpus_per_role_actor,
+                               num_gpus=launch.gpus_per_role_actor, runtime_env=env,
+                               scheduling_strategy=where, max_restarts=0).remote(role, payload))
+            for role, where in zip(frozen_roles(recipe), placements, strict=True)]
+
+
 def start_rollout_actors(ray: Any, payload: Payload, recipe: Recipe, env: dict[str, Any],
                          placements: list[Any]) -> list[Any]:
     launch = recipe.launch
     cls = ray.remote(RolloutActor)
-    return [cls.options(num_cpus=launch.cpus_per_rollout_actor,
-                        num_gpus=launch.gpus_per_rollout_actor, runtime_env=env,
+    return [cls.options(num_cpus=launch.cpus_per_role_actor,
+                        num_gpus=launch.gpus_per_role_actor, runtime_env=env,
                         scheduling_strategy=where, max_restarts=0).remote(i, payload)
             for i, where in enumerate(placements)]

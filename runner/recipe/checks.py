@@ -132,7 +132,7 @@ def check_launch(r: Recipe) -> list[Problem]:
 
 _RAY_KEYS = {"ray_address": "", "ray_runtime_env": {}, "placement": "colocated",
              "rollout_actors": 1, "cpus_per_rank": 1.0, "gpus_per_rank": 0.0,
-             "cpus_per_rollout_actor": 1.0, "gpus_per_rollout_actor": 0.0}
+             "cpus_per_role_actor": 1.0, "gpus_per_role_actor": 0.0}
 
 
 def check_ray_keys(r: Recipe) -> list[Problem]:
@@ -144,8 +144,8 @@ def check_ray_keys(r: Recipe) -> list[Problem]:
                         got=getattr(launch, k), hint="set launch.backend = 'ray', or leave it out")
                 for k, default in _RAY_KEYS.items() if getattr(launch, k) != default]
     p: list[Problem] = []
-    for k in ("cpus_per_rank", "gpus_per_rank", "cpus_per_rollout_actor",
-              "gpus_per_rollout_actor"):
+    for k in ("cpus_per_rank", "gpus_per_rank", "cpus_per_role_actor",
+              "gpus_per_role_actor"):
         value = getattr(launch, k)
         p += _range(f"launch.{k}", value, value >= 0, ">= 0")
     if launch.cpus_per_rank == 0 and launch.gpus_per_rank == 0:
@@ -156,8 +156,8 @@ def check_ray_keys(r: Recipe) -> list[Problem]:
             p.append(Problem("launch.rollout_actors", "must be between 1 and "
                              f"launch.num_processes ({launch.num_processes})",
                              got=launch.rollout_actors))
-        if launch.cpus_per_rollout_actor == 0 and launch.gpus_per_rollout_actor == 0:
-            p.append(Problem("launch.cpus_per_rollout_actor", "a rollout actor must reserve some "
+        if launch.cpus_per_role_actor == 0 and launch.gpus_per_role_actor == 0:
+            p.append(Problem("launch.cpus_per_role_actor", "a rollout actor must reserve some "
                              "CPU or GPU", got=0.0, hint="set it > 0 (it may be fractional)"))
     elif launch.rollout_actors != 1:
         p.append(Problem("launch.rollout_actors", "only placement = 'separate' has rollout "

@@ -297,16 +297,16 @@ class LaunchConfig:
     cpus_per_rank: float = key(1.0, "ray: CPUs reserved for each policy rank's actor.")
     gpus_per_rank: float = key(0.0, "ray: GPUs reserved for each policy rank's actor.")
     placement: Literal["colocated", "separate"] = key(
-        "colocated", "ray: colocated: each rank owns its rollout engine (as under torchrun); "
-        "separate: the rollout engine runs in launch.rollout_actors actors of its own, which "
-        "the ranks call, rank 0 sending them the policy's weights through Ray's object store "
-        "after every update.")
+        "colocated", "ray: colocated: each rank owns its rollout engine, reference and teacher "
+        "(as under torchrun); separate: the rollout engine runs in launch.rollout_actors actors "
+        "of its own (rank 0 sends them the policy's weights through Ray's object store after "
+        "every update), the frozen reference or OPD teacher in one more; the ranks call them.")
     rollout_actors: int = key(
         1, "ray, placement = 'separate': rollout actors; rank r uses actor r % rollout_actors.")
-    cpus_per_rollout_actor: float = key(1.0, "ray, placement = 'separate': CPUs of each "
-                                        "rollout actor.")
-    gpus_per_rollout_actor: float = key(0.0, "ray, placement = 'separate': GPUs of each "
-                                        "rollout actor.")
+    cpus_per_role_actor: float = key(
+        1.0, "ray, placement = 'separate': CPUs of each role actor (rollout, reference, teacher).")
+    gpus_per_role_actor: float = key(
+        0.0, "ray, placement = 'separate': GPUs of each role actor (rollout, reference, teacher).")
     collective_timeout_s: float = key(
         300.0, "Upper bound in seconds of every collective between ranks and of every call to a "
         "role's actor (a dead rank or actor ends the run instead of hanging it).")

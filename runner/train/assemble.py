@@ -86,6 +86,16 @@ class RunContext:
     metrics: MetricsLog
     has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
     stop_poll: Callable[[], bool] | None = None  # the launcher asks for a stop (Ray actors)
+    roles: Any = None  # role actors serving this rank (runner.launch.ray_roles.RoleActors)
+
+    def frozen(self, role: str, path: Path) -> Any:
+        """The frozen model of ``role`` ("reference" or "teacher") loaded from ``path``: in this
+        process, or the role's actor when it has one. Either has ``logprobs`` and ``logits``."""
+        if self.roles is not None and self.roles.frozen_of(role) is not None:
+            return self.roles.remote_frozen(role, self.accelerator.device)
+        from runner.train.roles import Frozen
+
+        return Frozen(path, self.recipe, self.accelerator.device)
 
     @property
     def rollout_packer(self) -> Any:
@@ -305,7 +315,7 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
         reporter.message(f"held-out evaluation: {reason}")
     run = RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
                      parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
-                     has_held_out, stop)
+                     has_held_out, stop, roles)
     if remote and ckpt is not None:  # a rollout actor starts from the base model
         run.sync_weights()
     return run

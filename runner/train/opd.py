@@ -34,8 +34,7 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
-from runner.train.policy import completion_grid, forward_logits
-from runner.train.roles import Frozen
+from runner.train.policy import completion_grid
 from runner.train.rollouts import (
     Trajectory,
     evaluate,
@@ -56,8 +55,7 @@ class Teacher:
         from runner.packers import build_packer
 
         self.path: Path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
-        self.frozen = Frozen(self.path, run.recipe, run.accelerator.device)
-        self.model = self.frozen.model
+        self.frozen = run.frozen("teacher", self.path)
         self.mode = algo.mode
         self.device = run.accelerator.device
         self.pad_token_id = run.policy_packer.pad_token_id
@@ -209,4 +207,4 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
 @torch.no_grad()
 def _teacher_logits(teacher: Teacher, batch: Any, temperature: float, vocab: int) -> torch.Tensor:
     """Teacher logits over the student's vocabulary (a padded teacher vocabulary is cut)."""
-    return forward_logits(teacher.model, batch)[..., :vocab] / temperature
+    return teacher.frozen.logits(batch)[..., :vocab] / temperature

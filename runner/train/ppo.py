@@ -79,7 +79,7 @@ def run(run: RunContext) -> dict[str, Any]:
     algo = run.recipe.algo
     assert isinstance(algo, PPOConfig)
     rewards = build_rewards(run.recipe.reward)
-    reference = Frozen(run.model_path, run.recipe, run.accelerator.device)
+    reference = run.frozen("reference", run.model_path)
     critic = build_critic(run)
     return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, critic, step),
                     (lambda: evaluate(run, rewards)) if run.has_held_out else None,

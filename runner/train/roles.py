@@ -138,6 +138,12 @@ class Frozen:
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
             return batch_logprobs(self.model, batch, temperature)
 
+    @torch.no_grad()
+    def logits(self, batch: PolicyBatch) -> torch.Tensor:
+        """Next-token logits on the shifted grid [B, T-1, V]."""
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
+            return forward_logits(self.model, batch)
+
 
 class Rollout:
     """The rollout role: the engine and the rollout-side packer that feeds it."""
