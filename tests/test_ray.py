@@ -160,6 +160,23 @@ def cluster():
         c.stop()
 
 
+def test_driver_errors_come_before_any_actor(tmp_path):
+    """A bad dotted path is the driver's recipe error (no cluster is started); an address where
+    no cluster answers is one line at once (Ray itself retries for minutes)."""
+    done = run_ray(GRPO, tmp_path, "", "data.factory=no_such_module.build")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "data.factory" in done.stderr and "no_such_module" in done.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, not listening: nothing answers there
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        done = run_ray(GRPO, tmp_path, address)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: launch.ray_address: no Ray cluster answers at {address} (Connection refused). "
+        "Start one (ray start --head ...) or fix the address")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def _loopback(address: str) -> bool:
     return address.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:"))
 
@@ -273,8 +290,9 @@ def test_killed_rollout_actor_then_ctrl_c_then_exact_resume(cluster, separate, t
 def test_separate_vllm_rollout_actor_stays_in_sync_on_loopback(cluster, tmp_path):
     """vLLM in a rollout actor: after every sync through the object store the engine's logprobs
     of the tokens it samples equal the policy's within 1e-5 while the weights move; the
-    engine's own processes listen on 127.0.0.1 only too. (Not compared with the colocated run:
-    vLLM's CPU kernels batch prompts differently when one engine serves both ranks.)"""
+    engine's own processes listen on 127.0.0.1 only too. (Not compared with a colocated run: one
+    engine serving both ranks batches their prompts together, which may change vLLM's float32
+    results; not measured here.)"""
     proc = start_ray(GRPO, tmp_path, cluster.address, *GRPO_SMALL, *SEPARATE,
                      "rollout.engine=vllm", "run.max_steps=3")
     seen: set[str] = set()

@@ -184,6 +184,8 @@ def _init_ray(recipe: Recipe) -> Any:
                           "'posttrain-runner[ray]'") from None
     import logging
 
+    if not local:
+        _probe(launch.ray_address, min(10.0, launch.collective_timeout_s))
     options: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
     if local:
         actors = _role_actors(recipe)
@@ -206,6 +208,21 @@ def _role_actors(recipe: Recipe) -> int:
     from runner.launch.ray_roles import frozen_roles
 
     return recipe.launch.rollout_actors + len(frozen_roles(recipe))
+
+
+def _probe(address: str, timeout_s: float) -> None:
+    """Fail at once when nothing listens at ``HOST:PORT`` (Ray itself would retry for minutes)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():  # "auto", "ray://...": Ray resolves it
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise RunnerError(f"launch.ray_address: no Ray cluster answers at {address} "
+                          f"({exc.strerror or exc}). Start one (ray start --head ...) or fix "
+                          "the address") from None
 
 
 def _placement(ray: Any, recipe: Recipe) -> Any:
