@@ -5,8 +5,9 @@ Runs a shipped recipe through ``posttrain-run --plain`` for a few steps in a fre
 dropped (warm-up). Peak RSS is the child process's.
 
 Run: ``.venv/bin/python benchmarks/bench_steps.py recipes/grpo-arith.toml [--steps 6] [KEY=VALUE ...]``.
-Prints a markdown table row: recipe, batch shape, s/step, shares of rollout / reward / update /
-sync, peak RSS.
+Prints a markdown table row: recipe, s/step, shares of rollout / reward / update / sync, the
+share of padded positions in the training batches (padded -> as computed, i.e. after packing when
+``train.padding_free``), peak RSS.
 """
 
 from __future__ import annotations
@@ -44,8 +45,13 @@ def main() -> None:
               if any(k in r for r in rows)}
     rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     split = ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items())
+    padding = "-"
+    if all("batch/padding_share" in r for r in rows):
+        before = statistics.mean(r["batch/padding_share"] for r in rows)
+        after = statistics.mean(r["batch/padding_share_run"] for r in rows)
+        padding = f"{100 * before:.0f}% -> {100 * after:.0f}%"
     print(f"| {args.recipe} {' '.join(args.overrides)} | {statistics.median(per_step):.2f} | "
-          f"{split} | {rss_mb:.0f} |")
+          f"{split} | {padding} | {rss_mb:.0f} |")
 
 
 if __name__ == "__main__":

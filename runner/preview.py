@@ -20,9 +20,21 @@ def plan_sections(recipe: Recipe, plan: RunPlan) -> list[tuple[str, list[tuple[s
     """The (title, rows) sections of the dry-run."""
     from runner.data.preview import describe_data
 
-    return [("Plan", plan.rows() + [("recipe hash", recipe_hash(recipe)[:16])]),
+    return [("Plan", plan.rows() + precision_rows(recipe)
+             + [("recipe hash", recipe_hash(recipe)[:16])]),
             ("Data", describe_data(recipe)),
             ("Model and packing", packing_rows(recipe))]
+
+
+def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:
+    """What the trained models and the engine compute in on this machine, and why."""
+    from runner.precision import resolve
+
+    p = resolve(recipe)
+    rows = [("precision", p.train_label)]
+    if recipe.algo.kind != "dpo":
+        rows.append(("rollout dtype", p.engine_dtype))
+    return rows + [("precision chosen because", p.why)]
 
 
 def packing_rows(recipe: Recipe) -> list[tuple[str, str]]:

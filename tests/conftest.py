@@ -16,6 +16,16 @@ RECIPES = sorted((REPO / "recipes").glob("*.toml")) + sorted((REPO / "examples")
 _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
 
+def pytest_collection_modifyitems(config, items):
+    """GPU-marked tests need a CUDA device: elsewhere they are skipped, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run benchmarks/gpu_check.sh on a GPU host)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 def _is_local(host: object) -> bool:

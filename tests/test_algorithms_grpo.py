@@ -177,7 +177,9 @@ def test_grpo_loss_value_gradient_and_metrics_by_hand():
     assert metrics["kl"] == pytest.approx((1 - LN2) / 2, abs=1e-12)
     assert metrics["ratio_mean"] == pytest.approx((1 + math.exp(0.5)) / 2, abs=1e-12)
     assert metrics["pg_loss"] == pytest.approx(-1.1, abs=1e-12)
-    assert all(isinstance(v, float) for v in metrics.values())
+    # detached 0-d tensors: read as floats once per optimizer step, never synced per micro-batch
+    assert all(isinstance(v, torch.Tensor) and v.ndim == 0 and not v.requires_grad
+               for v in metrics.values())
 
 
 def test_grpo_loss_without_kl_ignores_the_reference_in_the_loss():

@@ -77,15 +77,20 @@ def test_opd_loss_value_gradient_and_metrics_by_hand():
     assert "full_kl" not in metrics
 
 
-def test_opd_loss_adds_the_full_kl_term():
+def test_opd_full_kl_is_the_exact_reverse_kl_alone():
     lp = torch.tensor([[-1.0, -2.0, 0.0]], dtype=torch.float64)
-    student = torch.log(torch.tensor([[[0.5, 0.25, 0.25]] * 3], dtype=torch.float64))
+    student = torch.log(torch.tensor([[[0.5, 0.25, 0.25]] * 3], dtype=torch.float64)).requires_grad_()
     teacher = torch.log(torch.tensor([[[0.25, 0.5, 0.25]] * 3], dtype=torch.float64))
     inputs = _opd_inputs(lp, student_logits_BTV=student, teacher_logits_BTV=teacher)
     loss, metrics = opd_loss(inputs, OPDConfig(full_kl=True, kl_coef=2.0))
-    # pg: A = 2 * [0.5, -1] -> mean(-A) = 0.5; full KL 0.25 ln2 per token, weighted by 2
-    close(loss, 0.5 + 2 * 0.25 * LN2, atol=1e-12)
+    # KL = 0.5 ln2 - 0.25 ln2 + 0 = 0.25 ln2 per token; the sampled estimate is not added
+    close(loss.detach(), 2 * 0.25 * LN2, atol=1e-12)
     assert metrics["full_kl"] == pytest.approx(0.25 * LN2, abs=1e-7)
+    loss.backward()
+    # d KL / d logits_s = p_s (log p_s - log p_t - KL); x kl_coef 2 / 2 masked tokens
+    expected = [0.5 * 0.75 * LN2, 0.25 * -1.25 * LN2, 0.25 * -0.25 * LN2]
+    close(student.grad[0, :2], [expected, expected], atol=1e-12)
+    close(student.grad[0, 2], [0.0, 0.0, 0.0], atol=1e-12)
     with pytest.raises(ValueError, match="full_kl"):
         opd_loss(_opd_inputs(lp), OPDConfig(full_kl=True))
 

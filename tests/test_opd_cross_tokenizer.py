@@ -78,7 +78,9 @@ def _teacher(student: Path, teacher: Path) -> Teacher:
     run = SimpleNamespace(recipe=Recipe(), accelerator=SimpleNamespace(device=torch.device("cpu")),
                           model_path=student, policy_packer=build_packer(student, "qwen2"),
                           build_packer=lambda: build_packer(student, "qwen2"),
-                          frozen=lambda role, path: Frozen(path, Recipe(), "cpu"))
+                          policy=SimpleNamespace(pad_free=False),
+                          frozen=lambda role, path, pad_free: Frozen(path, Recipe(), "cpu",
+                                                                     pad_free))
     return Teacher(run, OPDConfig(mode="cross_token_multimodal", teacher_path=str(teacher)))
 
 

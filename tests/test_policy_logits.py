@@ -45,3 +45,47 @@ def test_the_lm_head_runs_only_from_the_first_completion_column(model):
     finally:
         hook.remove()
     assert seen == [batch.input_ids_BT.shape[1] - start]
+
+
+def _ragged_inputs() -> list[RLPolicyInput]:
+    shapes = [(14, 5), (6, 2), (9, 4), (5, 1), (12, 3), (7, 7)]  # (length, completion tokens)
+    return [RLPolicyInput(tuple(3 + (7 * i + j) % 50 for j in range(n)), (0,) * (n - k) + (1,) * k,
+                          n - k) for i, (n, k) in enumerate(shapes)]
+
+
+def test_padding_free_rows_hold_every_sequence_once_with_restarting_positions():
+    from runner.train.packing import pack
+
+    inputs = _ragged_inputs()
+    batch = collate(inputs, 0)
+    p = pack(batch, row_tokens=0)  # rows as long as the longest sequence
+    R, C = p.rows.input_ids_BT.shape
+    assert C == 14 and R == 4  # 53 tokens in rows of 14: 14 | 12 | 9+5 | 7+6 -> 4 rows, not 6
+    assert p.padded_tokens == R * C - 53 == 3
+    for b, ((r, o), x) in enumerate(zip(p.where, inputs, strict=True)):
+        n = len(x.input_ids)
+        assert p.rows.input_ids_BT[r, o:o + n].tolist() == list(x.input_ids)
+        assert p.rows.position_ids_BT[r, o:o + n].tolist() == list(range(n))
+        assert p.rows.seq_ids_BT[r, o:o + n].tolist() == [b] * n
+    wide = pack(batch, row_tokens=32)
+    assert wide.rows.input_ids_BT.shape == (2, 32)  # 14+12+5 | 9+7+6
+    assert wide.padded_tokens == 64 - 53
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_padding_free_logprobs_and_gradients_equal_padded_ones(dtype):
+    from runner.models import load_causal_lm
+
+    model = load_causal_lm("builtin:tiny-arith", dtype=str(dtype).removeprefix("torch."))
+    batch = collate(_ragged_inputs(), 0)
+    padded, mask = batch_logprobs(model, batch, 0.8)
+    (g_padded,) = torch.autograd.grad((padded * mask).sum(), model.model.embed_tokens.weight)
+    free, mask_free = batch_logprobs(model, batch, 0.8, pad_free=True)
+    (g_free,) = torch.autograd.grad((free * mask_free).sum(), model.model.embed_tokens.weight)
+    assert torch.equal(mask, mask_free)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(free[mask], padded[mask], rtol=0, atol=tol)
+    assert (free[~mask] == 0).all()
+    # Gradients: sums over every position, so fp32 rounding shows element-wise; the norm of
+    # the difference is what is compared (fp64 shows the math is the same to 1e-12).
+    assert float((g_free - g_padded).norm() / g_padded.norm()) < tol

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from runner.algorithms.masked import metric
 from runner.recipe.schema import DPOConfig
 
 LossType = Literal["sigmoid", "ipo"]
@@ -80,13 +81,13 @@ def chosen_nll(policy_chosen_B: Tensor, chosen_tokens_B: Tensor) -> Tensor:
     return (-policy_chosen_B / chosen_tokens_B.to(policy_chosen_B.dtype)).mean()
 
 
-def dpo_loss(inputs: DPOLossInputs, cfg: DPOConfig) -> tuple[Tensor, dict[str, float]]:
+def dpo_loss(inputs: DPOLossInputs, cfg: DPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean over pairs of ``dpo_losses`` with cfg.beta, cfg.loss, cfg.label_smoothing, plus
     ``cfg.sft_weight * chosen_nll`` when that weight is not 0:
 
         loss = mean_b dpo_b + sft_weight * mean_b (-log pi(y_w^b) / |y_w^b|)
 
-    Metrics (python floats, no grad): loss (the total), preference_loss (the first term),
+    Metrics (detached 0-d tensors): loss (the total), preference_loss (the first term),
     chosen_nll (when chosen_tokens_B is given), reward_margin (mean chosen - rejected reward),
     accuracy (fraction of pairs with chosen reward > rejected reward), chosen_reward,
     rejected_reward, chosen_logprob and rejected_logprob (policy, mean over pairs).
@@ -112,15 +113,15 @@ def dpo_loss(inputs: DPOLossInputs, cfg: DPOConfig) -> tuple[Tensor, dict[str, f
         loss = preference_loss + cfg.sft_weight * nll
     with torch.no_grad():
         metrics = {
-            "loss": float(loss),
-            "preference_loss": float(preference_loss),
-            "reward_margin": float((chosen_B - rejected_B).mean()),
-            "accuracy": float((chosen_B > rejected_B).float().mean()),
-            "chosen_reward": float(chosen_B.mean()),
-            "rejected_reward": float(rejected_B.mean()),
-            "chosen_logprob": float(x.policy_chosen_B.mean()),
-            "rejected_logprob": float(x.policy_rejected_B.mean()),
+            "loss": metric(loss),
+            "preference_loss": metric(preference_loss),
+            "reward_margin": metric((chosen_B - rejected_B).mean()),
+            "accuracy": metric((chosen_B > rejected_B).float().mean()),
+            "chosen_reward": metric(chosen_B.mean()),
+            "rejected_reward": metric(rejected_B.mean()),
+            "chosen_logprob": metric(x.policy_chosen_B.mean()),
+            "rejected_logprob": metric(x.policy_rejected_B.mean()),
         }
         if nll is not None:
-            metrics["chosen_nll"] = float(nll)
+            metrics["chosen_nll"] = metric(nll)
     return loss, metrics

@@ -14,7 +14,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from runner.algorithms.masked import at_least_float32, masked_mean, masked_sum
+from runner.algorithms.masked import at_least_float32, masked_mean, masked_sum, metric
 from runner.recipe.schema import GRPOConfig
 
 ADV_EPS = 1e-6  # small enough that [1, 0, 0, 1] gives 0.866024 (exact 0.866025) to 1e-5
@@ -107,12 +107,26 @@ def aggregate(loss_BT: Tensor, mask_BT: Tensor, mode: Aggregation, max_tokens: i
     raise ValueError(f"mode must be token_mean, seq_mean or dr_grpo (got {mode!r}).")
 
 
+def engine_is_weights(old_logprobs_BT: Tensor, engine_logprobs_BT: Tensor, cap: float) -> Tensor:
+    """Truncated importance weights of the policy over the engine that sampled: [B, T] -> [B, T].
+
+    w = min(pi_old / pi_engine, cap) = min(exp(old - engine), cap), no gradient. When the
+    engine's numerics differ from the policy's (bf16 weights, another kernel), the sampled tokens
+    follow pi_engine while the loss assumes pi_old; weighting each token's policy-gradient term
+    by w corrects the expectation, and the cap bounds the variance (truncated importance
+    sampling, Ionides 2008; as in the off-policy corrections of RL fine-tuning with vLLM).
+    """
+    with torch.no_grad():
+        return torch.exp(old_logprobs_BT - engine_logprobs_BT).clamp(max=cap)
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class GRPOLossInputs:
     """One micro-batch for ``grpo_loss``; every tensor is [B, T] except ``adv_B``.
 
     ``max_tokens`` is rollout.max_new_tokens (the dr_grpo normaliser). ``ref_logprobs_BT`` is
-    None when kl_beta = 0 (no reference model is run).
+    None when kl_beta = 0 (no reference model is run). ``is_weights_BT`` (optional, no
+    gradient) multiplies each token's policy-gradient term (``engine_is_weights``).
     """
 
     logprobs_BT: Tensor
@@ -121,19 +135,22 @@ class GRPOLossInputs:
     adv_B: Tensor
     mask_BT: Tensor
     max_tokens: int
+    is_weights_BT: Tensor | None = None
 
 
-def grpo_loss(inputs: GRPOLossInputs, cfg: GRPOConfig) -> tuple[Tensor, dict[str, float]]:
+def grpo_loss(inputs: GRPOLossInputs, cfg: GRPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO loss: aggregate(clipped_token_loss + kl_beta * k3_kl) with cfg.loss_agg.
 
     l_bt = -min(r A_b, clip(r, 1 - eps_low, 1 + eps_high) A_b) + beta k3(pi, pi_ref)
-    (Shao et al. 2024, arXiv:2402.03300). Metrics (python floats, no grad): loss, pg_loss,
+    (Shao et al. 2024, arXiv:2402.03300). Metrics (detached 0-d tensors): loss, pg_loss,
     clip_frac, ratio_mean (masked token means), and kl when reference logprobs are given.
     """
     x = inputs
     pg_BT, clipped_BT = clipped_token_loss(
         x.logprobs_BT, x.old_logprobs_BT, x.adv_B, cfg.clip_eps_low, cfg.clip_eps_high
     )
+    if x.is_weights_BT is not None:
+        pg_BT = pg_BT * x.is_weights_BT
     loss_BT = pg_BT
     kl_BT = None
     if x.ref_logprobs_BT is not None:
@@ -149,11 +166,13 @@ def grpo_loss(inputs: GRPOLossInputs, cfg: GRPOConfig) -> tuple[Tensor, dict[str
     with torch.no_grad():
         m = x.mask_BT
         metrics = {
-            "loss": float(loss),
-            "pg_loss": float(aggregate(pg_BT, m, cfg.loss_agg, x.max_tokens)),
-            "clip_frac": float(masked_mean(clipped_BT.float(), m)),
-            "ratio_mean": float(masked_mean(torch.exp(x.logprobs_BT - x.old_logprobs_BT), m)),
+            "loss": metric(loss),
+            "pg_loss": metric(aggregate(pg_BT, m, cfg.loss_agg, x.max_tokens)),
+            "clip_frac": metric(masked_mean(clipped_BT.float(), m)),
+            "ratio_mean": metric(masked_mean(torch.exp(x.logprobs_BT - x.old_logprobs_BT), m)),
         }
         if kl_BT is not None:
-            metrics["kl"] = float(masked_mean(kl_BT, m))
+            metrics["kl"] = metric(masked_mean(kl_BT, m))
+        if x.is_weights_BT is not None:
+            metrics["engine_is_weight"] = metric(masked_mean(x.is_weights_BT, m))
     return loss, metrics

@@ -56,3 +56,9 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     if not shift_mean:
         out = out + mean
     return _where(out, mask)
+
+
+def metric(x: Tensor) -> Tensor:
+    """A loss function's metric: a detached 0-d tensor. The training loop reads it as a float
+    once per optimizer step, so computing metrics never waits for the device per micro-batch."""
+    return x.detach()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from runner.algorithms.grpo import clipped_token_loss
-from runner.algorithms.masked import at_least_float32, masked_mean
+from runner.algorithms.masked import at_least_float32, masked_mean, metric
 from runner.recipe.schema import OPDConfig
 
 Span = tuple[int, int]
@@ -76,13 +76,17 @@ class OPDLossInputs:
     teacher_logits_BTV: Tensor | None = None
 
 
-def opd_loss(inputs: OPDLossInputs, cfg: OPDConfig) -> tuple[Tensor, dict[str, float]]:
-    """Clipped policy gradient on A_t = -kl_coef (log pi_s_old - log pi_t), token mean.
+def opd_loss(inputs: OPDLossInputs, cfg: OPDConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped policy gradient on A_t = -kl_coef (log pi_s_old - log pi_t), token mean; with
+    cfg.full_kl the exact reverse KL instead.
 
-    loss = token_mean(-min(r A, clip(r, 1 - eps, 1 + eps) A)) [+ kl_coef token_mean(KL_full)]
-    with eps = cfg.clip_eps; the second term only when cfg.full_kl. Metrics (python floats):
-    loss, reverse_kl (masked mean of the sampled estimate at sampling time), clip_frac,
-    ratio_mean, and full_kl when used.
+    loss = token_mean(-min(r A, clip(r, 1 - eps, 1 + eps) A)), eps = cfg.clip_eps: the
+    single-sample estimate of the per-token reverse-KL gradient (Agarwal et al. 2024, on-policy
+    distillation). With cfg.full_kl: loss = kl_coef token_mean(KL(pi_s || pi_t)) summed over
+    the whole shared vocabulary at each sampled position, the same per-token gradient without
+    its sampling noise (the objective of generalized KD with the reverse direction). Metrics
+    (detached 0-d tensors): loss, reverse_kl (masked mean of the sampled estimate at sampling time),
+    clip_frac, ratio_mean, and full_kl when used.
     """
     x = inputs
     adv_BT = opd_advantages(x.old_logprobs_BT, x.teacher_logprobs_BT, cfg.kl_coef)
@@ -100,19 +104,19 @@ def opd_loss(inputs: OPDLossInputs, cfg: OPDConfig) -> tuple[Tensor, dict[str, f
         full_kl = masked_mean(
             full_reverse_kl(x.student_logits_BTV, x.teacher_logits_BTV, x.mask_BT), x.mask_BT
         )
-        loss = loss + cfg.kl_coef * full_kl
+        loss = cfg.kl_coef * full_kl
     with torch.no_grad():
         m = x.mask_BT
         metrics = {
-            "loss": float(loss),
-            "reverse_kl": float(
+            "loss": metric(loss),
+            "reverse_kl": metric(
                 masked_mean(sampled_reverse_kl(x.old_logprobs_BT, x.teacher_logprobs_BT), m)
             ),
-            "clip_frac": float(masked_mean(clipped_BT.float(), m)),
-            "ratio_mean": float(masked_mean(torch.exp(x.logprobs_BT - x.old_logprobs_BT), m)),
+            "clip_frac": metric(masked_mean(clipped_BT.float(), m)),
+            "ratio_mean": metric(masked_mean(torch.exp(x.logprobs_BT - x.old_logprobs_BT), m)),
         }
         if full_kl is not None:
-            metrics["full_kl"] = float(full_kl)
+            metrics["full_kl"] = metric(full_kl)
     return loss, metrics
 
 

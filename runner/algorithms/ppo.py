@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from runner.algorithms.grpo import clipped_token_loss
-from runner.algorithms.masked import masked_mean, masked_whiten
+from runner.algorithms.masked import masked_mean, masked_whiten, metric
 from runner.recipe.schema import PPOConfig
 
 
@@ -104,22 +104,26 @@ def clipped_policy_token_loss(
 
 
 def clipped_policy_loss(
-    logprobs_BT: Tensor, old_logprobs_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, eps: float
-) -> tuple[Tensor, dict[str, float]]:
-    """Masked token mean of ``clipped_policy_token_loss``: -> (loss, metrics).
+    logprobs_BT: Tensor, old_logprobs_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, eps: float,
+    is_weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Masked token mean of ``clipped_policy_token_loss`` (each token's term times
+    ``is_weights_BT`` when given, see ``grpo.engine_is_weights``): -> (loss, metrics).
 
     Metrics: policy_loss, clip_frac, ratio_mean, approx_kl (masked mean of the k3 estimate
     of KL(old || new)).
     """
     loss_BT, clipped_BT = clipped_policy_token_loss(logprobs_BT, old_logprobs_BT, adv_BT, eps)
+    if is_weights_BT is not None:
+        loss_BT = loss_BT * is_weights_BT
     loss = masked_mean(loss_BT, mask_BT)
     with torch.no_grad():
         log_ratio_BT = logprobs_BT - old_logprobs_BT
         metrics = {
-            "policy_loss": float(loss),
-            "clip_frac": float(masked_mean(clipped_BT.float(), mask_BT)),
-            "ratio_mean": float(masked_mean(torch.exp(log_ratio_BT), mask_BT)),
-            "approx_kl": float(masked_mean(torch.exp(log_ratio_BT) - 1 - log_ratio_BT, mask_BT)),
+            "policy_loss": metric(loss),
+            "clip_frac": metric(masked_mean(clipped_BT.float(), mask_BT)),
+            "ratio_mean": metric(masked_mean(torch.exp(log_ratio_BT), mask_BT)),
+            "approx_kl": metric(masked_mean(torch.exp(log_ratio_BT) - 1 - log_ratio_BT, mask_BT)),
         }
     return loss, metrics
 
@@ -151,9 +155,10 @@ class PPOLossInputs:
     values_BT: Tensor
     old_values_BT: Tensor
     returns_BT: Tensor
+    is_weights_BT: Tensor | None = None
 
 
-def ppo_loss(inputs: PPOLossInputs, cfg: PPOConfig) -> tuple[Tensor, dict[str, float]]:
+def ppo_loss(inputs: PPOLossInputs, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """loss = clipped_policy_loss(eps=clip_eps) + vf_coef * clipped_value_loss(eps=value_clip_eps).
 
     (Schulman et al. 2017, eq. 9 without the entropy bonus.) Metrics: those of
@@ -161,12 +166,12 @@ def ppo_loss(inputs: PPOLossInputs, cfg: PPOConfig) -> tuple[Tensor, dict[str, f
     """
     x = inputs
     policy_loss, metrics = clipped_policy_loss(
-        x.logprobs_BT, x.old_logprobs_BT, x.adv_BT, x.mask_BT, cfg.clip_eps
+        x.logprobs_BT, x.old_logprobs_BT, x.adv_BT, x.mask_BT, cfg.clip_eps, x.is_weights_BT
     )
     value_loss = clipped_value_loss(
         x.values_BT, x.old_values_BT, x.returns_BT, x.mask_BT, cfg.value_clip_eps
     )
     loss = policy_loss + cfg.vf_coef * value_loss
-    metrics["value_loss"] = float(value_loss.detach())
-    metrics["loss"] = float(loss.detach())
+    metrics["value_loss"] = metric(value_loss.detach())
+    metrics["loss"] = metric(loss.detach())
     return loss, metrics

@@ -91,7 +91,7 @@ class FrozenActor:
 
         return actor_hello()
 
-    def build(self) -> str:
+    def build(self, pad_free: bool = False) -> str:
         if self.model is None:
             import torch
 
@@ -107,16 +107,17 @@ class FrozenActor:
             path = (resolve_model_path(recipe.algo.teacher_path, key="algo.teacher_path")
                     if self.role == "teacher" else resolve_model_path(recipe.model.path))
             cuda = recipe.run.device != "cpu" and torch.cuda.is_available()
-            self.model = Frozen(path, recipe, "cuda" if cuda else "cpu")
+            self.model = Frozen(path, recipe, "cuda" if cuda else "cpu", pad_free)
+        self.model.pad_free = pad_free  # the layout of the batches the ranks send
         return self.role
 
-    def logprobs(self, batch: Any, temperature: float) -> tuple[Any, Any]:
-        self.build()
+    def logprobs(self, batch: Any, temperature: float, pad_free: bool) -> tuple[Any, Any]:
+        self.build(pad_free)
         lp, mask = self.model.logprobs(batch.to(self.model.device_type), temperature)
         return lp.cpu(), mask.cpu()
 
-    def logits(self, batch: Any) -> Any:
-        self.build()
+    def logits(self, batch: Any, pad_free: bool) -> Any:
+        self.build(pad_free)
         return self.model.logits(batch.to(self.model.device_type)).cpu()
 
 
@@ -135,23 +136,25 @@ class RoleActors:
     def frozen_of(self, role: str) -> Any:
         return dict(self.frozen).get(role)
 
-    def remote_frozen(self, role: str, device: Any) -> RemoteFrozen:
-        return RemoteFrozen(self.frozen_of(role), role, device, self.timeout_s)
+    def remote_frozen(self, role: str, device: Any, pad_free: bool = False) -> RemoteFrozen:
+        return RemoteFrozen(self.frozen_of(role), role, device, self.timeout_s, pad_free)
 
 
 class RemoteFrozen:
     """The ``Frozen`` interface of a model that lives in a ``FrozenActor``."""
 
-    def __init__(self, actor: Any, role: str, device: Any, timeout_s: float) -> None:
+    def __init__(self, actor: Any, role: str, device: Any, timeout_s: float,
+                 pad_free: bool = False) -> None:
         self.actor, self.role, self.device, self.timeout_s = actor, role, device, timeout_s
+        self.pad_free = pad_free
 
     def logprobs(self, batch: Any, temperature: float = 1.0) -> tuple[Any, Any]:
-        ref = self.actor.logprobs.remote(batch.to("cpu"), temperature)
+        ref = self.actor.logprobs.remote(batch.to("cpu"), temperature, self.pad_free)
         lp, mask = _get(ref, "scoring", f"the {self.role} actor", self.timeout_s)
         return lp.to(self.device), mask.to(self.device)
 
     def logits(self, batch: Any) -> Any:
-        ref = self.actor.logits.remote(batch.to("cpu"))
+        ref = self.actor.logits.remote(batch.to("cpu"), self.pad_free)
         return _get(ref, "scoring", f"the {self.role} actor", self.timeout_s).to(self.device)
 
 
@@ -209,7 +212,8 @@ def frozen_roles(recipe: Recipe) -> list[str]:
     algo = recipe.algo
     if algo.kind == "opd":
         return ["teacher"]
-    if algo.kind in ("dpo", "ppo") or (algo.kind == "grpo" and algo.kl_beta > 0):
+    if (algo.kind == "dpo" or (algo.kind == "ppo" and algo.kl_coef > 0)
+            or (algo.kind == "grpo" and algo.kl_beta > 0)):
         return ["reference"]
     return []
 

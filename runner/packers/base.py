@@ -76,6 +76,9 @@ class DataPacker(ABC):
 
     pad_token_id: int = 0
     model_options: ModelOptions = ModelOptions()
+    # Whether the policy may run this packer's sequences packed end to end (padding-free): only
+    # when the model needs nothing but ids and restarting 1-D positions to tell them apart.
+    can_pack: bool = False
 
     def setup(self, model_path: str) -> None:
         """Load what the packer needs from the model folder (tokenizer, processor).

@@ -29,6 +29,8 @@ TEXT_FIELDS = ("text", "content", "sample")
 class DecoderOnlyLLMDataPacker(DataPacker):
     """The built-in packer for decoder-only text models (Qwen2, Llama, SmolLM2, ...)."""
 
+    can_pack = True
+
     def __init__(self) -> None:
         self.tokenizer: Any = None
         self.model_path: str = ""

@@ -203,6 +203,10 @@ def check_ranges(r: Recipe) -> list[Problem]:
     for name in ("adam_beta1", "adam_beta2"):
         value = getattr(r.train, name)
         p += _range(f"train.{name}", value, 0 <= value < 1, "in [0, 1)")
+    lora = r.model.lora
+    p += _range("model.lora.rank", lora.rank, lora.rank >= 0, ">= 0 (0: no adapters)")
+    p += _range("model.lora.alpha", lora.alpha, lora.alpha > 0, "> 0")
+    p += _range("model.lora.dropout", lora.dropout, 0 <= lora.dropout < 1, "in [0, 1)")
     p += _range("rollout.max_new_tokens", r.rollout.max_new_tokens, r.rollout.max_new_tokens >= 1, ">= 1")
     p += _range("rollout.temperature", r.rollout.temperature, r.rollout.temperature > 0, "> 0")
     p += _range("rollout.top_p", r.rollout.top_p, 0 < r.rollout.top_p <= 1, "in (0, 1]")
@@ -262,7 +266,17 @@ def _grpo_ranges(r: Recipe) -> list[Problem]:
                          f"({rollouts})", got=a.minibatches))
     if not r.reward.functions:
         p.append(Problem("reward.functions", "GRPO needs at least one reward function", got=[]))
+    p += _engine_is_ranges(r)
+    if a.engine_is_correction and a.old_logprobs == "engine":
+        p.append(Problem("algo.engine_is_correction", "compares the policy's behaviour logprobs "
+                         "with the engine's, but algo.old_logprobs = 'engine' makes them the same",
+                         got=True, hint="set algo.old_logprobs = 'policy', or turn the correction off"))
     return p
+
+
+def _engine_is_ranges(r: Recipe) -> list[Problem]:
+    a = r.algo
+    return _range("algo.engine_is_cap", a.engine_is_cap, a.engine_is_cap >= 1, ">= 1")
 
 
 def _dpo_ranges(r: Recipe) -> list[Problem]:
@@ -297,7 +311,7 @@ def _ppo_ranges(r: Recipe) -> list[Problem]:
                          f"({rollouts})", got=a.minibatches))
     if not r.reward.functions:
         p.append(Problem("reward.functions", "PPO needs at least one reward function", got=[]))
-    return p
+    return p + _engine_is_ranges(r)
 
 
 def _opd_ranges(r: Recipe) -> list[Problem]:

@@ -41,6 +41,17 @@ class RunConfig:
 
 
 @attrs.frozen
+class LoraConfig:
+    rank: int = key(0, "LoRA rank r of the adapters; 0: full fine-tuning (no adapters).")
+    alpha: float = key(16.0, "LoRA alpha: the adapters' update is scaled by alpha / rank.")
+    dropout: float = key(0.0, "Dropout on the adapters' input (applied in training forwards).")
+    target_modules: list[str] = key(
+        [], "Names (suffixes) of the linear layers that get adapters, e.g. [\"q_proj\", \"v_proj\"]; "
+        "empty: every linear layer except the LM head."
+    )
+
+
+@attrs.frozen
 class ModelConfig:
     path: str = key(
         "builtin:tiny-arith",
@@ -53,6 +64,10 @@ class ModelConfig:
     trust_remote_code: bool = key(False, "Allow the model folder's own Python code to run.")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = key(
         "float32", "Parameter dtype of the policy (float32 on CPU; float64 for numerical checks)."
+    )
+    lora: LoraConfig = table(
+        LoraConfig, "Train low-rank adapters (LoRA) instead of every weight: only the adapters "
+        "train and are checkpointed; the rollout engine receives the merged weights."
     )
 
 
@@ -139,6 +154,12 @@ class GRPOConfig:
         False, "Leave out of the loss the completion tokens every member of a group shares at its "
         "start (measured on the engine's token ids); they carry no signal within the group."
     )
+    engine_is_correction: bool = key(
+        False, "Weight each token's loss by the truncated importance ratio min(pi_old / "
+        "pi_engine, engine_is_cap) of the policy's and the engine's sampling probabilities, "
+        "correcting for an engine that computes with other numerics (e.g. bf16 weights)."
+    )
+    engine_is_cap: float = key(2.0, "Upper bound (>= 1) of the engine importance weight.")
 
 
 @attrs.frozen
@@ -177,6 +198,12 @@ class PPOConfig:
         "", "A separate model folder for the critic; empty: a value head on a copy of the policy."
     )
     critic_lr: float = key(0.0, "Learning rate of the critic; 0 uses train.lr.")
+    engine_is_correction: bool = key(
+        False, "Weight each token's loss by the truncated importance ratio min(pi_old / "
+        "pi_engine, engine_is_cap) of the policy's and the engine's sampling probabilities, "
+        "correcting for an engine that computes with other numerics (e.g. bf16 weights)."
+    )
+    engine_is_cap: float = key(2.0, "Upper bound (>= 1) of the engine importance weight.")
 
 
 @attrs.frozen
@@ -215,6 +242,10 @@ class RolloutConfig:
     top_p: float = key(1.0, "Nucleus sampling threshold.")
     top_k: int = key(0, "Top-k sampling; 0 disables it.")
     batch_size: int = key(64, "Prompts per generate call (hf engine).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = key(
+        "auto", "Weight dtype of the rollout engine. auto: the policy's compute dtype (bf16 "
+        "under bf16 training, only where bf16 is native; else float32)."
+    )
     gpu_memory_utilization: float = key(0.3, "vllm on GPU: fraction of GPU memory for the engine.")
     enable_sleep_mode: bool = key(False, "vllm on GPU: free engine memory between rollouts.")
     vllm_kv_cache_gb: float = key(1.0, "vllm on CPU: KV cache size in GiB.")
@@ -247,8 +278,16 @@ class TrainConfig:
     warmup_steps: int = key(0, "Linear warm-up steps.")
     grad_accum_steps: int = key(1, "Micro-batches accumulated per optimizer step.")
     max_grad_norm: float = key(1.0, "Clip the gradient norm to this; 0 disables clipping.")
-    precision: Literal["no", "bf16", "fp16"] = key("no", "Mixed precision passed to Accelerate.")
+    precision: Literal["auto", "no", "bf16", "fp16"] = key(
+        "no", "Mixed precision of the trained and frozen models' forwards (fp32 master weights "
+        "and optimizer state; log-softmax and losses in fp32). auto: bf16 where bf16 matrix "
+        "products are native (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else no."
+    )
     eval_every: int = key(10, "Evaluate on the held-out set every N steps (0: only start and end).")
+    padding_free: bool = key(
+        True, "Score and train on sequences packed end to end (position ids restarting per "
+        "sequence) instead of padded rows, when the DataPacker allows it (can_pack)."
+    )
     disable_dropout: bool = key(
         True, "Set every dropout probability of the trained models to 0, so the logprobs the "
         "loss compares (old and new, policy and engine) differ by the update only."

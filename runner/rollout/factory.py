@@ -9,15 +9,19 @@ from runner.rollout.base import RolloutEngine
 
 
 def make_engine(recipe: Recipe, model_path: Path, *, max_model_len: int = 512) -> RolloutEngine:
+    from runner.precision import resolve
+
     r = recipe.rollout
+    dtype = resolve(recipe).engine_dtype
     if r.engine == "vllm":
         from runner.rollout.vllm import VLLMEngine
 
         return VLLMEngine(str(model_path), seed=recipe.run.seed, max_model_len=max_model_len,
                           gpu_memory_utilization=r.gpu_memory_utilization,
                           enable_sleep_mode=r.enable_sleep_mode, kv_cache_gb=r.vllm_kv_cache_gb,
-                          trust_remote_code=recipe.model.trust_remote_code)
+                          trust_remote_code=recipe.model.trust_remote_code,
+                          dtype="float32" if dtype == "float64" else dtype)
     from runner.rollout.hf import HFEngine
 
-    return HFEngine.from_path(str(model_path), dtype=recipe.model.dtype, batch_size=r.batch_size,
+    return HFEngine.from_path(str(model_path), dtype=dtype, batch_size=r.batch_size,
                               trust_remote_code=recipe.model.trust_remote_code)

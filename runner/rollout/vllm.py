@@ -2,8 +2,9 @@
 
 vLLM is imported only when this engine is built. The engine core runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that weights can be loaded straight into the model
-with ``LLM.apply_model`` without restarting it. On CPU the model runs in float32 (bf16 falls
-back to a slow path on AVX2) and the KV cache size comes from ``rollout.vllm_kv_cache_gb``.
+with ``LLM.apply_model`` without restarting it. The weights' dtype is ``rollout.dtype`` as
+resolved by ``runner.precision`` (on CPU bf16 only where AVX-512 BF16 or AMX make it fast);
+the KV cache size on CPU comes from ``rollout.vllm_kv_cache_gb``.
 Logprobs are requested in ``processed_logprobs`` mode: after temperature scaling, which is what
 the policy recomputes.
 """
@@ -42,11 +43,15 @@ def _keep_plain_cpu_weights() -> None:
     By default vLLM-CPU hands each linear weight to a oneDNN matmul handle after loading and
     drops the parameter, so later weight updates land nowhere. Without oneDNN it falls back to
     ``torch.nn.functional.linear`` over the parameter itself, which ``load_weights`` can update
-    in place. The engine runs in this process, so the switch applies to it alone.
+    in place. bf16 weights would go to another packed kernel (sgl's ``weight_packed_linear``),
+    which drops the parameter the same way; it is switched off too. The engine runs in this
+    process, so the switches apply to it alone.
     """
     from vllm import _custom_ops
+    from vllm.model_executor.layers import utils as layer_utils
 
     _custom_ops._supports_onednn = False
+    layer_utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
 
 
 def _loopback_process_group() -> None:
@@ -70,7 +75,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 512,
                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False,
-                 kv_cache_gb: float = 1.0, trust_remote_code: bool = False) -> None:
+                 kv_cache_gb: float = 1.0, trust_remote_code: bool = False,
+                 dtype: str = "float32") -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         _loopback_process_group()
         if _on_cpu():
@@ -91,7 +97,7 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
                           enable_sleep_mode=enable_sleep_mode)
         self.sleep_between_rollouts = enable_sleep_mode and not _on_cpu()
-        self.llm = LLM(model=str(model_path), dtype="float32" if _on_cpu() else "auto", seed=seed,
+        self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed,
                        enforce_eager=True, max_model_len=max_model_len,
                        trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
                        **kwargs)

@@ -49,7 +49,7 @@ def summary_rows(result: dict, plan: RunPlan, seconds: float) -> list[tuple[str,
     if plan.world_size > 1:
         rows.append(("ranks", f"{plan.world_size} ({plan.backend})"))
     keys = sorted({k for r in evals for k in r if k.startswith("eval/reward")})
-    for key in ("eval/preference_accuracy", *keys, "eval/reverse_kl"):
+    for key in ("eval/preference_accuracy", *keys, "eval/reverse_kl", "eval/reverse_kl_exact"):
         having = [r for r in evals if key in r]
         if having:
             rows.append((f"held-out {key.split('/', 1)[1]}",

@@ -88,14 +88,15 @@ class RunContext:
     stop_poll: Callable[[], bool] | None = None  # the launcher asks for a stop (Ray actors)
     roles: Any = None  # role actors serving this rank (runner.launch.ray_roles.RoleActors)
 
-    def frozen(self, role: str, path: Path) -> Any:
-        """The frozen model of ``role`` ("reference" or "teacher") loaded from ``path``: in this
-        process, or the role's actor when it has one. Either has ``logprobs`` and ``logits``."""
+    def frozen(self, role: str, path: Path, pad_free: bool = False) -> Any:
+        """The frozen model of ``role`` ("reference" or "teacher") loaded from ``path``, scoring
+        padding-free batches when ``pad_free``: in this process, or the role's actor when it has
+        one. Either has ``logprobs`` and ``logits``."""
         if self.roles is not None and self.roles.frozen_of(role) is not None:
-            return self.roles.remote_frozen(role, self.accelerator.device)
+            return self.roles.remote_frozen(role, self.accelerator.device, pad_free)
         from runner.train.roles import Frozen
 
-        return Frozen(path, self.recipe, self.accelerator.device)
+        return Frozen(path, self.recipe, self.accelerator.device, pad_free)
 
     @property
     def rollout_packer(self) -> Any:
@@ -195,7 +196,9 @@ def make_accelerator(recipe: Recipe) -> Any:
     from accelerate import Accelerator
 
     cpu = recipe.run.device == "cpu" or (recipe.run.device == "auto" and not torch.cuda.is_available())
-    return Accelerator(cpu=cpu, mixed_precision=recipe.train.precision)
+    from runner.precision import resolve
+
+    return Accelerator(cpu=cpu, mixed_precision=resolve(recipe, "cpu" if cpu else "cuda").train)
 
 
 def _open_data(recipe: Recipe, ctx: RankContext) -> tuple[Any, Any, dict[str, str]]:
@@ -275,9 +278,13 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     model_type = step("policy", lambda: recipe.model.model_type or read_model_type(base))
     # The tokenizer and packers come from the base folder: training changes weights only.
     tokenizer = step("policy", lambda: load_tokenizer(base, trust_remote_code=trust))
-    model_dir = ckpt.model_dir if ckpt else base
+    # With LoRA the base weights always come from the base folder; a checkpoint holds adapters.
+    lora = recipe.model.lora.rank > 0
+    model_dir = ckpt.model_dir if ckpt and not lora else base
     model = step("policy", lambda: _trained(load_causal_lm(model_dir, dtype=dtype,
                                                            trust_remote_code=trust), recipe))
+    if lora and model is not None:
+        model = step("policy", lambda: _with_adapters(model, recipe, ckpt, reporter))
     factory = recipe.data_packer.factory
     options = {"trust_remote_code": trust, "dtype": dtype}
     packer = step("policy", lambda: build_packer(base, model_type, factory, **options))
@@ -299,6 +306,7 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
                           f"rank {ctx.rank} of {ctx.world_size}: the launcher did not set RANK, "
                           "WORLD_SIZE and LOCAL_RANK")
     policy = prepare_trainable(accelerator, model, recipe,
+                               pad_free=recipe.train.padding_free and getattr(packer, "can_pack", False),
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
     remote = roles is not None and roles.rollout
@@ -316,7 +324,9 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     run = RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
                      parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
                      has_held_out, stop, roles)
-    if remote and ckpt is not None:  # a rollout actor starts from the base model
+    # A rollout actor, and any engine under LoRA (a checkpoint holds adapters only), starts from
+    # the base model.
+    if rollout is not None and ckpt is not None and (remote or lora):
         run.sync_weights()
     return run
 
@@ -327,6 +337,19 @@ def _pair_item(pair: Any) -> Any:
 
     return ObsBundle(pair.prompt, reference=pair.chosen if isinstance(pair.chosen, str) else "",
                      id=pair.id)
+
+
+def _with_adapters(model: Any, recipe: Recipe, ckpt: LoadedCheckpoint | None,
+                   reporter: Reporter) -> Any:
+    from runner.train.lora import apply_lora, load_adapters, trainable_share
+
+    model = apply_lora(model, recipe.model.lora, recipe.run.seed)
+    if ckpt is not None:
+        load_adapters(model, ckpt.model_dir)
+    n, total = trainable_share(model)
+    reporter.message(f"LoRA rank {recipe.model.lora.rank}: {n:,} of {total:,} parameters train "
+                     f"({100 * n / total:.2f}%)")
+    return model
 
 
 def _trained(model: Any, recipe: Recipe) -> Any:

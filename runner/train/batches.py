@@ -80,7 +80,7 @@ def minibatches(layout: Layout, weights_global: Sequence[float], n_minibatches: 
     return out
 
 
-LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]  # metrics: floats or 0-d tensors
 
 
 def train_minibatch(trainables: Sequence[Trainable], mb: Minibatch, loss_fn: LossFn, accum: int,
@@ -108,7 +108,8 @@ def train_minibatch(trainables: Sequence[Trainable], mb: Minibatch, loss_fn: Los
         return run
 
     norm = optimizer_step(trainables, [micro(p) for p in pieces], max_grad_norm)
-    return {**sums, "grad_norm": norm / world}  # summed over ranks: the (shared) norm
+    # The metrics stay tensors through the micro-batches: read once, after the step.
+    return {**{k: float(v) for k, v in sums.items()}, "grad_norm": norm / world}
 
 
 def reduce_history(comm: Collective, history: Sequence[dict[str, float]]) -> dict[str, float]:

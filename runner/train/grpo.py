@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from runner.algorithms.grpo import GRPOLossInputs, group_advantages, grpo_loss
+from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, group_advantages, grpo_loss
 from runner.recipe.schema import GRPOConfig
 from runner.rewards import build_rewards
 from runner.train.assemble import RunContext, step_seed
@@ -30,6 +30,7 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
+from runner.train.packing import padding_metrics
 from runner.train.policy import completion_grid
 from runner.train.roles import Frozen
 from runner.train.rollouts import (
@@ -46,7 +47,8 @@ def run(run: RunContext) -> dict[str, Any]:
     algo = run.recipe.algo
     assert isinstance(algo, GRPOConfig)
     rewards = build_rewards(run.recipe.reward)
-    reference = run.frozen("reference", run.model_path) if algo.kl_beta > 0 else None
+    reference = (run.frozen("reference", run.model_path, run.policy.pad_free)
+                 if algo.kl_beta > 0 else None)
     return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, step),
                     (lambda: evaluate(run, rewards)) if run.has_held_out else None)
 
@@ -105,7 +107,7 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
     # The first optimizer step's forwards run the weights the engine sampled with: their
     # logprobs of the sampled tokens differ from the engine's only by numerics (a stale engine
     # shows here).
-    gaps, first = [0.0], [True]
+    gaps, first = [torch.zeros(())], [True]
     tokens = [float(t) for t in batch.loss_mask_BT[:, 1:].sum(-1).tolist()]
     weights = gather_rows(run.comm, layout, tokens if algo.loss_agg == "token_mean" else
                           [1.0] * len(tokens))
@@ -115,12 +117,14 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
         lp_BT, mask_BT = policy.logprobs(sub, temperature)
         w = lp_BT.shape[1]
         if first[0]:
-            gaps.append(float(((engine_BT[idx, :w] - lp_BT.detach()).abs() * mask_BT).max()))
+            gaps.append(((engine_BT[idx, :w] - lp_BT.detach()).abs() * mask_BT).max())
         old = lp_BT.detach() if old_BT is None else old_BT[idx, :w]
+        is_w = (engine_is_weights(old, engine_BT[idx, :w], algo.engine_is_cap)
+                if algo.engine_is_correction else None)
         return grpo_loss(GRPOLossInputs(
             logprobs_BT=lp_BT, old_logprobs_BT=old, adv_B=adv_B[idx],
             ref_logprobs_BT=None if ref_BT is None else ref_BT[idx, :w], mask_BT=mask_BT,
-            max_tokens=recipe.rollout.max_new_tokens), algo)
+            max_tokens=recipe.rollout.max_new_tokens, is_weights_BT=is_w), algo)
 
     history = []
     for epoch in range(algo.ppo_epochs):
@@ -133,5 +137,6 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
     out = reduce_history(run.comm, history)
     out["lr"] = policy.scheduler.get_last_lr()[0]
     out["adv_abs_mean"] = float(adv_all.abs().mean())
-    out["rollout/logprob_gap"] = max(run.comm.gather(max(gaps)))
+    out.update(rank_mean(run.comm, padding_metrics(batch, policy.pad_free)))
+    out["rollout/logprob_gap"] = max(run.comm.gather(float(torch.stack(gaps).max())))
     return out

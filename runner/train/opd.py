@@ -19,7 +19,13 @@ from typing import Any
 import torch
 
 from runner.algorithms.logprobs import token_logprobs
-from runner.algorithms.opd import OPDLossInputs, align_to_student, opd_loss, sampled_reverse_kl
+from runner.algorithms.opd import (
+    OPDLossInputs,
+    align_to_student,
+    full_reverse_kl,
+    opd_loss,
+    sampled_reverse_kl,
+)
 from runner.models.vocab import check_same_vocab
 from runner.packers.base import PolicyBatch, RLPolicyInput, collate
 from runner.recipe.schema import OPDConfig
@@ -34,6 +40,7 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
+from runner.train.packing import padding_metrics
 from runner.train.policy import completion_grid
 from runner.train.rollouts import (
     Trajectory,
@@ -55,7 +62,8 @@ class Teacher:
         from runner.packers import build_packer
 
         self.path: Path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
-        self.frozen = run.frozen("teacher", self.path)
+        self.frozen = run.frozen("teacher", self.path,
+                                 run.policy.pad_free and algo.mode == "same_tokenizer")
         self.mode = algo.mode
         self.device = run.accelerator.device
         self.pad_token_id = run.policy_packer.pad_token_id
@@ -126,16 +134,26 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
     """The student's reverse KL to the teacher on the held-out prompts: one completion each,
     sampled like the training rollouts, per-token ``logp_student - logp_teacher`` averaged over
     every completion token of every rank (the estimate the training metric ``reverse_kl``
-    reports)."""
-    total = count = 0.0
+    reports). With one vocabulary also ``eval/reverse_kl_exact``: the full-vocabulary
+    KL(student || teacher) at the same positions, without the sampling noise of the estimate."""
+    total = count = exact = 0.0
     if run.val_items:
         seeds = position_seeds(run, HELD_OUT_SEED, 0, len(run.val_items))
         traj = roll_out(run.rollout, run.val_items, sampling(run.recipe.rollout, 1, 0), seeds)
-        _, student_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
+        batch, student_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
         total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
         count = float(mask_BT.sum())
-    total, count = run.comm.sum([total, count])
-    return {"eval/reverse_kl": total / max(1.0, count)}
+        if teacher.mode == "same_tokenizer":
+            T = run.recipe.rollout.temperature
+            student = run.policy.logits(batch) / T
+            kl_BT = full_reverse_kl(student, _teacher_logits(teacher, batch, T, student.shape[-1]),
+                                    mask_BT)
+            exact = float(kl_BT.sum())
+    total, count, exact = run.comm.sum([total, count, exact])
+    out = {"eval/reverse_kl": total / max(1.0, count)}
+    if teacher.mode == "same_tokenizer":
+        out["eval/reverse_kl_exact"] = exact / max(1.0, count)
+    return out
 
 
 @torch.no_grad()
@@ -198,6 +216,7 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
     t4 = time.perf_counter()
     reward_sum, n = run.comm.sum([sum(traj.rewards), len(traj.rewards)])
     return {"reward/mean": reward_sum / n, **rank_mean(run.comm, traj.reward_parts),
+            **rank_mean(run.comm, padding_metrics(batch, run.policy.pad_free)),
             **reduce_history(run.comm, history), **item_ids_metric(traj),
             "lr": run.policy.scheduler.get_last_lr()[0],
             "time/rollout": t1 - t0, "time/teacher": t2 - t1, "time/update": t3 - t2,

@@ -16,11 +16,12 @@ from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import TrainConfig
 
 
-def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0) -> torch.Tensor:
+def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0, upcast: bool = True
+                   ) -> torch.Tensor:
     """Logits predicting token t+1 from tokens <= t, for the shifted-grid columns
     ``keep_from .. T-2``: shape [B, T-1-keep_from, V], float32 (float64 when the model computes
-    in float64). With ``keep_from > 0`` the LM head runs only on those positions (the model's
-    ``logits_to_keep``) when the model supports it."""
+    in float64; the model's own dtype with ``upcast=False``). With ``keep_from > 0`` the LM head
+    runs only on those positions (the model's ``logits_to_keep``) when the model supports it."""
     # No KV cache: none is needed to score, and transformers only detects packed sequences (and
     # builds the block-diagonal mask from the restarting position ids) when there is none.
     kwargs: dict[str, Any] = {"use_cache": False, "position_ids": batch.position_ids_BT}
@@ -31,7 +32,8 @@ def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0) -> torch.
     if keep:
         kwargs["logits_to_keep"] = T - keep_from
     logits = model(input_ids=batch.input_ids_BT, **kwargs).logits
-    return at_least_float32(logits[:, :-1] if keep else logits[:, keep_from:-1])
+    logits = logits[:, :-1] if keep else logits[:, keep_from:-1]
+    return at_least_float32(logits) if upcast else logits
 
 
 def _takes_logits_to_keep(model: Any) -> bool:
@@ -55,18 +57,24 @@ def first_loss_column(batch: PolicyBatch) -> int:
     return int(cols[0]) if len(cols) else 0
 
 
-def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0,
+                   pad_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_BT, mask_BT) of each token given its prefix, on the shifted grid [B, T-1].
 
     ``mask_BT`` marks completion tokens that the loss is taken on. Logits are divided by the
     sampling temperature so the values match the engine's sampling distribution. Only the
     columns from the first completion token on are scored (the LM head never runs on prompt
-    positions); columns before it are 0.
+    positions); columns before it are 0. With ``pad_free`` a padded batch of several rows runs
+    packed (``runner.train.packing``), with the same values on the same grid.
     """
+    if pad_free and not batch.packed and batch.input_ids_BT.shape[0] > 1:
+        from runner.train.packing import packed_logprobs
+
+        return packed_logprobs(model, batch, temperature,
+                               takes_logits_to_keep=_takes_logits_to_keep(model))
     start = first_loss_column(batch)
-    logits = forward_logits(model, batch, start) / temperature
-    lp = token_logprobs(logits, batch.input_ids_BT[:, 1 + start:])
+    logits = forward_logits(model, batch, start, upcast=False)  # bf16 stays bf16 (chunked)
+    lp = token_logprobs(logits, batch.input_ids_BT[:, 1 + start:], temperature)
     lp_BT = torch.zeros(lp.shape[0], batch.input_ids_BT.shape[1] - 1, dtype=lp.dtype,
                         device=lp.device)
     lp_BT[:, start:] = lp

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from runner.algorithms.masked import masked_sum
+from runner.algorithms.grpo import engine_is_weights
 from runner.algorithms.ppo import PPOLossInputs, gae, kl_penalized_rewards, ppo_loss
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import PPOConfig
@@ -30,6 +31,8 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
+from runner.train.packing import padding_metrics
+from runner.train.policy import completion_grid
 from runner.train.roles import Frozen, Trainable, disable_dropout, prepare_trainable
 from runner.train.rollouts import evaluate, item_ids_metric, sample, score
 
@@ -79,7 +82,9 @@ def run(run: RunContext) -> dict[str, Any]:
     algo = run.recipe.algo
     assert isinstance(algo, PPOConfig)
     rewards = build_rewards(run.recipe.reward)
-    reference = run.frozen("reference", run.model_path)
+    # kl_coef = 0: the penalty is 0 whatever the reference says, so none is built or run.
+    reference = (run.frozen("reference", run.model_path, run.policy.pad_free)
+                 if algo.kl_coef > 0 else None)
     critic = build_critic(run)
     return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, critic, step),
                     (lambda: evaluate(run, rewards)) if run.has_held_out else None,
@@ -96,7 +101,8 @@ def global_whiten(comm, x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tens
     return torch.where(mask_BT, (x_BT - mean) * (var + 1e-8) ** -0.5, torch.zeros_like(x_BT))
 
 
-def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen, critic: Trainable,
+def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen | None,
+              critic: Trainable,
               step: int) -> dict[str, Any]:
     recipe, device = run.recipe, run.accelerator.device
     t0 = time.perf_counter()
@@ -105,11 +111,18 @@ def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen,
     traj = score(traj, rewards, step)
     t2 = time.perf_counter()
     # The rollout-side packer makes the inputs once; policy, reference and critic share them.
-    batch = run.rollout_packer.collate(traj.policy_inputs(run.rollout_packer)).to(device)
+    inputs = traj.policy_inputs(run.rollout_packer)
+    batch = run.rollout_packer.collate(inputs).to(device)
     T = recipe.rollout.temperature
     with torch.no_grad():
         old_BT, mask_BT = run.policy.logprobs(batch, T)
-        ref_BT = reference.logprobs(batch, T)[0]
+        engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions],
+                                    old_BT.shape[1]).to(device)
+        # The policy's logprobs before the update against the engine's of the same tokens.
+        gap = float(((engine_BT - old_BT).abs() * mask_BT).max()) if mask_BT.any() else 0.0
+        is_BT = (engine_is_weights(old_BT, engine_BT, algo.engine_is_cap)
+                 if algo.engine_is_correction else None)
+        ref_BT = reference.logprobs(batch, T)[0] if reference is not None else old_BT
         old_values_BT = critic(batch) * mask_BT
         # GAE runs over completions laid from column 0; the results go back to the batch grid.
         starts = _completion_starts(mask_BT)
@@ -132,7 +145,8 @@ def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen,
         return ppo_loss(PPOLossInputs(
             logprobs_BT=lp_BT, old_logprobs_BT=old_BT[idx, :w], adv_BT=adv_BT[idx, :w],
             mask_BT=sub_mask_BT, values_BT=critic(sub), old_values_BT=old_values_BT[idx, :w],
-            returns_BT=returns_BT[idx, :w]), algo)
+            returns_BT=returns_BT[idx, :w],
+            is_weights_BT=None if is_BT is None else is_BT[idx, :w]), algo)
 
     history = []
     for epoch in range(algo.ppo_epochs):
@@ -150,7 +164,8 @@ def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen,
     r = torch.tensor(gather_rows(run.comm, layout, traj.rewards))
     return {"reward/mean": float(r.mean()), "reward/max": float(r.max()),
             **rank_mean(run.comm, traj.reward_parts),
-            "kl": kl_sum / max(1.0, n_tok), "lr": run.policy.scheduler.get_last_lr()[0], **reduce_history(run.comm, history), **item_ids_metric(traj),
+            **rank_mean(run.comm, padding_metrics(batch, run.policy.pad_free)),
+            "kl": kl_sum / max(1.0, n_tok), "rollout/logprob_gap": max(run.comm.gather(gap)), "lr": run.policy.scheduler.get_last_lr()[0], **reduce_history(run.comm, history), **item_ids_metric(traj),
             "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
             "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
 

@@ -30,10 +30,11 @@ class Trainable:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     accelerator: Any
+    pad_free: bool = False  # score padded batches packed (runner.train.packing)
 
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch_logprobs(self.model, batch, temperature)
+        return batch_logprobs(self.model, batch, temperature, self.pad_free)
 
     def logits(self, batch: PolicyBatch) -> torch.Tensor:
         """Next-token logits on the shifted grid [B, T-1, V] (a language model)."""
@@ -47,12 +48,20 @@ class Trainable:
         return self.accelerator.unwrap_model(self.model)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((n, p.detach()) for n, p in self.unwrapped().named_parameters())
+        """The weights a rollout engine loads: the model's own parameter names (LoRA adapters
+        merged into the layers they adapt)."""
+        from runner.train.lora import is_lora, merged_weights
+
+        model = self.unwrapped()
+        if is_lora(model):
+            return merged_weights(model)
+        return ((n, p.detach()) for n, p in model.named_parameters())
 
 
 def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | None = None,
                       ckpt_optimizer: dict[str, Any] | None = None,
-                      ckpt_scheduler: dict[str, Any] | None = None) -> Trainable:
+                      ckpt_scheduler: dict[str, Any] | None = None,
+                      pad_free: bool = False) -> Trainable:
     model.train()
     optimizer = make_optimizer(model, recipe.train, lr)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -61,7 +70,7 @@ def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | 
     scheduler = make_scheduler(optimizer, recipe.train, recipe.run.max_steps)
     if ckpt_scheduler is not None:
         scheduler.load_state_dict({**scheduler.state_dict(), **ckpt_scheduler})
-    return Trainable(model, optimizer, scheduler, accelerator)
+    return Trainable(model, optimizer, scheduler, accelerator, pad_free)
 
 
 def optimizer_step(trainables: Sequence[Trainable], micro_losses: Sequence[Callable[[], torch.Tensor]],
@@ -121,28 +130,31 @@ def disable_dropout(model: Any) -> Any:
 class Frozen:
     """A frozen model that scores batches: the reference, or the teacher's model."""
 
-    def __init__(self, path: Path, recipe: Recipe, device: Any) -> None:
+    def __init__(self, path: Path, recipe: Recipe, device: Any, pad_free: bool = False) -> None:
         from runner.models import load_causal_lm
 
         self.path = path
+        self.pad_free = pad_free
         self.model = load_causal_lm(path, dtype=recipe.model.dtype,
                                     trust_remote_code=recipe.model.trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
         # The trained models run under Accelerate's autocast; a frozen one gets the same.
-        self.bf16 = recipe.train.precision == "bf16"
+        from runner.precision import resolve
+
         self.device_type = torch.device(device).type
+        self.bf16 = resolve(recipe, self.device_type).train == "bf16"
 
     @torch.no_grad()
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
-            return batch_logprobs(self.model, batch, temperature)
+            return batch_logprobs(self.model, batch, temperature, self.pad_free)
 
     @torch.no_grad()
     def logits(self, batch: PolicyBatch) -> torch.Tensor:
-        """Next-token logits on the shifted grid [B, T-1, V]."""
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
-            return forward_logits(self.model, batch)
+        """Next-token logits on the shifted grid [B, T-1, V] (OPD's full KL; outside autocast,
+        as the teacher's logits have always been computed)."""
+        return forward_logits(self.model, batch)
 
 
 class Rollout:

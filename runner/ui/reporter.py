@@ -30,7 +30,8 @@ from rich.table import Table
 # (metric key, label) shown in the live view and the plain lines, when the algorithm logs them.
 SHOWN = (
     ("reward/mean", "reward"), ("reward/max", "reward max"), ("eval/reward", "held-out reward"),
-    ("eval/preference_accuracy", "held-out pref acc"), ("loss", "loss"), ("kl", "kl"),
+    ("eval/preference_accuracy", "held-out pref acc"), ("eval/reverse_kl_exact", "held-out kl"),
+    ("loss", "loss"), ("kl", "kl"),
     ("reverse_kl", "reverse kl"), ("accuracy", "pref acc"), ("reward_margin", "margin"),
     ("value_loss", "value loss"), ("clip_frac", "clip frac"), ("perf/rollout_tok_s", "rollout tok/s"),
     ("perf/train_tok_s", "train tok/s"),
