@@ -13,7 +13,6 @@ from torch import Tensor
 
 from runner.algorithms.masked import at_least_float32, masked_sum
 
-
 # Above this many logits (or for bf16/fp16 logits) the chunked path is taken: it never holds a
 # float32 copy of more than CHUNK_ELEMENTS logits, forward or backward.
 DIRECT_MAX_ELEMENTS = 1 << 22

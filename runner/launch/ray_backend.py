@@ -327,6 +327,30 @@ class _Watch:
         return 130 if 130 in codes.values() or self.signals else 0
 
 
+class _Stamped:
+    """A text stream that remembers when it was last written to (Ray prints the actors' lines
+    to ``sys.stdout`` from a thread of its own, some time after they were written)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.at = time.monotonic()
+
+    def write(self, text: str) -> int:
+        self.at = time.monotonic()
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _drain(out: _Stamped, quiet_s: float = 1.5, limit_s: float = 6.0) -> None:
+    """Wait until the actors' last lines have reached the driver: until nothing was printed
+    for ``quiet_s`` (at most ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and time.monotonic() - out.at < quiet_s:
+        time.sleep(0.05)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
@@ -350,6 +374,7 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
     group = None
     watch: _Watch | None = None
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stdout = sys.stdout = _Stamped(sys.stdout)
     try:
         group = _placement(ray, recipe)
 
@@ -395,10 +420,12 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
         watch.refs = [a.run.remote(payload, master, local[r], nodes.count(nodes[r]), roles)
                       for r, a in enumerate(ranks)]
         code = watch.wait()
+        _drain(stdout)
         if code == 130 and watch.signals == 1:
             _say_stopped(recipe)
         return code
     finally:
+        sys.stdout = stdout.stream
         if watch is not None:
             watch.kill()
         for s, handler in old.items():

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from runner.algorithms.masked import masked_sum
 from runner.algorithms.grpo import engine_is_weights
+from runner.algorithms.masked import masked_sum
 from runner.algorithms.ppo import PPOLossInputs, gae, kl_penalized_rewards, ppo_loss
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import PPOConfig
