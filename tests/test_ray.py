@@ -67,10 +67,15 @@ FILES = ("model/model.safetensors", "optimizer.safetensors")
 SEPARATE = ("launch.placement=separate",)
 
 
+RAY_TMP = Path(tempfile.gettempdir()) / f"ptr-ray-runs-{os.getpid()}"  # the runs' session folders
+
+
 def ray_env() -> dict[str, str]:
     """The test environment, without Ray's token file (auth off), usage reports or a cluster
-    address inherited from the shell."""
-    env = {**_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    address inherited from the shell; Ray's session folders of the local clusters the runs start
+    go to a folder of this module (removed at its end)."""
+    env = {**_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_TMPDIR": str(RAY_TMP)}
     env.pop("RAY_ADDRESS", None)
     return env
 
@@ -149,6 +154,13 @@ class Cluster:
             while self.pids() and time.monotonic() < deadline:
                 time.sleep(0.1)
         shutil.rmtree(self.temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_tmp():
+    RAY_TMP.mkdir(exist_ok=True)
+    yield
+    shutil.rmtree(RAY_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
