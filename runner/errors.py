@@ -103,6 +103,10 @@ class RunnerError(Exception):
     """Base of every error the runner raises on purpose."""
 
 
+class ActorDied(RunnerError):
+    """A role's actor (a Ray rollout actor) died or stopped answering."""
+
+
 class RecipeError(RunnerError):
     """The recipe (file or overrides) is wrong; carries every problem found at once."""
 

@@ -119,3 +119,53 @@ def test_stale_temporary_folders_of_live_writers_are_kept(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+# --- the Ray backend's pure parts (no Ray needed) ------------------------------------------
+
+def test_version_check_names_the_actor_and_each_package():
+    from runner.launch.ray_backend import check_versions, version_mismatches
+
+    driver = {"python": "3.11.7", "torch": "2.13.0", "ray": "2.60.0"}
+    assert version_mismatches(driver, dict(driver)) == []
+    assert version_mismatches(driver, {**driver, "torch": "2.12.1"}) == ["torch 2.12.1 (driver 2.13.0)"]
+    check_versions(driver, {"rank 0": {"ip": "127.0.0.1", "versions": dict(driver)}})
+    bad = {"rank 0": {"ip": "127.0.0.1", "versions": dict(driver)},
+           "rollout actor 0": {"ip": "10.0.0.2", "versions": {"python": "3.11.7",
+                                                               "torch": "2.13.0"}}}
+    with pytest.raises(RunnerError) as err:
+        check_versions(driver, bad)
+    assert str(err.value) == ("the actors run other package versions than the driver: rollout "
+                              "actor 0 (node 10.0.0.2): ray missing (driver 2.60.0). Install the "
+                              "same versions on every node")
+
+
+def test_ray_local_ranks_and_runtime_env(monkeypatch):
+    from runner.launch.ray_backend import _local_ranks, runtime_env
+    from runner.recipe import load_recipe
+
+    assert _local_ranks(["a", "b", "a", "b", "a"]) == [0, 0, 1, 1, 2]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("PYTHONPATH", "/src")
+    recipe = load_recipe("recipes/grpo-arith.toml", [
+        "launch.backend=ray", "launch.num_processes=2",
+        "launch.ray_runtime_env={working_dir = '.', env_vars = {OMP_NUM_THREADS = '2'}}"])
+    env = runtime_env(recipe, 2)
+    assert env["working_dir"] == "."
+    assert env["env_vars"]["OMP_NUM_THREADS"] == "2"  # the recipe's own value wins
+    assert env["env_vars"]["PYTHONPATH"] == "/src"
+
+
+def test_stop_requests_poll_the_launcher_once_requested():
+    from runner.train.loop import StopRequests
+    from runner.ui import SilentReporter
+
+    calls = []
+
+    def poll() -> bool:
+        calls.append(1)
+        return len(calls) >= 2
+
+    stop = StopRequests(SilentReporter(), poll)
+    assert stop.requested is False and stop.requested is True and stop.requested is True
+    assert len(calls) == 2  # a stop once seen is kept, the launcher is not asked again

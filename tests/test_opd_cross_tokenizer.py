@@ -35,6 +35,7 @@ from runner.packers import build_packer
 from runner.recipe.schema import OPDConfig, Recipe
 from runner.rollout.base import Completion
 from runner.train.opd import Teacher
+from runner.train.roles import Frozen
 from runner.train.rollouts import Trajectory
 from runner.types import ObsBundle
 
@@ -77,7 +78,9 @@ def _teacher(student: Path, teacher: Path) -> Teacher:
     run = SimpleNamespace(recipe=Recipe(), accelerator=SimpleNamespace(device=torch.device("cpu")),
                           model_path=student, policy_packer=build_packer(student, "qwen2"),
                           build_packer=lambda: build_packer(student, "qwen2"),
-                          policy=SimpleNamespace(pad_free=False))
+                          policy=SimpleNamespace(pad_free=False),
+                          frozen=lambda role, path, pad_free: Frozen(path, Recipe(), "cpu",
+                                                                     pad_free))
     return Teacher(run, OPDConfig(mode="cross_token_multimodal", teacher_path=str(teacher)))
 
 

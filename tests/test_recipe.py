@@ -163,7 +163,13 @@ def test_teacher_factory_only_for_cross_token_opd():
     ({"reward": {"functions": ["a", "b.c"]}}, "reward.functions[0]"),
     ({"reward": {"weights": [1.0, 2.0]}}, "reward.weights"),
     ({"data": {"factory": "not a path"}}, "data.factory"),
-    ({"launch": {"backend": "ray"}}, "launch.backend"),
+    ({"launch": {"placement": "separate"}}, "launch.placement"),  # a ray key without ray
+    ({"launch": {"backend": "ray", "cpus_per_rank": -1.0}}, "launch.cpus_per_rank"),
+    ({"launch": {"backend": "ray", "cpus_per_rank": 0.0}}, "launch.cpus_per_rank"),
+    ({"launch": {"backend": "ray", "placement": "separate", "rollout_actors": 2}},
+     "launch.rollout_actors"),  # more actors than ranks
+    ({"launch": {"backend": "ray", "rollout_actors": 2, "num_processes": 2}},
+     "launch.rollout_actors"),  # rollout actors without placement = 'separate'
     ({"launch": {"num_processes": 2}}, "launch.num_processes"),
     ({"reward": {"timeout_s": -1.0}}, "reward.timeout_s"),
     ({"algo": {"kind": "dpo", "sft_weight": -0.1}}, "algo.sft_weight"),

@@ -1,6 +1,6 @@
-"""Where the rank program runs: one process (``local``) or N processes on this machine
+"""Where the rank program runs: one process (``local``), N processes on this machine
 (``torchrun``, or an external ``torchrun`` / ``accelerate launch`` detected from the
-environment). An explicit table, no registration by import."""
+environment), or N Ray actors (``ray``). An explicit table, no registration by import."""
 
 from __future__ import annotations
 
@@ -25,7 +25,15 @@ def _torchrun(recipe: Recipe, *, source: str, overrides: Sequence[str], plain: b
     return launch_torchrun(payload, recipe.launch.num_processes, recipe.launch.collective_timeout_s)
 
 
-BACKENDS: dict[str, Callable[..., int]] = {"local": _local, "torchrun": _torchrun}
+def _ray(recipe: Recipe, *, source: str, overrides: Sequence[str], plain: bool) -> int:
+    from runner.launch.payload import Payload
+    from runner.launch.ray_backend import launch_ray
+
+    payload = Payload.of(recipe, source=source, overrides=overrides, cwd=os.getcwd(), plain=plain)
+    return launch_ray(payload, recipe)
+
+
+BACKENDS: dict[str, Callable[..., int]] = {"local": _local, "torchrun": _torchrun, "ray": _ray}
 
 
 def launch(recipe: Recipe, *, source: str, overrides: Sequence[str], plain: bool) -> int:

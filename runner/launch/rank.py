@@ -6,7 +6,8 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from runner.errors import Problem, RecipeError
 from runner.launch.collective import Collective
@@ -28,8 +29,12 @@ def die_with_driver() -> None:
 
 
 def run_rank(recipe: Recipe, ctx: RankContext, *, source: str, overrides: Sequence[str],
-             plain: bool) -> int:
-    """Join the ranks' process group, run the recipe's algorithm on this rank, leave."""
+             plain: bool, roles: Any = None, stop: Callable[[], bool] | None = None) -> int:
+    """Join the ranks' process group, run the recipe's algorithm on this rank, leave.
+
+    ``roles``: the role actors this rank calls (``runner.launch.ray_roles.RoleActors``; None:
+    every role in this process). ``stop``: asked once per step whether the launcher wants the
+    run to stop (where no signal reaches this process: a Ray actor)."""
     import torch
 
     from runner.recipe.plan import make_plan
@@ -47,6 +52,6 @@ def run_rank(recipe: Recipe, ctx: RankContext, *, source: str, overrides: Sequen
     try:
         plan = make_plan(recipe, world_size=ctx.world_size)
         return run_recipe(recipe, plan, ctx=ctx, comm=comm, source=source, overrides=overrides,
-                          plain=plain)
+                          plain=plain, roles=roles, stop=stop)
     finally:
         comm.close()

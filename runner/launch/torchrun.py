@@ -38,14 +38,19 @@ POLL_S = 0.05
 
 def loopback_store(timeout_s: float) -> tuple[object, int, socket.socket]:
     """A TCPStore server listening on 127.0.0.1 only (a socket bound here is handed to it)."""
+    return listening_store(LOOPBACK, timeout_s)
+
+
+def listening_store(host: str, timeout_s: float) -> tuple[object, int, socket.socket]:
+    """A TCPStore server listening on ``host`` only, on a free port: (store, port, socket)."""
     import torch.distributed as dist
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, 0))
+    sock.bind((host, 0))
     sock.listen(128)
     port = sock.getsockname()[1]
-    store = dist.TCPStore(LOOPBACK, port, is_master=True, master_listen_fd=sock.fileno(),
+    store = dist.TCPStore(host, port, is_master=True, master_listen_fd=sock.fileno(),
                           wait_for_workers=False, multi_tenant=True,
                           timeout=timedelta(seconds=timeout_s))
     return store, port, sock

@@ -113,16 +113,13 @@ def batch_key(r: Recipe) -> tuple[str, int]:
 def check_launch(r: Recipe) -> list[Problem]:
     """The layouts this version runs, and a global batch every rank gets an equal share of."""
     launch = r.launch
-    if launch.backend == "ray":
-        return [Problem("launch.backend", "'ray' is not implemented in this version",
-                        got=launch.backend, hint="use 'local' or 'torchrun'")]
     if launch.num_processes < 1:
         return [Problem("launch.num_processes", "must be at least 1", got=launch.num_processes)]
     if launch.backend == "local" and launch.num_processes != 1:
         return [Problem("launch.num_processes", "the local backend runs one process",
                         got=launch.num_processes,
                         hint="set launch.backend = 'torchrun' for several processes")]
-    problems = []
+    problems = check_ray_keys(r)
     if not launch.collective_timeout_s > 0:
         problems.append(Problem("launch.collective_timeout_s", "must be a positive number of seconds",
                                 got=launch.collective_timeout_s))
@@ -133,6 +130,42 @@ def check_launch(r: Recipe) -> list[Problem]:
             f"{launch.num_processes} ranks", got=items,
             hint=f"use a multiple of {launch.num_processes}, or another launch.num_processes"))
     return problems
+
+_RAY_KEYS = {"ray_address": "", "ray_runtime_env": {}, "placement": "colocated",
+             "rollout_actors": 1, "cpus_per_rank": 1.0, "gpus_per_rank": 0.0,
+             "cpus_per_role_actor": 1.0, "gpus_per_role_actor": 0.0}
+
+
+def check_ray_keys(r: Recipe) -> list[Problem]:
+    """The Ray keys: only with the ray backend, resources >= 0, a separate rollout only where
+    something generates."""
+    launch = r.launch
+    if launch.backend != "ray":
+        return [Problem(f"launch.{k}", "is a key of the ray backend",
+                        got=getattr(launch, k), hint="set launch.backend = 'ray', or leave it out")
+                for k, default in _RAY_KEYS.items() if getattr(launch, k) != default]
+    p: list[Problem] = []
+    for k in ("cpus_per_rank", "gpus_per_rank", "cpus_per_role_actor",
+              "gpus_per_role_actor"):
+        value = getattr(launch, k)
+        p += _range(f"launch.{k}", value, value >= 0, ">= 0")
+    if launch.cpus_per_rank == 0 and launch.gpus_per_rank == 0:
+        p.append(Problem("launch.cpus_per_rank", "a rank must reserve some CPU or GPU", got=0.0,
+                         hint="set launch.cpus_per_rank > 0 (it may be fractional)"))
+    if launch.placement == "separate":
+        if not 1 <= launch.rollout_actors <= launch.num_processes:
+            p.append(Problem("launch.rollout_actors", "must be between 1 and "
+                             f"launch.num_processes ({launch.num_processes})",
+                             got=launch.rollout_actors))
+        if launch.cpus_per_role_actor == 0 and launch.gpus_per_role_actor == 0:
+            p.append(Problem("launch.cpus_per_role_actor", "a rollout actor must reserve some "
+                             "CPU or GPU", got=0.0, hint="set it > 0 (it may be fractional)"))
+    elif launch.rollout_actors != 1:
+        p.append(Problem("launch.rollout_actors", "only placement = 'separate' has rollout "
+                         "actors", got=launch.rollout_actors,
+                         hint="set launch.placement = 'separate', or leave it out"))
+    return p
+
 
 def check_dotted_paths(r: Recipe) -> list[Problem]:
     from runner.extensions import is_dotted_path

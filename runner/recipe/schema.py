@@ -320,13 +320,35 @@ class LaunchConfig:
     backend: Literal["local", "torchrun", "ray"] = key(
         "local", "local: every role in one process; torchrun: num_processes policy ranks on this "
         "machine (started by posttrain-run, or by an external torchrun / accelerate launch, "
-        "detected from the environment); ray: reserved, refused in this version."
+        "detected from the environment); ray: num_processes policy ranks as Ray actors in one "
+        "placement group, on a local or an existing Ray cluster (the ray extra)."
     )
     num_processes: int = key(1, "Policy ranks (torchrun / ray); must divide the items per step.")
-    ray_address: str = key("", "Address of a running Ray cluster; empty starts a local one.")
+    ray_address: str = key(
+        "", "ray: address of a running Ray cluster ('127.0.0.1:6379', or 'auto' for the one "
+        "this machine belongs to); empty starts a local single-node cluster on 127.0.0.1 only "
+        "and stops it at the end.")
+    ray_runtime_env: dict[str, Any] = key(
+        {}, "ray: Ray runtime_env of every actor (free-form), e.g. { working_dir = '.' } or "
+        "{ py_modules = ['my_ext'] } so a remote cluster's actors import the recipe's extension "
+        "modules. Empty: the actors use the driver's working directory and PYTHONPATH (a "
+        "cluster on this machine).")
+    cpus_per_rank: float = key(1.0, "ray: CPUs reserved for each policy rank's actor.")
+    gpus_per_rank: float = key(0.0, "ray: GPUs reserved for each policy rank's actor.")
+    placement: Literal["colocated", "separate"] = key(
+        "colocated", "ray: colocated: each rank owns its rollout engine, reference and teacher "
+        "(as under torchrun); separate: the rollout engine runs in launch.rollout_actors actors "
+        "of its own (rank 0 sends them the policy's weights through Ray's object store after "
+        "every update), the frozen reference or OPD teacher in one more; the ranks call them.")
+    rollout_actors: int = key(
+        1, "ray, placement = 'separate': rollout actors; rank r uses actor r % rollout_actors.")
+    cpus_per_role_actor: float = key(
+        1.0, "ray, placement = 'separate': CPUs of each role actor (rollout, reference, teacher).")
+    gpus_per_role_actor: float = key(
+        0.0, "ray, placement = 'separate': GPUs of each role actor (rollout, reference, teacher).")
     collective_timeout_s: float = key(
-        300.0, "Upper bound in seconds of every collective between ranks (a dead rank ends the "
-        "run instead of hanging it).")
+        300.0, "Upper bound in seconds of every collective between ranks and of every call to a "
+        "role's actor (a dead rank or actor ends the run instead of hanging it).")
 
 
 @attrs.frozen
@@ -358,4 +380,5 @@ class Recipe:
 
 
 # Keys whose tables are free-form: any sub-key is accepted (no "+" prefix needed in overrides).
-FREEFORM_KEYS = frozenset({"data.factory_kwargs", "data.validation.factory_kwargs"})
+FREEFORM_KEYS = frozenset({"data.factory_kwargs", "data.validation.factory_kwargs",
+                           "launch.ray_runtime_env"})

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from runner.launch.collective import Collective
 from runner.launch.context import RankContext
@@ -22,7 +23,8 @@ LOOPS: dict[str, str] = {
 
 
 def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collective, source: str,
-               overrides: Sequence[str], plain: bool) -> int:
+               overrides: Sequence[str], plain: bool, roles: Any = None,
+               stop: Callable[[], bool] | None = None) -> int:
     """Run a validated recipe to the end on this rank; returns the exit code (0)."""
     from runner.train.assemble import assemble
 
@@ -30,7 +32,8 @@ def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collect
     loop = importlib.import_module(LOOPS[recipe.algo.kind]).run
     # Leaving the block by any path (an error, Ctrl-C) tears the live view down first.
     with make_reporter(plain) if ctx.is_main else SilentReporter() as reporter:
-        run = assemble(recipe, plan, ctx, comm, reporter, source, overrides)
+        run = assemble(recipe, plan, ctx, comm, reporter, source, overrides, roles=roles,
+                       stop=stop)
         try:
             result = loop(run) | {"metrics": run.metrics.rows}
             comm.barrier()  # leave together: no rank tears its connections down under another

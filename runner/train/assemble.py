@@ -85,6 +85,18 @@ class RunContext:
     rollout: Rollout | None
     metrics: MetricsLog
     has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
+    stop_poll: Callable[[], bool] | None = None  # the launcher asks for a stop (Ray actors)
+    roles: Any = None  # role actors serving this rank (runner.launch.ray_roles.RoleActors)
+
+    def frozen(self, role: str, path: Path, pad_free: bool = False) -> Any:
+        """The frozen model of ``role`` ("reference" or "teacher") loaded from ``path``, scoring
+        padding-free batches when ``pad_free``: in this process, or the role's actor when it has
+        one. Either has ``logprobs`` and ``logits``."""
+        if self.roles is not None and self.roles.frozen_of(role) is not None:
+            return self.roles.remote_frozen(role, self.accelerator.device, pad_free)
+        from runner.train.roles import Frozen
+
+        return Frozen(path, self.recipe, self.accelerator.device, pad_free)
 
     @property
     def rollout_packer(self) -> Any:
@@ -101,8 +113,16 @@ class RunContext:
                             trust_remote_code=m.trust_remote_code, dtype=m.dtype)
 
     def sync_weights(self) -> None:
-        if self.rollout is not None:
+        """The rollout gets the policy's weights. An engine every rank shares (a rollout actor)
+        gets them from rank 0 once, and no rank goes on before it has them."""
+        if self.rollout is None:
+            return
+        if not self.rollout.shared:
             self.rollout.update_weights(self.policy.named_weights())
+            return
+        if self.rank.is_main:
+            self.rollout.update_weights(self.policy.named_weights())
+        self.comm.barrier()
 
     def save(self, step: int, extra: dict[str, Trainable] | None = None) -> Path | None:
         """Checkpoint ``step``: every rank's RNG state goes to rank 0, which writes; the ranks
@@ -228,7 +248,10 @@ class _Steps:
 
 
 def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, reporter: Reporter,
-             source: str, overrides: Sequence[str]) -> RunContext:
+             source: str, overrides: Sequence[str], roles: Any = None,
+             stop: Callable[[], bool] | None = None) -> RunContext:
+    """``roles``: role actors (``runner.launch.ray_roles.RoleActors``) serving this rank; the
+    roles it has none for are built here."""
     from runner.models import load_causal_lm, read_model_type, resolve_model_path
     from runner.packers import build_packer
     from runner.rollout.factory import make_engine
@@ -281,13 +304,18 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     # a rank that failed must not leave the others waiting inside one.
     handshake(comm, ctx, step.failed, fingerprint, hashes)
     accelerator = make_accelerator(recipe)
+    if accelerator.num_processes != ctx.world_size:  # no DDP: the ranks would train apart
+        raise RunnerError(f"Accelerate sees {accelerator.num_processes} process(es) but this is "
+                          f"rank {ctx.rank} of {ctx.world_size}: the launcher did not set RANK, "
+                          "WORLD_SIZE and LOCAL_RANK")
     policy = prepare_trainable(accelerator, model, recipe,
                                pad_free=recipe.train.padding_free and getattr(packer, "can_pack", False),
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
-    rollout = Rollout(make_engine(recipe, model_dir), engine_packer) if generates else None
-    if rollout is not None and lora and ckpt is not None:  # the engine starts from the base
-        rollout.update_weights(policy.named_weights())
+    remote = roles is not None and roles.rollout
+    engine = ((roles.rollout_engine(ctx) if remote else make_engine(recipe, model_dir))
+              if generates else None)
+    rollout = Rollout(engine, engine_packer) if generates else None
     metrics = MetricsLog(plan.metrics_path if ctx.is_main else None,
                          ckpt.metrics_rows if ckpt else [],
                          plan.output_dir / "tensorboard" if recipe.logging.tensorboard and ctx.is_main
@@ -296,9 +324,14 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     reason = held_out_reason(recipe.data, recipe.algo.kind)
     if reason:
         reporter.message(f"held-out evaluation: {reason}")
-    return RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
-                      parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
-                      has_held_out)
+    run = RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
+                     parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
+                     has_held_out, stop, roles)
+    # A rollout actor, and any engine under LoRA (a checkpoint holds adapters only), starts from
+    # the base model.
+    if rollout is not None and ckpt is not None and (remote or lora):
+        run.sync_weights()
+    return run
 
 
 def _codec(base: Path, trust: bool) -> Any:

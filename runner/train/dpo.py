@@ -140,8 +140,7 @@ def held_out(run: DPORun) -> dict[str, float]:
 def run(ctx: RunContext) -> dict[str, Any]:
     algo = ctx.recipe.algo
     assert isinstance(algo, DPOConfig)
-    dpo = DPORun(ctx, algo, Frozen(ctx.model_path, ctx.recipe, ctx.accelerator.device,
-                                         ctx.policy.pad_free),
+    dpo = DPORun(ctx, algo, ctx.frozen("reference", ctx.model_path, ctx.policy.pad_free),
                  build_rewards(ctx.recipe.reward), {})
     if algo.precompute_reference:
         precompute(dpo, ctx.reporter)

@@ -47,8 +47,7 @@ def run(run: RunContext) -> dict[str, Any]:
     algo = run.recipe.algo
     assert isinstance(algo, GRPOConfig)
     rewards = build_rewards(run.recipe.reward)
-    reference = (Frozen(run.model_path, run.recipe, run.accelerator.device,
-                        run.policy.pad_free)
+    reference = (run.frozen("reference", run.model_path, run.policy.pad_free)
                  if algo.kl_beta > 0 else None)
     return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, step),
                     (lambda: evaluate(run, rewards)) if run.has_held_out else None)

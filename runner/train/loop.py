@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from runner.errors import ActorDied
 from runner.train.assemble import RunContext
 
 
@@ -28,18 +29,28 @@ class StopRequests:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, reporter: Any) -> None:
+    def __init__(self, reporter: Any, poll: Callable[[], bool] | None = None) -> None:
         self.reporter = reporter
-        self.requested = False
+        self._requested = False
+        self.poll = poll
         self._old: dict[int, Any] = {}
 
+    @property
+    def requested(self) -> bool:
+        """A signal asked for a stop, or ``poll`` (the launcher's stop flag) says so."""
+        if not self._requested and self.poll is not None and self.poll():
+            self._requested = True
+            self.reporter.message("stop requested: finishing this step, then writing a "
+                                  "checkpoint")
+        return self._requested
+
     def request(self) -> None:
-        self.requested = True
+        self._requested = True
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
+        if self._requested:
             raise KeyboardInterrupt
-        self.requested = True
+        self._requested = True
         self.reporter.message("stop requested: finishing this step, then writing a checkpoint "
                               "(press Ctrl-C again to stop at once)")
 
@@ -67,12 +78,15 @@ def run_loop(run: RunContext, one_step: Callable[[int], dict[str, Any]],
     if held_out is not None and step == 0:
         metrics.write({"step": 0, **held_out()})
     reporter.start(recipe.run.name, last, step)
-    with StopRequests(reporter) as stop:
+    with StopRequests(reporter, run.stop_poll) as stop:
         while step < last:
             step += 1
-            row = {"step": step, **one_step(step)}
-            if held_out is not None and (every(step, recipe.train.eval_every) or step == last):
-                row.update(held_out())
+            try:
+                row = {"step": step, **one_step(step)}
+                if held_out is not None and (every(step, recipe.train.eval_every) or step == last):
+                    row.update(held_out())
+            except ActorDied as exc:  # a role's actor: say in which step it was lost
+                raise ActorDied(f"step {step}: {exc}") from None
             if every(step, recipe.logging.every_steps) or step == last:
                 metrics.write(row)
             reporter.step(step, row)

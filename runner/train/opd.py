@@ -42,8 +42,7 @@ from runner.train.batches import (
 )
 from runner.train.loop import run_loop
 from runner.train.packing import padding_metrics
-from runner.train.policy import completion_grid, forward_logits
-from runner.train.roles import Frozen
+from runner.train.policy import completion_grid
 from runner.train.rollouts import (
     Trajectory,
     evaluate,
@@ -64,9 +63,8 @@ class Teacher:
         from runner.packers import build_packer
 
         self.path: Path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
-        self.frozen = Frozen(self.path, run.recipe, run.accelerator.device,
-                             algo.mode == "same_tokenizer" and run.policy.pad_free)
-        self.model = self.frozen.model
+        self.frozen = run.frozen("teacher", self.path,
+                                 run.policy.pad_free and algo.mode == "same_tokenizer")
         self.mode = algo.mode
         self.device = run.accelerator.device
         self.pad_token_id = run.policy_packer.pad_token_id
@@ -229,4 +227,4 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
 @torch.no_grad()
 def _teacher_logits(teacher: Teacher, batch: Any, temperature: float, vocab: int) -> torch.Tensor:
     """Teacher logits over the student's vocabulary (a padded teacher vocabulary is cut)."""
-    return forward_logits(teacher.model, batch)[..., :vocab] / temperature
+    return teacher.frozen.logits(batch)[..., :vocab] / temperature

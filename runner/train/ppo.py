@@ -91,7 +91,7 @@ def run(run: RunContext) -> dict[str, Any]:
     assert isinstance(algo, PPOConfig)
     rewards = build_rewards(run.recipe.reward)
     # kl_coef = 0: the penalty is 0 whatever the reference says, so none is built or run.
-    reference = (Frozen(run.model_path, run.recipe, run.accelerator.device, run.policy.pad_free)
+    reference = (run.frozen("reference", run.model_path, run.policy.pad_free)
                  if algo.kl_coef > 0 else None)
     critic = build_critic(run)
     return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, critic, step),

@@ -150,6 +150,12 @@ class Frozen:
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
             return batch_logprobs(self.model, batch, temperature, self.pad_free)
 
+    @torch.no_grad()
+    def logits(self, batch: PolicyBatch) -> torch.Tensor:
+        """Next-token logits on the shifted grid [B, T-1, V] (OPD's full KL; outside autocast,
+        as the teacher's logits have always been computed)."""
+        return forward_logits(self.model, batch)
+
 
 class Rollout:
     """The rollout role: the engine and the rollout-side packer that feeds it."""
@@ -157,6 +163,11 @@ class Rollout:
     def __init__(self, engine: RolloutEngine, packer: DataPacker) -> None:
         self.engine = engine
         self.packer = packer
+
+    @property
+    def shared(self) -> bool:
+        """One engine serves every rank (a rollout actor): rank 0 alone updates its weights."""
+        return bool(getattr(self.engine, "shared", False))
 
     def generate(self, items: Sequence[ObsBundle], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:

@@ -1,0 +1,238 @@
+"""Roles in Ray actors of their own (``launch.placement = "separate"``): the rollout engine, the
+frozen reference and the OPD teacher.
+
+A ``RolloutActor`` builds the recipe's engine (hf or vLLM) from the resolved recipe text, as a
+rank would, and serves ``generate`` on token ids: the policy ranks keep the data (the global
+cursor) and the packers, and send it prompts only. A rank reaches it through ``RemoteEngine``,
+which has the ``RolloutEngine`` interface, so the loops do not change.
+
+Weights: after each update rank 0 puts the policy's state dict (CPU tensors) into Ray's object
+store once, every rollout actor loads that one object in place (``update_weights``), and the
+ranks wait at a barrier until it is loaded (``RunContext.sync_weights``). Every call is bounded
+by ``launch.collective_timeout_s``; a dead or silent actor is an ``ActorDied`` error naming it
+(the loop adds the step).
+
+The reference and the teacher: a ``FrozenActor`` loads the role's model (the policy's base
+model, or ``algo.teacher_path``) and scores the batches the ranks send it (``RemoteFrozen``: the
+``Frozen`` interface, ``logprobs`` and ``logits``); batches and results cross as CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from runner.errors import ActorDied, RunnerError
+from runner.launch.payload import Payload
+from runner.recipe.schema import Recipe
+
+
+class RolloutActor:
+    """The rollout engine of a run, in a Ray actor of its own."""
+
+    def __init__(self, index: int, payload: Payload) -> None:
+        self.index = index
+        self.payload = payload
+        self.engine: Any = None
+
+    def __repr__(self) -> str:  # Ray's prefix of this actor's log lines
+        return f"rollout actor {self.index}"
+
+    def hello(self) -> dict[str, Any]:
+        from runner.launch.ray_backend import actor_hello
+
+        return actor_hello()
+
+    def build(self) -> str:
+        """Build the engine now (the driver asks at start, so the first rollout does not wait)."""
+        return self._engine().name
+
+    def _engine(self) -> Any:
+        if self.engine is None:
+            from runner.models import resolve_model_path
+            from runner.rollout.factory import make_engine
+            from runner.ui.quiet import quiet_libraries
+
+            os.chdir(self.payload.cwd)
+            if self.payload.cwd not in sys.path:
+                sys.path.insert(0, self.payload.cwd)
+            quiet_libraries()
+            recipe = self.payload.recipe()
+            self.engine = make_engine(recipe, resolve_model_path(recipe.model.path))
+        return self.engine
+
+    def generate(self, prompts: list[list[int]], sampling: Any, seeds: list[int] | None
+                 ) -> list[Any]:
+        return self._engine().generate(prompts, sampling, seeds)
+
+    def update_weights(self, state: dict[str, Any]) -> int:
+        """Load the policy's weights (one object of the store, shared by every actor)."""
+        self._engine().update_weights(state.items())
+        return len(state)
+
+
+class FrozenActor:
+    """The frozen reference or teacher of a run, in a Ray actor of its own."""
+
+    def __init__(self, role: str, payload: Payload) -> None:
+        self.role = role
+        self.payload = payload
+        self.model: Any = None
+
+    def __repr__(self) -> str:
+        return f"{self.role} actor"
+
+    def hello(self) -> dict[str, Any]:
+        from runner.launch.ray_backend import actor_hello
+
+        return actor_hello()
+
+    def build(self, pad_free: bool = False) -> str:
+        if self.model is None:
+            import torch
+
+            from runner.models import resolve_model_path
+            from runner.train.roles import Frozen
+            from runner.ui.quiet import quiet_libraries
+
+            os.chdir(self.payload.cwd)
+            if self.payload.cwd not in sys.path:
+                sys.path.insert(0, self.payload.cwd)
+            quiet_libraries()
+            recipe = self.payload.recipe()
+            path = (resolve_model_path(recipe.algo.teacher_path, key="algo.teacher_path")
+                    if self.role == "teacher" else resolve_model_path(recipe.model.path))
+            cuda = recipe.run.device != "cpu" and torch.cuda.is_available()
+            self.model = Frozen(path, recipe, "cuda" if cuda else "cpu", pad_free)
+        self.model.pad_free = pad_free  # the layout of the batches the ranks send
+        return self.role
+
+    def logprobs(self, batch: Any, temperature: float, pad_free: bool) -> tuple[Any, Any]:
+        self.build(pad_free)
+        lp, mask = self.model.logprobs(batch.to(self.model.device_type), temperature)
+        return lp.cpu(), mask.cpu()
+
+    def logits(self, batch: Any, pad_free: bool) -> Any:
+        self.build(pad_free)
+        return self.model.logits(batch.to(self.model.device_type)).cpu()
+
+
+@attrs.frozen
+class RoleActors:
+    """The role actors a rank calls (plain handles: Ray pickles them)."""
+
+    rollout: tuple[Any, ...] = ()
+    timeout_s: float = 300.0
+    frozen: tuple[tuple[str, Any], ...] = ()  # (role, actor): "reference", "teacher"
+
+    def rollout_engine(self, ctx: Any) -> RemoteEngine:
+        """Rank ``ctx.rank``'s engine: actor ``rank % len(rollout)``."""
+        return RemoteEngine(self.rollout, ctx.rank % len(self.rollout), self.timeout_s)
+
+    def frozen_of(self, role: str) -> Any:
+        return dict(self.frozen).get(role)
+
+    def remote_frozen(self, role: str, device: Any, pad_free: bool = False) -> RemoteFrozen:
+        return RemoteFrozen(self.frozen_of(role), role, device, self.timeout_s, pad_free)
+
+
+class RemoteFrozen:
+    """The ``Frozen`` interface of a model that lives in a ``FrozenActor``."""
+
+    def __init__(self, actor: Any, role: str, device: Any, timeout_s: float,
+                 pad_free: bool = False) -> None:
+        self.actor, self.role, self.device, self.timeout_s = actor, role, device, timeout_s
+        self.pad_free = pad_free
+
+    def logprobs(self, batch: Any, temperature: float = 1.0) -> tuple[Any, Any]:
+        ref = self.actor.logprobs.remote(batch.to("cpu"), temperature, self.pad_free)
+        lp, mask = _get(ref, "scoring", f"the {self.role} actor", self.timeout_s)
+        return lp.to(self.device), mask.to(self.device)
+
+    def logits(self, batch: Any) -> Any:
+        ref = self.actor.logits.remote(batch.to("cpu"), self.pad_free)
+        return _get(ref, "scoring", f"the {self.role} actor", self.timeout_s).to(self.device)
+
+
+def _get(refs: Any, what: str, who: str, timeout_s: float) -> Any:
+    """``ray.get`` with the run's time bound; a dead, silent or failing actor is named."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ActorDied(f"{who} did not finish {what} within {timeout_s:g} s "
+                        "(launch.collective_timeout_s)") from None
+    except ray.exceptions.RayActorError as exc:
+        lines = str(exc).strip().splitlines()
+        raise ActorDied(f"{who} died during {what} ({lines[0] if lines else 'no reason'})"
+                        ) from None
+    except ray.exceptions.RayTaskError as exc:  # the role raised: its own error
+        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        raise RunnerError(f"{who}: {what} failed: {type(cause).__name__}: {cause}") from None
+
+
+class RemoteEngine:
+    """A ``RolloutEngine`` whose engine lives in a rollout actor."""
+
+    name = "remote"
+    shared = True  # rank 0 alone sends weights (to every actor)
+
+    def __init__(self, actors: Sequence[Any], index: int, timeout_s: float) -> None:
+        self.actors, self.index, self.timeout_s = tuple(actors), index, timeout_s
+
+    def _get(self, refs: Any, what: str, who: str) -> Any:
+        return _get(refs, what, who, self.timeout_s)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Any,
+                 seeds: Sequence[int] | None = None) -> list[Any]:
+        ref = self.actors[self.index].generate.remote(
+            [list(p) for p in prompts], sampling, None if seeds is None else list(seeds))
+        return self._get(ref, "a rollout", f"rollout actor {self.index}")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        import ray
+
+        state = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+        ref = ray.put(state)  # once, whatever the number of actors
+        loads = [actor.update_weights.remote(ref) for actor in self.actors]
+        for i, load in enumerate(loads):
+            self._get(load, "a weight sync", f"rollout actor {i}")
+
+    def close(self) -> None:
+        """The driver stops the actors when the run ends."""
+
+
+def frozen_roles(recipe: Recipe) -> list[str]:
+    """The frozen roles of a recipe's algorithm (each gets an actor under 'separate')."""
+    algo = recipe.algo
+    if algo.kind == "opd":
+        return ["teacher"]
+    if (algo.kind == "dpo" or (algo.kind == "ppo" and algo.kl_coef > 0)
+            or (algo.kind == "grpo" and algo.kl_beta > 0)):
+        return ["reference"]
+    return []
+
+
+def start_frozen_actors(ray: Any, payload: Payload, recipe: Recipe, env: dict[str, Any],
+                        placements: list[Any]) -> list[tuple[str, Any]]:
+    launch = recipe.launch
+    cls = ray.remote(FrozenActor)
+    return [(role, cls.options(num_cpus=launch.cpus_per_role_actor,
+                               num_gpus=launch.gpus_per_role_actor, runtime_env=env,
+                               scheduling_strategy=where, max_restarts=0).remote(role, payload))
+            for role, where in zip(frozen_roles(recipe), placements, strict=True)]
+
+
+def start_rollout_actors(ray: Any, payload: Payload, recipe: Recipe, env: dict[str, Any],
+                         placements: list[Any]) -> list[Any]:
+    launch = recipe.launch
+    cls = ray.remote(RolloutActor)
+    return [cls.options(num_cpus=launch.cpus_per_role_actor,
+                        num_gpus=launch.gpus_per_role_actor, runtime_env=env,
+                        scheduling_strategy=where, max_restarts=0).remote(i, payload)
+            for i, where in enumerate(placements)]
