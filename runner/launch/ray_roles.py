@@ -28,6 +28,7 @@ import attrs
 
 from runner.errors import ActorDied, RunnerError
 from runner.launch.payload import Payload
+from runner.packers.base import as_engine_prompt
 from runner.recipe.schema import Recipe
 
 
@@ -65,7 +66,7 @@ class RolloutActor:
             self.engine = make_engine(recipe, resolve_model_path(recipe.model.path))
         return self.engine
 
-    def generate(self, prompts: list[list[int]], sampling: Any, seeds: list[int] | None
+    def generate(self, prompts: list[Any], sampling: Any, seeds: list[int] | None
                  ) -> list[Any]:
         return self._engine().generate(prompts, sampling, seeds)
 
@@ -188,10 +189,13 @@ class RemoteEngine:
     def _get(self, refs: Any, what: str, who: str) -> Any:
         return _get(refs, what, who, self.timeout_s)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Any,
+    def generate(self, prompts: Sequence[Any], sampling: Any,
                  seeds: Sequence[int] | None = None) -> list[Any]:
+        # Engine prompts (the packer's ``EnginePrompt``: ids, and for a multimodal model its
+        # media) are the project's own plain records; they travel as they are.
         ref = self.actors[self.index].generate.remote(
-            [list(p) for p in prompts], sampling, None if seeds is None else list(seeds))
+            [as_engine_prompt(p) for p in prompts], sampling,
+            None if seeds is None else list(seeds))
         return self._get(ref, "a rollout", f"rollout actor {self.index}")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:

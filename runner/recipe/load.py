@@ -39,8 +39,13 @@ def toml_loads(text: str) -> dict[str, Any]:
     """``tomllib.loads`` that fails only with ``TOMLDecodeError`` or ``UnreadableValue``.
 
     tomllib itself raises ``ValueError`` for an integer of more than Python's 4,300 digits and
-    ``RecursionError`` for arrays or tables nested a few hundred deep.
+    ``RecursionError`` for arrays or tables nested a few hundred deep. Both limits are process
+    settings that an imported library may have raised (some lift the digit limit or the
+    recursion limit when imported), so they are set to Python's defaults while reading.
     """
+    digits, depth = sys.get_int_max_str_digits(), sys.getrecursionlimit()
+    sys.set_int_max_str_digits(_MAX_INT_DIGITS)
+    sys.setrecursionlimit(_RECURSION_LIMIT)
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError:
@@ -50,8 +55,15 @@ def toml_loads(text: str) -> dict[str, Any]:
     except ValueError as exc:
         if "digits" in str(exc):
             raise UnreadableValue("holds an integer too long to read (more than "
-                                  f"{sys.get_int_max_str_digits()} digits)") from None
+                                  f"{_MAX_INT_DIGITS} digits)") from None
         raise UnreadableValue(str(exc)) from None
+    finally:
+        sys.set_int_max_str_digits(digits)
+        sys.setrecursionlimit(depth)
+
+
+_MAX_INT_DIGITS = 4300  # Python's default
+_RECURSION_LIMIT = 1000  # Python's default
 
 
 def parse_value(text: str) -> Any:
