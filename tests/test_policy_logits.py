@@ -67,14 +67,23 @@ def test_padding_free_rows_hold_every_sequence_once_with_restarting_positions():
         assert p.rows.input_ids_BT[r, o:o + n].tolist() == list(x.input_ids)
         assert p.rows.position_ids_BT[r, o:o + n].tolist() == list(range(n))
         assert p.rows.seq_ids_BT[r, o:o + n].tolist() == [b] * n
+    from runner.train.packing import packed_logprobs, worth_packing
+
+    assert worth_packing(p, batch)  # 56 positions instead of 84
+    same = collate([RLPolicyInput((5, 6, 7, 8), (0, 0, 1, 1), 2)] * 3, 0)
+    assert not worth_packing(pack(same), same)  # rows of 128 would only add positions
+    assert packed_logprobs(None, same, 1.0) is None  # the caller runs it padded
     wide = pack(batch, row_tokens=32)
     assert wide.rows.input_ids_BT.shape == (2, 32)  # 14+12+5 | 9+7+6
     assert wide.padded_tokens == 64 - 53
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_padding_free_logprobs_and_gradients_equal_padded_ones(dtype):
+def test_padding_free_logprobs_and_gradients_equal_padded_ones(dtype, monkeypatch):
+    import runner.train.packing as packing
     from runner.models import load_causal_lm
+
+    monkeypatch.setattr(packing, "ROW_TOKENS", 14)  # rows of 14: 56 positions packed, 84 padded
 
     model = load_causal_lm("builtin:tiny-arith", dtype=str(dtype).removeprefix("torch."))
     batch = collate(_ragged_inputs(), 0)

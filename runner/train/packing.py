@@ -40,7 +40,7 @@ class Packed:
 ROW_TOKENS = 128
 
 
-def pack(batch: PolicyBatch, pad_token_id: int = 0, row_tokens: int = ROW_TOKENS) -> Packed:
+def pack(batch: PolicyBatch, pad_token_id: int = 0, row_tokens: int | None = None) -> Packed:
     """Lay the sequences of a right-padded ``batch`` into as few rows of ``row_tokens``
     positions (at least the longest sequence) as they fit. A batch with packer-owned model
     inputs (images, per-token types) or without 1-D positions cannot be packed: ValueError."""
@@ -48,7 +48,7 @@ def pack(batch: PolicyBatch, pad_token_id: int = 0, row_tokens: int = ROW_TOKENS
         raise ValueError("this batch carries model inputs beyond ids and 1-D positions (a "
                          "multimodal packer's); it cannot run padding-free")
     lengths = [int(n) for n in batch.attention_mask_BT.sum(-1).tolist()]
-    capacity = max(max(lengths), row_tokens)
+    capacity = max(max(lengths), ROW_TOKENS if row_tokens is None else row_tokens)
     fill: list[int] = []
     where: list[tuple[int, int]] = [(0, 0)] * len(lengths)
     for b in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -82,16 +82,28 @@ def padding_metrics(batch: PolicyBatch, pad_free: bool) -> dict[str, float]:
     if not pad_free:
         return {"batch/padding_share": padded, "batch/padding_share_run": padded}
     p = pack(batch)
+    if not worth_packing(p, batch):
+        return {"batch/padding_share": padded, "batch/padding_share_run": padded}
     return {"batch/padding_share": padded,
             "batch/padding_share_run": p.padded_tokens / p.rows.input_ids_BT.numel()}
 
 
+def worth_packing(p: Packed, batch: PolicyBatch) -> bool:
+    """Packing pays only when the packed rows hold fewer positions than the padded batch
+    (sequences of nearly one length gain nothing and pay for the longer rows' attention)."""
+    return p.rows.input_ids_BT.numel() < batch.input_ids_BT.numel()
+
+
 def packed_logprobs(model: Any, batch: PolicyBatch, temperature: float, pad_token_id: int = 0,
-                    takes_logits_to_keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    takes_logits_to_keep: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``batch_logprobs`` of a padded batch computed on its packed rows: (logprobs_BT, mask_BT)
     on the padded batch's shifted grid [B, T-1], 0 off the loss mask. The LM head runs only on
-    the packed columns some loss token is predicted from."""
+    the packed columns some loss token is predicted from. None when packing would compute no
+    fewer positions than the padded batch (``worth_packing``): the caller runs it padded."""
     p = pack(batch, pad_token_id)
+    if not worth_packing(p, batch):
+        return None
     B, T = batch.input_ids_BT.shape
     mask_BT = batch.loss_mask_BT[:, 1:].bool()
     b_idx, t_idx = mask_BT.nonzero(as_tuple=True)

@@ -68,8 +68,10 @@ def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0,
     if pad_free and not batch.packed and batch.input_ids_BT.shape[0] > 1:
         from runner.train.packing import packed_logprobs
 
-        return packed_logprobs(model, batch, temperature,
-                               takes_logits_to_keep=_takes_logits_to_keep(model))
+        packed = packed_logprobs(model, batch, temperature,
+                                 takes_logits_to_keep=_takes_logits_to_keep(model))
+        if packed is not None:
+            return packed
     start = first_loss_column(batch)
     logits = forward_logits(model, batch, start, upcast=False)  # bf16 stays bf16 (chunked)
     lp = token_logprobs(logits, batch.input_ids_BT[:, 1 + start:], temperature)
