@@ -53,15 +53,9 @@ VERSIONED = ("posttrain-runner", "torch", "transformers", "ray", "accelerate", "
 
 def package_versions() -> dict[str, str]:
     """Python and the versions of the packages a rank runs (absent ones left out)."""
-    from importlib import metadata
+    from runner.recipe.resolved import package_versions as installed
 
-    out = {"python": ".".join(map(str, sys.version_info[:3]))}
-    for name in VERSIONED:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+    return {"python": ".".join(map(str, sys.version_info[:3])), **installed(VERSIONED)}
 
 
 def actor_hello() -> dict[str, Any]:

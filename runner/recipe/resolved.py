@@ -29,9 +29,10 @@ def recipe_hash(recipe: Recipe) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def package_versions() -> dict[str, str]:
+def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str]:
+    """The installed versions of ``names`` (absent ones left out)."""
     versions = {}
-    for name in PACKAGES:
+    for name in names:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
