@@ -7,7 +7,8 @@ dropped (warm-up). Peak RSS is the child process's.
 Run: ``.venv/bin/python benchmarks/bench_steps.py recipes/grpo-arith.toml [--steps 6] [KEY=VALUE ...]``.
 Prints a markdown table row: recipe, s/step, shares of rollout / reward / update / sync, the
 share of padded positions in the training batches (padded -> as computed, i.e. after packing when
-``train.padding_free``), peak RSS.
+``train.padding_free``) with the positions computed as a share of the padded batch's (fewer when
+prompts are shared), peak RSS.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def main() -> None:
         before = statistics.mean(r["batch/padding_share"] for r in rows)
         after = statistics.mean(r["batch/padding_share_run"] for r in rows)
         padding = f"{100 * before:.0f}% -> {100 * after:.0f}%"
+        if all("batch/positions_share" in r for r in rows):
+            share = statistics.mean(r["batch/positions_share"] for r in rows)
+            padding += f" ({100 * share:.0f}% of the padded positions)"
     print(f"| {args.recipe} {' '.join(args.overrides)} | {statistics.median(per_step):.2f} | "
           f"{split} | {padding} | {rss_mb:.0f} |")
 

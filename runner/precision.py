@@ -10,6 +10,7 @@ imports torch at module level: the dry run and the validator call it too.
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 from pathlib import Path
 
 import attrs
@@ -92,3 +93,22 @@ def resolve(recipe: Recipe, device: str | None = None) -> Precision:
     else:
         ewhy = f"rollout.dtype {engine}"
     return Precision(train, engine, f"{why}; {ewhy}")
+
+
+def training_attention(device_type: str, bf16: bool) -> Any:
+    """The attention kernels of a forward that will be differentiated, as a context manager.
+
+    On CPU under bf16 autocast that is SDPA's plain (math) kernel: torch's fused CPU
+    flash-attention backward is slow in bf16 (SmolLM2-135M, 24 x 40 tokens: 4.0 s forward and
+    backward with it, 2.1 s with the math kernel; the same either way in fp32 and for no-grad
+    forwards, benchmarks/README.md). Anywhere else, and for forwards without gradients, the
+    default choice of kernels is left alone."""
+    import contextlib
+
+    import torch
+
+    if device_type == "cpu" and bf16 and torch.is_grad_enabled():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()

@@ -74,8 +74,10 @@ def test_padding_free_rows_hold_every_sequence_once_with_restarting_positions():
     assert not worth_packing(pack(same), same)  # rows of 128 would only add positions
     assert packed_logprobs(None, same, 1.0) is None  # the caller runs it padded
     wide = pack(batch, row_tokens=32)
-    assert wide.rows.input_ids_BT.shape == (2, 32)  # 14+12+5 | 9+7+6
+    assert wide.rows.input_ids_BT.shape == (2, 32)  # 14+12+6 | 9+7+5
     assert wide.padded_tokens == 64 - 53
+    # rows as long as the fullest: 14+12+9 | 7+6+5 in rows of at most 36
+    assert pack(batch, row_tokens=36).rows.input_ids_BT.shape == (2, 35)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -98,3 +100,84 @@ def test_padding_free_logprobs_and_gradients_equal_padded_ones(dtype, monkeypatc
     # Gradients: sums over every position, so fp32 rounding shows element-wise; the norm of
     # the difference is what is compared (fp64 shows the math is the same to 1e-12).
     assert float((g_free - g_padded).norm() / g_padded.norm()) < tol
+
+
+def _grouped_inputs() -> list[RLPolicyInput]:
+    """Three prompts (7, 4 and 9 tokens) with 3, 2 and 1 completions of 1-6 tokens, interleaved
+    as a minibatch draws them, and one sequence with no loss token."""
+    prompts = [tuple(3 + (5 * j) % 40 for j in range(7)), (9, 8, 7, 6), tuple(range(20, 29))]
+    rows = [(0, 3), (1, 2), (0, 6), (2, 4), (1, 1), (0, 2)]  # (prompt, completion tokens)
+    out = [RLPolicyInput(prompts[g] + tuple(30 + (3 * i + j) % 17 for j in range(k)),
+                         (0,) * len(prompts[g]) + (1,) * k, len(prompts[g]))
+           for i, (g, k) in enumerate(rows)]
+    return [*out, RLPolicyInput((4, 5, 6), (0, 0, 0), 3)]
+
+
+def test_shared_prompts_are_laid_out_once_with_each_completion_after_them():
+    from runner.train.packing import choose_layout, share_prompts
+
+    inputs = _grouped_inputs()
+    batch = collate(inputs, 0)
+    p = share_prompts(batch)
+    R, C = p.rows.input_ids_BT.shape
+    # 7 + (3 + 6 + 2) | 4 + (2 + 1) | 9 + 4 in one row: 38 positions, none of them padding,
+    # against 7 x 13 = 91 padded and 53 packed
+    assert (R, C) == (1, 38) and p.filled == 38 and p.padded_tokens == 0
+    flat_ids = p.rows.input_ids_BT.reshape(-1)
+    flat_pos = p.rows.position_ids_BT.reshape(-1)
+    allowed = p.attention[0, 0]
+    for b, x in enumerate(inputs[:-1]):
+        n = len(x.input_ids)
+        where = p.place_BT[b, :n]
+        assert flat_ids[where].tolist() == list(x.input_ids)
+        assert flat_pos[where].tolist() == list(range(n))  # positions continue the prompt's
+        # each token attends to exactly the tokens of its own sequence up to itself
+        for t in range(n):
+            seen = allowed[where[t]].nonzero().flatten().tolist()
+            assert seen == sorted(where[:t + 1].tolist())
+    assert (p.place_BT[len(inputs) - 1] == -1).all()  # no loss token: not computed
+    # the prompts of rows 0, 2, 5 (and 1, 4) are the same positions
+    assert torch.equal(p.place_BT[0, :7], p.place_BT[2, :7])
+    assert torch.equal(p.place_BT[1, :4], p.place_BT[4, :4])
+    assert choose_layout(batch, mask_kind="bool") is not None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shared_prompt_logprobs_and_gradients_equal_padded_ones(attn, dtype):
+    from runner.models import load_causal_lm
+    from runner.train.packing import choose_layout, pack
+
+    model = load_causal_lm("builtin:tiny-arith", dtype=str(dtype).removeprefix("torch."))
+    model.set_attn_implementation(attn)
+    batch = collate(_grouped_inputs(), 0)
+    layout = choose_layout(batch, mask_kind="bool")
+    assert layout is not None and layout.attention is not None  # shared prompts were chosen
+    assert layout.positions < pack(batch).positions
+    padded, mask = batch_logprobs(model, batch, 0.8)
+    (g_padded,) = torch.autograd.grad((padded * mask).sum(), model.model.embed_tokens.weight)
+    free, mask_free = batch_logprobs(model, batch, 0.8, pad_free=True)
+    (g_free,) = torch.autograd.grad((free * mask_free).sum(), model.model.embed_tokens.weight)
+    assert torch.equal(mask, mask_free)
+    # fp64 through SDPA shows the layout computes the same function to 1e-12. Eager attention
+    # takes its softmax in float32 whatever the model's dtype, and every model's RMSNorm computes
+    # in float32: the prompt's gradient, summed over its completions in another order, and eager's
+    # softmax over rows with more masked entries round differently, at float32's level.
+    tol = 1e-12 if (dtype, attn) == (torch.float64, "sdpa") else 1e-5
+    torch.testing.assert_close(free[mask], padded[mask], rtol=0, atol=tol)
+    assert (free[~mask] == 0).all()
+    assert float((g_free - g_padded).norm() / g_padded.norm()) < (1e-5 if dtype == torch.float32 else 1e-6)
+
+
+def test_flash_attention_models_fall_back_to_block_diagonal_packing():
+    from runner.train.packing import attention_mask_kind, choose_layout
+
+    class Config:
+        _attn_implementation = "flash_attention_2"
+
+    class Model:
+        config = Config()
+
+    assert attention_mask_kind(Model()) is None
+    layout = choose_layout(collate(_grouped_inputs(), 0), mask_kind=None)
+    assert layout is None or layout.attention is None

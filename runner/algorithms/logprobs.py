@@ -42,40 +42,64 @@ def chunked_token_logprobs(logits_BTV: Tensor, labels_BT: Tensor,
     (d/dlogits = grad x (onehot(label) - softmax)) instead of keeping float32 [B, T, V]
     activations. Labels must be valid indices. [B, T, V], [B, T] -> [B, T]."""
     B, T, V = logits_BTV.shape
-    rows = max(1, chunk_elements // max(1, V))
-    out_N = _SelectedLogprob.apply(logits_BTV.reshape(B * T, V), labels_BT.reshape(B * T), rows,
-                                   float(temperature))
+    rows_N = torch.arange(B * T, device=logits_BTV.device)
+    out_N = indexed_token_logprobs(logits_BTV.reshape(B * T, V), rows_N, labels_BT.reshape(B * T),
+                                   temperature, chunk_elements, direct=False)
     return out_N.view(B, T)
 
 
-class _SelectedLogprob(torch.autograd.Function):
+def indexed_token_logprobs(logits_NV: Tensor, rows_M: Tensor, labels_M: Tensor,
+                           temperature: float = 1.0, chunk_elements: int = CHUNK_ELEMENTS,
+                           direct: bool | None = None) -> Tensor:
+    """log softmax(logits_NV[rows_M] / temperature)[labels_M], >= float32: [N, V], [M], [M] ->
+    [M]. Several labels may be read from one row (sequences that share a prompt are all
+    predicted from its last position); the softmax of a row is computed once however many read
+    it. Small float32/64 logits take log_softmax directly; larger or reduced-precision ones the
+    chunked form (no float32 copy of more than ``chunk_elements`` logits, forward or backward).
+    """
+    N, V = logits_NV.shape
+    if direct is None:
+        direct = logits_NV.dtype in (torch.float32, torch.float64) and N * V <= DIRECT_MAX_ELEMENTS
+    if direct:
+        scaled = logits_NV / temperature if temperature != 1.0 else logits_NV
+        return torch.log_softmax(scaled, dim=-1)[rows_M, labels_M]
+    rows = max(1, chunk_elements // max(1, V))
+    return _IndexedLogprob.apply(logits_NV, rows_M, labels_M, rows, float(temperature))
+
+
+class _IndexedLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits_NV: Tensor, labels_N: Tensor, rows: int, temp: float) -> Tensor:
+    def forward(ctx: Any, logits_NV: Tensor, rows_M: Tensor, labels_M: Tensor, rows: int,
+                temp: float) -> Tensor:
         N = logits_NV.shape[0]
         acc = torch.promote_types(logits_NV.dtype, torch.float32)
-        out_N = torch.empty(N, dtype=acc, device=logits_NV.device)
         lse_N = torch.empty(N, dtype=acc, device=logits_NV.device)
         for s in range(0, N, rows):
-            x = at_least_float32(logits_NV[s:s + rows]) / temp
-            lse = torch.logsumexp(x, dim=-1)
-            lse_N[s:s + rows] = lse
-            out_N[s:s + rows] = x.gather(-1, labels_N[s:s + rows, None]).squeeze(-1) - lse
-        ctx.save_for_backward(logits_NV, labels_N, lse_N)
+            lse_N[s:s + rows] = torch.logsumexp(at_least_float32(logits_NV[s:s + rows]) / temp, dim=-1)
+        picked_M = at_least_float32(logits_NV[rows_M, labels_M]) / temp
+        ctx.save_for_backward(logits_NV, rows_M, labels_M, lse_N)
         ctx.rows, ctx.temp = rows, temp
-        return out_N
+        return picked_M - lse_N[rows_M]
 
     @staticmethod
-    def backward(ctx: Any, grad_N: Tensor) -> tuple[Tensor | None, None, None, None]:
-        logits_NV, labels_N, lse_N = ctx.saved_tensors
-        grad_NV = torch.empty_like(logits_NV)
+    def backward(ctx: Any, grad_M: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        logits_NV, rows_M, labels_M, lse_N = ctx.saved_tensors
         rows, temp = ctx.rows, ctx.temp
-        for s in range(0, logits_NV.shape[0], rows):
-            g = grad_N[s:s + rows, None] / temp
+        g_M = grad_M.to(lse_N.dtype) / temp
+        # d/dlogits of sum_m g_m (x[r_m, l_m] - lse[r_m]) = onehot terms - softmax x (sum of g per row)
+        g_N = torch.zeros_like(lse_N).index_add_(0, rows_M, g_M)
+        order = torch.argsort(rows_M, stable=True)
+        rows_sorted = rows_M[order]
+        starts = torch.arange(0, logits_NV.shape[0] + rows, rows, device=rows_M.device)
+        bounds = torch.searchsorted(rows_sorted, starts).tolist()  # each chunk's labels
+        grad_NV = torch.empty_like(logits_NV)
+        for i, s in enumerate(range(0, logits_NV.shape[0], rows)):
             x = at_least_float32(logits_NV[s:s + rows]) / temp
-            d = torch.exp(x - lse_N[s:s + rows, None]).mul_(-g)
-            d.scatter_add_(-1, labels_N[s:s + rows, None], g)
-            grad_NV[s:s + rows] = d
-        return grad_NV, None, None, None
+            d = torch.exp(x - lse_N[s:s + rows, None]).mul_(-g_N[s:s + rows, None])
+            take = order[bounds[i]:bounds[i + 1]]  # the labels read from this chunk's rows
+            d.index_put_((rows_M[take] - s, labels_M[take]), g_M[take], accumulate=True)
+            grad_NV[s:s + rows] = d  # one rounding to the logits' dtype
+        return grad_NV, None, None, None, None
 
 
 def sequence_logprobs(logits_BTV: Tensor, labels_BT: Tensor, mask_BT: Tensor) -> Tensor:

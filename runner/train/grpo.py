@@ -30,7 +30,6 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
-from runner.train.packing import padding_metrics
 from runner.train.policy import completion_grid
 from runner.train.roles import Frozen
 from runner.train.rollouts import (
@@ -137,6 +136,6 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
     out = reduce_history(run.comm, history)
     out["lr"] = policy.scheduler.get_last_lr()[0]
     out["adv_abs_mean"] = float(adv_all.abs().mean())
-    out.update(rank_mean(run.comm, padding_metrics(batch, policy.pad_free)))
+    out.update(rank_mean(run.comm, policy.padding_metrics(batch)))
     out["rollout/logprob_gap"] = max(run.comm.gather(float(torch.stack(gaps).max())))
     return out

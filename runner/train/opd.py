@@ -41,7 +41,6 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
-from runner.train.packing import padding_metrics
 from runner.train.policy import completion_grid
 from runner.train.rollouts import (
     Trajectory,
@@ -217,7 +216,7 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
     t4 = time.perf_counter()
     reward_sum, n = run.comm.sum([sum(traj.rewards), len(traj.rewards)])
     return {"reward/mean": reward_sum / n, **rank_mean(run.comm, traj.reward_parts),
-            **rank_mean(run.comm, padding_metrics(batch, run.policy.pad_free)),
+            **rank_mean(run.comm, run.policy.padding_metrics(batch)),
             **reduce_history(run.comm, history), **item_ids_metric(traj),
             "lr": run.policy.scheduler.get_last_lr()[0],
             "time/rollout": t1 - t0, "time/teacher": t2 - t1, "time/update": t3 - t2,

@@ -97,9 +97,17 @@ def completion_grid(inputs: Sequence[RLPolicyInput], values: Sequence[Sequence[f
 
 
 def make_optimizer(model: Any, cfg: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters: torch's fused kernel where the parameters live on a
+    device it has one for (CPU, CUDA; one pass over each tensor instead of a dozen), else the
+    multi-tensor ``foreach`` form. Both compute the same update (to the last bit or so); the
+    fused step of SmolLM2-135M's fp32 state takes a fifth of the time on two CPU cores
+    (benchmarks/README.md)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                                 for p in params)
     return torch.optim.AdamW(params, lr=lr or cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             weight_decay=cfg.weight_decay, foreach=True)
+                             weight_decay=cfg.weight_decay,
+                             **({"fused": True} if fused else {"foreach": True}))
 
 
 def lr_factor(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:

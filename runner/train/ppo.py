@@ -31,7 +31,6 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
-from runner.train.packing import padding_metrics
 from runner.train.policy import completion_grid
 from runner.train.roles import Frozen, Trainable, disable_dropout, prepare_trainable
 from runner.train.rollouts import evaluate, item_ids_metric, sample, score
@@ -172,7 +171,7 @@ def _one_step(run: RunContext, algo: PPOConfig, rewards: Any, reference: Frozen 
     r = torch.tensor(gather_rows(run.comm, layout, traj.rewards))
     return {"reward/mean": float(r.mean()), "reward/max": float(r.max()),
             **rank_mean(run.comm, traj.reward_parts),
-            **rank_mean(run.comm, padding_metrics(batch, run.policy.pad_free)),
+            **rank_mean(run.comm, run.policy.padding_metrics(batch)),
             "kl": kl_sum / max(1.0, n_tok), "rollout/logprob_gap": max(run.comm.gather(gap)), "lr": run.policy.scheduler.get_last_lr()[0], **reduce_history(run.comm, history), **item_ids_metric(traj),
             "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
             "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}

@@ -34,15 +34,30 @@ class Trainable:
 
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch_logprobs(self.model, batch, temperature, self.pad_free)
+        with self._attention():
+            return batch_logprobs(self.model, batch, temperature, self.pad_free)
 
     def logits(self, batch: PolicyBatch) -> torch.Tensor:
         """Next-token logits on the shifted grid [B, T-1, V] (a language model)."""
-        return forward_logits(self.model, batch)
+        with self._attention():
+            return forward_logits(self.model, batch)
 
     def __call__(self, batch: PolicyBatch) -> torch.Tensor:
         """The module's own output (a critic's values)."""
-        return self.model(batch)
+        with self._attention():
+            return self.model(batch)
+
+    def padding_metrics(self, batch: PolicyBatch) -> dict[str, float]:
+        """The padded share of ``batch`` and of the layout this module's forwards compute it in."""
+        from runner.train.packing import attention_mask_kind, padding_metrics
+
+        return padding_metrics(batch, self.pad_free, attention_mask_kind(self.model))
+
+    def _attention(self) -> Any:
+        from runner.precision import training_attention
+
+        return training_attention(self.accelerator.device.type,
+                                  self.accelerator.mixed_precision == "bf16")
 
     def unwrapped(self) -> Any:
         return self.accelerator.unwrap_model(self.model)
