@@ -94,22 +94,34 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
     batch = run.policy_packer.collate(inputs).to(device)
     width = batch.input_ids_BT.shape[1] - 1
     temperature = recipe.rollout.temperature
-    # One pass in one minibatch over freshly sampled data: the behaviour logprobs are the
-    # training forward's own (detached), so no separate scoring forward is needed.
-    on_policy = algo.ppo_epochs == 1 and algo.minibatches == 1 and algo.old_logprobs == "policy"
+    tokens = [float(t) for t in batch.loss_mask_BT[:, 1:].sum(-1).tolist()]
+    weights = gather_rows(run.comm, layout, tokens if algo.loss_agg == "token_mean" else
+                          [1.0] * len(tokens))
+    epochs = [minibatches(layout, weights, algo.minibatches,
+                          step_seed(recipe.run.seed, step, salt=1 + epoch))
+              for epoch in range(algo.ppo_epochs)]
+    # The first optimizer step trains on freshly sampled data with the weights that sampled it:
+    # its rows' behaviour logprobs are that step's own forward (detached). Only the other rows
+    # need a separate scoring forward, and none when there is one epoch of one minibatch.
+    first_rows = set(epochs[0][0].rows)
+    others = [r for r in range(len(traj.completions)) if r not in first_rows]
     with torch.no_grad():
         engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions], width).to(device)
         old_BT = engine_BT if algo.old_logprobs == "engine" else None
-        if not on_policy and old_BT is None:
-            old_BT = policy.logprobs(batch, temperature)[0]
+        if algo.old_logprobs == "policy":
+            dtype = torch.promote_types(next(policy.model.parameters()).dtype, torch.float32)
+            old_BT = torch.zeros_like(engine_BT, dtype=dtype)
+            if others:
+                rows = torch.tensor(others, device=device)
+                scored = policy.logprobs(select_rows(batch, rows), temperature)[0]
+                old_BT[rows, :scored.shape[1]] = scored
         ref_BT = reference.logprobs(batch, temperature)[0] if reference is not None else None
     # The first optimizer step's forwards run the weights the engine sampled with: their
     # logprobs of the sampled tokens differ from the engine's only by numerics (a stale engine
     # shows here).
     gaps, first = [torch.zeros(())], [True]
-    tokens = [float(t) for t in batch.loss_mask_BT[:, 1:].sum(-1).tolist()]
-    weights = gather_rows(run.comm, layout, tokens if algo.loss_agg == "token_mean" else
-                          [1.0] * len(tokens))
+    # (A rank holding no row of the first minibatch only takes part with a zero-weighted row.)
+    own_old = algo.old_logprobs == "policy" and bool(first_rows)
 
     def loss_fn(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         sub = select_rows(batch, idx)
@@ -117,7 +129,9 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
         w = lp_BT.shape[1]
         if first[0]:
             gaps.append(((engine_BT[idx, :w] - lp_BT.detach()).abs() * mask_BT).max())
-        old = lp_BT.detach() if old_BT is None else old_BT[idx, :w]
+            if own_old:  # kept for the later epochs
+                old_BT[idx, :w] = lp_BT.detach()
+        old = lp_BT.detach() if first[0] and own_old else old_BT[idx, :w]
         is_w = (engine_is_weights(old, engine_BT[idx, :w], algo.engine_is_cap)
                 if algo.engine_is_correction else None)
         return grpo_loss(GRPOLossInputs(
@@ -126,9 +140,8 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
             max_tokens=recipe.rollout.max_new_tokens, is_weights_BT=is_w), algo)
 
     history = []
-    for epoch in range(algo.ppo_epochs):
-        for mb in minibatches(layout, weights, algo.minibatches,
-                              step_seed(recipe.run.seed, step, salt=1 + epoch)):
+    for mbs in epochs:
+        for mb in mbs:
             history.append(train_minibatch([policy], mb, loss_fn, recipe.train.grad_accum_steps,
                                            layout.world, recipe.train.max_grad_norm))
             first[0] = False
