@@ -102,7 +102,7 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
               for epoch in range(algo.ppo_epochs)]
     # The first optimizer step trains on freshly sampled data with the weights that sampled it:
     # its rows' behaviour logprobs are that step's own forward (detached). Only the other rows
-    # need a separate scoring forward, and none when there is one epoch of one minibatch.
+    # need a separate scoring forward, and none when there is one minibatch.
     first_rows = set(epochs[0][0].rows)
     others = [r for r in range(len(traj.completions)) if r not in first_rows]
     with torch.no_grad():
@@ -111,10 +111,13 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
         if algo.old_logprobs == "policy":
             dtype = torch.promote_types(next(policy.model.parameters()).dtype, torch.float32)
             old_BT = torch.zeros_like(engine_BT, dtype=dtype)
-            if others:
-                rows = torch.tensor(others, device=device)
+            if algo.minibatches > 1:
+                # Every rank runs this forward (DDP's forwards are collective); one that holds
+                # no row outside the first minibatch scores its row 0 and keeps nothing.
+                rows = torch.tensor(others or [0], device=device)
                 scored = policy.logprobs(select_rows(batch, rows), temperature)[0]
-                old_BT[rows, :scored.shape[1]] = scored
+                if others:
+                    old_BT[rows, :scored.shape[1]] = scored
         ref_BT = reference.logprobs(batch, temperature)[0] if reference is not None else None
     # The first optimizer step's forwards run the weights the engine sampled with: their
     # logprobs of the sampled tokens differ from the engine's only by numerics (a stale engine
