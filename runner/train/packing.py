@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from runner.algorithms.logprobs import indexed_token_logprobs
@@ -84,32 +85,123 @@ def _first_fit(sizes: list[int], capacity: int) -> tuple[list[tuple[int, int]], 
     return where, fill
 
 
+@attrs.frozen
+class _Plan:
+    """Where a layout puts each sequence, before any tensor is made: ``units[u] = (prompt
+    length, sequences)`` (a unit without a shared prompt has length 0 and one sequence), at
+    ``where[u] = (row, offset)``; ``fill[r]`` positions of row r hold tokens."""
+
+    units: list[tuple[int, list[int]]]
+    where: list[tuple[int, int]]
+    fill: list[int]
+    lengths: list[int]
+    shared: bool
+
+    @property
+    def positions(self) -> int:
+        return max(1, len(self.fill)) * max(self.fill, default=1)
+
+
+def _lengths(batch: PolicyBatch) -> list[int]:
+    return [int(n) for n in batch.attention_mask_BT.sum(-1).tolist()]
+
+
+def _plan_pack(batch: PolicyBatch, row_tokens: int | None) -> _Plan:
+    lengths = _lengths(batch)
+    capacity = max(max(lengths), ROW_TOKENS if row_tokens is None else row_tokens)
+    where, fill = _first_fit(lengths, capacity)
+    return _Plan([(0, [b]) for b in range(len(lengths))], where, fill, lengths, shared=False)
+
+
+def _plan_share(batch: PolicyBatch, ids_BT: np.ndarray, row_tokens: int | None) -> _Plan:
+    lengths = _lengths(batch)
+    loss = batch.loss_mask_BT.bool()
+    has = loss.any(-1).tolist()
+    first = loss.int().argmax(-1).tolist()  # the first loss token (0 for a row without one)
+    capacity = max(max(lengths), SHARED_ROW_TOKENS if row_tokens is None else row_tokens)
+    groups: dict[bytes, list[int]] = {}
+    for b in range(len(lengths)):
+        if has[b]:
+            key = first[b].to_bytes(4, "little") + ids_BT[b, :first[b]].tobytes()
+            groups.setdefault(key, []).append(b)
+    units: list[tuple[int, list[int]]] = []
+    for members in groups.values():
+        p = first[members[0]]
+        unit: list[int] = []
+        size = p
+        for b in members:
+            tail = lengths[b] - p
+            if unit and size + tail > capacity:
+                units.append((p, unit))
+                unit, size = [], p
+            unit.append(b)
+            size += tail
+        units.append((p, unit))
+    sizes = [p + sum(lengths[b] - p for b in unit) for p, unit in units]
+    where, fill = _first_fit(sizes, capacity)
+    return _Plan(units, where, fill, lengths, shared=True)
+
+
+def _build(batch: PolicyBatch, ids_BT: np.ndarray, plan: _Plan, pad_token_id: int) -> Packed:
+    """The tensors of ``plan`` (built in numpy: a few small copies per sequence)."""
+    B, T = ids_BT.shape
+    R, C = max(1, len(plan.fill)), max(plan.fill, default=1)
+    lengths = plan.lengths
+    ids = np.full((R, C), pad_token_id, dtype=np.int64)
+    pos = np.zeros((R, C), dtype=np.int64)
+    seq = np.full((R, C), -1, dtype=np.int64)
+    unit_RC = -1 - np.arange(R * C, dtype=np.int64).reshape(R, C)  # padding: a unit per position
+    member_RC = np.full((R, C), -1, dtype=np.int64)
+    place = np.full((B, T), -1, dtype=np.int64)
+    ar = np.arange(max(T, C), dtype=np.int64)
+    for u, ((p, unit), (r, o)) in enumerate(zip(plan.units, plan.where, strict=True)):
+        if p:
+            ids[r, o:o + p] = ids_BT[unit[0], :p]
+            pos[r, o:o + p] = ar[:p]
+            seq[r, o:o + p] = unit[0]
+            unit_RC[r, o:o + p] = u
+        c = o + p
+        for b in unit:
+            n = lengths[b] - p
+            ids[r, c:c + n] = ids_BT[b, p:lengths[b]]
+            pos[r, c:c + n] = ar[p:lengths[b]]
+            seq[r, c:c + n] = b
+            unit_RC[r, c:c + n] = u
+            member_RC[r, c:c + n] = b
+            place[b, :p] = r * C + o + ar[:p]
+            place[b, p:lengths[b]] = r * C + c + ar[:n]
+            c += n
+    device = batch.input_ids_BT.device
+    t = {k: torch.from_numpy(v).to(device) for k, v in
+         {"ids": ids, "pos": pos, "seq": seq, "place": place}.items()}
+    if not plan.shared:
+        for r, used in enumerate(plan.fill):  # the tail: a run of its own, attended by nothing else
+            t["pos"][r, used:] = torch.arange(C - used, device=device)
+        loss = torch.zeros((R, C), dtype=batch.loss_mask_BT.dtype, device=device)
+        flat = t["place"].reshape(-1)
+        keep = flat >= 0
+        loss.view(-1)[flat[keep]] = batch.loss_mask_BT.reshape(-1)[keep]
+        rows = PolicyBatch(t["ids"], torch.ones_like(t["ids"]), t["pos"], loss, t["seq"], packed=True)
+        where = [plan.where[b] for b in range(B)]
+        return Packed(rows, t["place"], lengths, sum(lengths), where)
+    # Who attends whom: same unit, not later, and a completion's own tokens or the prompt.
+    unit = torch.from_numpy(unit_RC).to(device)
+    member = torch.from_numpy(member_RC).to(device)
+    i = torch.arange(C, device=device)
+    attention = ((i[None, :] <= i[:, None])[None]
+                 & (unit[:, None, :] == unit[:, :, None])
+                 & ((member[:, None, :] == -1) | (member[:, None, :] == member[:, :, None])))
+    rows = PolicyBatch(t["ids"], torch.ones_like(t["ids"]), t["pos"], torch.zeros_like(t["ids"]),
+                       t["seq"], packed=True)
+    return Packed(rows, t["place"], lengths, sum(plan.fill), attention=attention[:, None])
+
+
 def pack(batch: PolicyBatch, pad_token_id: int = 0, row_tokens: int | None = None) -> Packed:
     """Lay the sequences of a right-padded ``batch`` into as few rows of ``row_tokens``
     positions (at least the longest sequence) as they fit. A batch with packer-owned model
     inputs (images, per-token types) or without 1-D positions cannot be packed: ValueError."""
     _refuse_extras(batch)
-    lengths = [int(n) for n in batch.attention_mask_BT.sum(-1).tolist()]
-    capacity = max(max(lengths), ROW_TOKENS if row_tokens is None else row_tokens)
-    where, fill = _first_fit(lengths, capacity)
-    R, C = len(fill), max(fill)  # no row longer than the fullest
-    B, T = batch.input_ids_BT.shape
-    device = batch.input_ids_BT.device
-    ids = torch.full((R, C), pad_token_id, dtype=torch.long, device=device)
-    loss = torch.zeros((R, C), dtype=batch.loss_mask_BT.dtype, device=device)
-    seq = torch.full((R, C), -1, dtype=torch.long, device=device)
-    pos = torch.zeros((R, C), dtype=torch.long, device=device)
-    place = torch.full((B, T), -1, dtype=torch.long, device=device)
-    for b, ((r, o), n) in enumerate(zip(where, lengths, strict=True)):
-        ids[r, o:o + n] = batch.input_ids_BT[b, :n]
-        loss[r, o:o + n] = batch.loss_mask_BT[b, :n]
-        seq[r, o:o + n] = b
-        pos[r, o:o + n] = torch.arange(n, device=device)
-        place[b, :n] = r * C + o + torch.arange(n, device=device)
-    for r, used in enumerate(fill):  # the tail: a run of its own, attended by nothing else
-        pos[r, used:] = torch.arange(C - used, device=device)
-    rows = PolicyBatch(ids, torch.ones_like(ids), pos, loss, seq, packed=True)
-    return Packed(rows, place, lengths, sum(lengths), where)
+    return _build(batch, _ids(batch), _plan_pack(batch, row_tokens), pad_token_id)
 
 
 def share_prompts(batch: PolicyBatch, pad_token_id: int = 0, row_tokens: int | None = None
@@ -124,63 +216,12 @@ def share_prompts(batch: PolicyBatch, pad_token_id: int = 0, row_tokens: int | N
     theirs is scored). ValueError as ``pack`` for a batch with extra model inputs.
     """
     _refuse_extras(batch)
-    B, T = batch.input_ids_BT.shape
-    device = batch.input_ids_BT.device
-    lengths = [int(n) for n in batch.attention_mask_BT.sum(-1).tolist()]
-    loss = batch.loss_mask_BT.bool()
-    has = loss.any(-1).tolist()
-    first = loss.int().argmax(-1).tolist()  # the first loss token (0 for a row without one)
-    capacity = max(max(lengths), SHARED_ROW_TOKENS if row_tokens is None else row_tokens)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for b in range(B):
-        if has[b]:
-            groups.setdefault(tuple(batch.input_ids_BT[b, :first[b]].tolist()), []).append(b)
-    units: list[tuple[int, list[int]]] = []  # (prompt length, its sequences)
-    for prompt, members in groups.items():
-        p, unit, size = len(prompt), [], len(prompt)
-        for b in members:
-            tail = lengths[b] - p
-            if unit and size + tail > capacity:
-                units.append((p, unit))
-                unit, size = [], p
-            unit.append(b)
-            size += tail
-        units.append((p, unit))
-    sizes = [p + sum(lengths[b] - p for b in unit) for p, unit in units]
-    where, fill = _first_fit(sizes, capacity)
-    R, C = max(1, len(fill)), max(fill, default=1)
-    ids = torch.full((R, C), pad_token_id, dtype=torch.long, device=device)
-    pos = torch.zeros((R, C), dtype=torch.long, device=device)
-    seq = torch.full((R, C), -1, dtype=torch.long, device=device)
-    # Who attends whom: same unit, not later, and a completion's own tokens or the prompt.
-    # Padding gets a unit of its own per position (it attends to itself only).
-    unit_RC = -1 - torch.arange(R * C, device=device).view(R, C)
-    member_RC = torch.full((R, C), -1, dtype=torch.long, device=device)
-    place = torch.full((B, T), -1, dtype=torch.long, device=device)
-    for u, ((p, unit), (r, o)) in enumerate(zip(units, where, strict=True)):
-        b0 = unit[0]
-        ids[r, o:o + p] = batch.input_ids_BT[b0, :p]
-        pos[r, o:o + p] = torch.arange(p, device=device)
-        seq[r, o:o + p] = b0
-        unit_RC[r, o:o + p] = u
-        prompt_place = r * C + o + torch.arange(p, device=device)
-        c = o + p
-        for b in unit:
-            n = lengths[b] - p
-            ids[r, c:c + n] = batch.input_ids_BT[b, p:lengths[b]]
-            pos[r, c:c + n] = torch.arange(p, lengths[b], device=device)
-            seq[r, c:c + n] = b
-            unit_RC[r, c:c + n] = u
-            member_RC[r, c:c + n] = b
-            place[b, :p] = prompt_place
-            place[b, p:lengths[b]] = r * C + torch.arange(c, c + n, device=device)
-            c += n
-    i = torch.arange(C, device=device)
-    attention = ((i[None, :] <= i[:, None])[None]
-                 & (unit_RC[:, None, :] == unit_RC[:, :, None])
-                 & ((member_RC[:, None, :] == -1) | (member_RC[:, None, :] == member_RC[:, :, None])))
-    rows = PolicyBatch(ids, torch.ones_like(ids), pos, torch.zeros_like(ids), seq, packed=True)
-    return Packed(rows, place, lengths, sum(fill), attention=attention[:, None])
+    ids = _ids(batch)
+    return _build(batch, ids, _plan_share(batch, ids, row_tokens), pad_token_id)
+
+
+def _ids(batch: PolicyBatch) -> np.ndarray:
+    return batch.input_ids_BT.detach().cpu().numpy()
 
 
 def attention_mask_kind(model: Any) -> str | None:
@@ -196,29 +237,37 @@ def choose_layout(batch: PolicyBatch, pad_token_id: int = 0, mask_kind: str | No
     """The layout computing the fewest positions: packed rows, shared prompts (when the model
     takes a custom mask, ``mask_kind``), or None for the padded batch itself (packing pays only
     when it computes fewer positions than the padded batch: sequences of nearly one length gain
-    nothing and pay for the longer rows' attention)."""
-    best = pack(batch, pad_token_id)
+    nothing and pay for the longer rows' attention). Only the chosen layout is built."""
+    plan = _choose(batch, mask_kind)
+    return None if plan is None else _build(batch, plan[1], plan[0], pad_token_id)
+
+
+def _choose(batch: PolicyBatch, mask_kind: str | None) -> tuple[_Plan, np.ndarray] | None:
+    _refuse_extras(batch)
+    ids = _ids(batch)
+    best = _plan_pack(batch, None)
     if mask_kind is not None:
-        shared = share_prompts(batch, pad_token_id)
+        shared = _plan_share(batch, ids, None)
         if shared.positions < best.positions:
             best = shared
-    return best if best.positions < batch.input_ids_BT.numel() else None
+    return (best, ids) if best.positions < batch.input_ids_BT.numel() else None
 
 
 def padding_metrics(batch: PolicyBatch, pad_free: bool, mask_kind: str | None = None
                     ) -> dict[str, float]:
     """The share of computed positions that hold no token, padded and as the run computes it,
     and the positions computed as a share of the padded batch's."""
-    lengths = batch.attention_mask_BT.sum(-1)
-    tokens = float(lengths.sum())
-    padded = 1.0 - tokens / batch.attention_mask_BT.numel()
-    layout = choose_layout(batch, mask_kind=mask_kind) if pad_free else None
-    if layout is None:
+    tokens = float(batch.attention_mask_BT.sum())
+    padded_positions = batch.attention_mask_BT.numel()
+    padded = 1.0 - tokens / padded_positions
+    chosen = _choose(batch, mask_kind) if pad_free else None
+    if chosen is None:
         return {"batch/padding_share": padded, "batch/padding_share_run": padded,
                 "batch/positions_share": 1.0}
+    plan = chosen[0]
     return {"batch/padding_share": padded,
-            "batch/padding_share_run": layout.padded_tokens / layout.positions,
-            "batch/positions_share": layout.positions / batch.attention_mask_BT.numel()}
+            "batch/padding_share_run": 1.0 - sum(plan.fill) / plan.positions,
+            "batch/positions_share": plan.positions / padded_positions}
 
 
 def worth_packing(p: Packed, batch: PolicyBatch) -> bool:
