@@ -285,8 +285,9 @@ class TrainConfig:
     )
     eval_every: int = key(10, "Evaluate on the held-out set every N steps (0: only start and end).")
     padding_free: bool = key(
-        True, "Score and train on sequences packed end to end (position ids restarting per "
-        "sequence) instead of padded rows, when the DataPacker allows it (can_pack)."
+        True, "Score and train without padding when the DataPacker allows it (can_pack): each "
+        "shared prompt computed once with its completions after it, or sequences packed end to "
+        "end, whichever computes the fewest positions (padded rows when neither saves any)."
     )
     disable_dropout: bool = key(
         True, "Set every dropout probability of the trained models to 0, so the logprobs the "
