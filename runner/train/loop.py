@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,7 @@ def run_loop(run: RunContext, one_step: Callable[[int], dict[str, Any]],
     if held_out is not None and step == 0:
         metrics.write({"step": 0, **held_out()})
     reporter.start(recipe.run.name, last, step)
+    mark = time.perf_counter()
     with StopRequests(reporter, run.stop_poll) as stop:
         while step < last:
             step += 1
@@ -87,6 +89,10 @@ def run_loop(run: RunContext, one_step: Callable[[int], dict[str, Any]],
                     row.update(held_out())
             except ActorDied as exc:  # a role's actor: say in which step it was lost
                 raise ActorDied(f"step {step}: {exc}") from None
+            # Wall seconds since the same point of the previous step: everything the loop did
+            # (the step, evaluation, the previous step's display, checkpoint and stop check).
+            now = time.perf_counter()
+            row["time/step"], mark = now - mark, now
             if every(step, recipe.logging.every_steps) or step == last:
                 metrics.write(row)
             reporter.step(step, row)

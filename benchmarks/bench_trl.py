@@ -1,0 +1,104 @@
+"""TRL's step time on the work of a shipped recipe, for the comparison in benchmarks/README.md.
+
+TRL is not part of this project's set-up: install it beside the venv's packages first, e.g.
+``pip install --no-deps --target /some/dir trl==1.16.0`` and run with ``PYTHONPATH=/some/dir:.``.
+
+    bench_trl.py grpo [--model builtin:tiny-arith --prompts 16 --group 8 --tokens 6 --lr 3e-4]
+    bench_trl.py grpo --model builtin:smollm2-135m-instruct --prompts 6 --tokens 16 --lr 1e-5 --temperature 0.8 --steps 5 --bf16
+    bench_trl.py dpo
+
+GRPO: the recipe's prompts (rendered by this project's packer, so the token ids are the same),
+``group`` completions each, two optimizer steps per generation batch (the recipes' two
+minibatches), no KL term, generation by transformers; prints the median seconds per generation
+batch (one runner step) after the first. DPO: ``dpo-arith``'s pairs (the answer preferred to the
+answer plus one), 16 a step, beta 0.3, the sigmoid loss plus the SFT term with weight 1, a
+reference model; prints the median seconds per optimizer step after the first. fp32 unless
+``--bf16``; two intra-op threads unless OMP_NUM_THREADS is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("algo", choices=["grpo", "dpo"])
+    parser.add_argument("--model", default="builtin:tiny-arith")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--bf16", action="store_true")
+    args = parser.parse_args()
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from runner.data.arithmetic import problems
+    from runner.models import load_causal_lm, read_model_type, resolve_model_path
+    from runner.packers import build_packer
+    from runner.rewards.builtin import final_integer
+    from runner.types import ObsBundle
+
+    path = resolve_model_path(args.model)
+    packer = build_packer(path, read_model_type(path))
+    tok = AutoTokenizer.from_pretrained(path)
+
+    def prompt(p) -> str:
+        item = ObsBundle(p.question, str(p.answer))
+        return tok.decode(packer.engine_prompt(packer.get_rollout_input(item)).token_ids)
+
+    ends: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+
+    common = {"logging_steps": 10_000, "save_strategy": "no", "report_to": [], "use_cpu": True,
+              "bf16": args.bf16, "seed": 0, "dataloader_num_workers": 0, "disable_tqdm": True,
+              "learning_rate": args.lr}
+    with tempfile.TemporaryDirectory() as out:
+        if args.algo == "grpo":
+            from trl import GRPOConfig, GRPOTrainer
+
+            ds = Dataset.from_list([{"prompt": prompt(p), "answer": str(p.answer)}
+                                    for p in problems("train", 50 * args.prompts)])
+
+            def reward(prompts, completions, answer, **kw):
+                return [1.0 if final_integer(c) == int(a) else 0.0 for c, a in zip(completions, answer)]
+
+            cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=args.prompts * args.group // 2,
+                             num_generations=args.group, steps_per_generation=2,
+                             max_completion_length=args.tokens, temperature=args.temperature,
+                             max_steps=2 * args.steps, beta=0.0, **common)
+            GRPOTrainer(model=load_causal_lm(path), reward_funcs=reward, args=cfg, train_dataset=ds,
+                        processing_class=tok, callbacks=[Timer()]).train()
+            per = [b - a for a, b in zip(ends[1::2], ends[3::2])]  # one generation batch each
+            what = "s per generation batch (one runner step)"
+        else:
+            from trl import DPOConfig, DPOTrainer
+
+            ds = Dataset.from_list([{"prompt": prompt(p), "chosen": str(p.answer),
+                                     "rejected": str(p.answer + 1)} for p in problems("train", 1000)])
+            cfg = DPOConfig(output_dir=out, per_device_train_batch_size=16, beta=0.3,
+                            loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0],
+                            max_steps=3 * args.steps, **common)
+            DPOTrainer(model=load_causal_lm(path), ref_model=load_causal_lm(path), args=cfg,
+                       train_dataset=ds, processing_class=tok, callbacks=[Timer()]).train()
+            per = [b - a for a, b in zip(ends, ends[1:])]
+            what = "s per optimizer step"
+    print(f"| TRL {args.algo} {args.model} {'bf16' if args.bf16 else 'fp32'} | "
+          f"{statistics.median(per[1:]):.3f} {what}, median of {len(per) - 1} |")
+
+
+if __name__ == "__main__":
+    main()
