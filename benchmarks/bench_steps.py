@@ -25,21 +25,28 @@ from pathlib import Path
 SPLIT = ("time/rollout", "time/reward", "time/teacher", "time/update", "time/sync")
 
 
+def recipe_rows(recipe: str, steps: int, overrides: list[str], env: dict[str, str] | None = None
+                ) -> list[dict]:
+    """The metrics rows of ``steps`` steps of ``recipe`` run by ``posttrain-run --plain`` in a
+    fresh output folder (evaluation off, one checkpoint at the end); exits with the run's output
+    when it fails."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "runner.cli", "--plain", recipe, f"run.output_dir={out}",
+               f"run.max_steps={steps}", "data.validation.enabled=false",
+               f"checkpoint.every_steps={steps}", *overrides]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            sys.exit(done.stdout + done.stderr)
+        return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("recipe")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "runner.cli", "--plain", args.recipe, f"run.output_dir={out}",
-               f"run.max_steps={args.steps}", "data.validation.enabled=false",
-               f"checkpoint.every_steps={args.steps}", *args.overrides]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(done.stdout + done.stderr)
-        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["step"] > 1]
+    rows = [r for r in recipe_rows(args.recipe, args.steps, args.overrides) if r["step"] > 1]
     per_step = [sum(r.get(k, 0.0) for k in SPLIT) for r in rows]
     total = sum(per_step)
     shares = {k.split("/")[1]: sum(r.get(k, 0.0) for r in rows) / total for k in SPLIT

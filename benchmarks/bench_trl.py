@@ -74,7 +74,7 @@ def main() -> None:
                                     for p in problems("train", 50 * args.prompts)])
 
             def reward(prompts, completions, answer, **kw):
-                return [1.0 if final_integer(c) == int(a) else 0.0 for c, a in zip(completions, answer)]
+                return [1.0 if final_integer(c) == int(a) else 0.0 for c, a in zip(completions, answer, strict=True)]
 
             cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=args.prompts * args.group // 2,
                              num_generations=args.group, steps_per_generation=2,
@@ -82,7 +82,7 @@ def main() -> None:
                              max_steps=2 * args.steps, beta=0.0, **common)
             GRPOTrainer(model=load_causal_lm(path), reward_funcs=reward, args=cfg, train_dataset=ds,
                         processing_class=tok, callbacks=[Timer()]).train()
-            per = [b - a for a, b in zip(ends[1::2], ends[3::2])]  # one generation batch each
+            per = [b - a for a, b in zip(ends[1::2], ends[3::2], strict=False)]  # one generation batch each
             what = "s per generation batch (one runner step)"
         else:
             from trl import DPOConfig, DPOTrainer
@@ -94,7 +94,7 @@ def main() -> None:
                             max_steps=3 * args.steps, **common)
             DPOTrainer(model=load_causal_lm(path), ref_model=load_causal_lm(path), args=cfg,
                        train_dataset=ds, processing_class=tok, callbacks=[Timer()]).train()
-            per = [b - a for a, b in zip(ends, ends[1:])]
+            per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
             what = "s per optimizer step"
     print(f"| TRL {args.algo} {args.model} {'bf16' if args.bf16 else 'fp32'} | "
           f"{statistics.median(per[1:]):.3f} {what}, median of {len(per) - 1} |")

@@ -182,8 +182,7 @@ def _build(batch: PolicyBatch, ids_BT: np.ndarray, plan: _Plan, pad_token_id: in
         keep = flat >= 0
         loss.view(-1)[flat[keep]] = batch.loss_mask_BT.reshape(-1)[keep]
         rows = PolicyBatch(t["ids"], torch.ones_like(t["ids"]), t["pos"], loss, t["seq"], packed=True)
-        where = [plan.where[b] for b in range(B)]
-        return Packed(rows, t["place"], lengths, sum(lengths), where)
+        return Packed(rows, t["place"], lengths, sum(lengths), list(plan.where))
     # Who attends whom: same unit, not later, and a completion's own tokens or the prompt.
     unit = torch.from_numpy(unit_RC).to(device)
     member = torch.from_numpy(member_RC).to(device)
