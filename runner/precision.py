@@ -10,8 +10,8 @@ imports torch at module level: the dry run and the validator call it too.
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import attrs
 
