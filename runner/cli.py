@@ -50,7 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # recipe resolve by their dotted path.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    return _guarded(lambda: _dispatch(args), _rank_prefix())
+    prefix = _rank_prefix()
+    code = _guarded(lambda: _dispatch(args), prefix)
+    if prefix:  # one rank of several under an outside launcher: leave as the launcher's ranks do
+        from runner.launch.rank import leave
+
+        leave(code)
+    return code
 
 
 def worker_main(argv: Sequence[str]) -> int:

@@ -28,6 +28,22 @@ def die_with_driver() -> None:
         os._exit(1)
 
 
+def leave(code: int) -> None:
+    """End a rank process with ``code`` once its run is over, without interpreter finalization.
+
+    Everything the run writes is closed (checkpoints synced, metrics appended file by file)
+    before this is called. What finalization would still do is tear torch's C++ objects down
+    after the interpreter stopped serving threads: a collective backend's worker thread that
+    then drops the last reference to a tensor waits for the GIL and the process aborts
+    ("terminate called without an active exception"), turning a clean exit into SIGABRT."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def run_rank(recipe: Recipe, ctx: RankContext, *, source: str, overrides: Sequence[str],
              plain: bool, roles: Any = None, stop: Callable[[], bool] | None = None) -> int:
     """Join the ranks' process group, run the recipe's algorithm on this rank, leave.

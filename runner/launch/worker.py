@@ -7,5 +7,6 @@ import sys
 
 if __name__ == "__main__":
     from runner.cli import worker_main
+    from runner.launch.rank import leave
 
-    raise SystemExit(worker_main(sys.argv[1:]))
+    leave(worker_main(sys.argv[1:]))

@@ -27,6 +27,7 @@ def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collect
                stop: Callable[[], bool] | None = None) -> int:
     """Run a validated recipe to the end on this rank; returns the exit code (0)."""
     from runner.train.assemble import assemble
+    from runner.train.loop import AgreedStop
 
     started = time.monotonic()
     loop = importlib.import_module(LOOPS[recipe.algo.kind]).run
@@ -37,6 +38,9 @@ def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collect
         try:
             result = loop(run) | {"metrics": run.metrics.rows}
             comm.barrier()  # leave together: no rank tears its connections down under another
+        except AgreedStop:
+            comm.barrier()  # a stop after the same step on every rank: leave together too
+            raise
         finally:
             run.close()
         reporter.finish(summary_rows(result, plan, time.monotonic() - started))

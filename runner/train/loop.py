@@ -22,6 +22,11 @@ from runner.errors import ActorDied
 from runner.train.assemble import RunContext
 
 
+class AgreedStop(KeyboardInterrupt):
+    """Every rank stops after the same step (its checkpoint is written): they may still meet
+    in a collective, unlike after a second signal, which stops each rank where it is."""
+
+
 class StopRequests:
     """Within the block, the first SIGINT / SIGTERM sets ``requested``; a second interrupts.
 
@@ -103,5 +108,5 @@ def run_loop(run: RunContext, one_step: Callable[[int], dict[str, Any]],
                 if not saved:
                     save(step)
                 reporter.message(f"stopped after step {step}; the checkpoint is written")
-                raise KeyboardInterrupt
+                raise AgreedStop
     return {"step": step}
