@@ -19,7 +19,7 @@ import torch
 
 from runner.algorithms.dpo import DPOLossInputs, dpo_loss
 from runner.launch.collective import interleave
-from runner.packers.base import RLPolicyInput
+from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import DPOConfig
 from runner.rewards import build_rewards
 from runner.train.assemble import RunContext
@@ -49,10 +49,10 @@ class DPORun:
         return self.run.accelerator.device
 
 
-def sequence_logprobs(role: Any, packer: Any, inputs: Sequence[RLPolicyInput], device: Any) -> torch.Tensor:
-    """Summed completion-token logprobs of each sequence under ``role`` (the policy or the
-    reference): [len(inputs)]."""
-    lp_BT, mask_BT = role.logprobs(packer.collate(inputs).to(device))
+def sequence_logprobs(role: Any, batch: PolicyBatch) -> torch.Tensor:
+    """Summed completion-token logprobs of each sequence of ``batch`` under ``role`` (the
+    policy or the reference): [rows]."""
+    lp_BT, mask_BT = role.logprobs(batch)
     return (lp_BT * mask_BT).sum(-1)
 
 
@@ -69,23 +69,25 @@ def _pack(packer: Any, pairs: Sequence[Any]) -> list[RLPolicyInput]:
 
 
 @torch.no_grad()
-def reference_logprobs(run: DPORun, pairs: Sequence[Any], inputs: Sequence[RLPolicyInput]
+def reference_logprobs(run: DPORun, pairs: Sequence[Any], batch: PolicyBatch
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     n = len(pairs)
     if run.algo.precompute_reference and all(p.id in run.cache for p in pairs):
         values = torch.tensor([run.cache[p.id] for p in pairs], device=run.device)
         return values[:, 0], values[:, 1]
-    lp = sequence_logprobs(run.reference, run.packer, inputs, run.device)
+    lp = sequence_logprobs(run.reference, batch)
     return lp[:n], lp[n:]
 
 
 def pair_loss_inputs(run: DPORun, model: Any, pairs: Sequence[Any]) -> DPOLossInputs:
     """The loss inputs of ``pairs``: ``model``'s and the reference's summed logprobs of the
-    chosen and rejected answers, and the chosen answers' token counts."""
+    chosen and rejected answers (one collated batch read by both), and the chosen answers'
+    token counts."""
     inputs = _pack(run.packer, pairs)
+    batch = run.packer.collate(inputs).to(run.device)
     n = len(pairs)
-    ref_c, ref_r = reference_logprobs(run, pairs, inputs)
-    lp = sequence_logprobs(model, run.packer, inputs, run.device)
+    ref_c, ref_r = reference_logprobs(run, pairs, batch)
+    lp = sequence_logprobs(model, batch)
     return DPOLossInputs(policy_chosen_B=lp[:n], policy_rejected_B=lp[n:], ref_chosen_B=ref_c,
                          ref_rejected_B=ref_r, chosen_tokens_B=completion_tokens(inputs[:n], run.device))
 
@@ -97,7 +99,8 @@ def precompute(run: DPORun, reporter: Reporter) -> None:
     reporter.message(f"precomputing reference logprobs for {len(pairs)} pairs")
     for chunk in split_even(len(pairs), max(1, len(pairs) // 64)):
         part = pairs[chunk]
-        chosen, rejected = reference_logprobs(run, part, _pack(run.packer, part))
+        batch = run.packer.collate(_pack(run.packer, part)).to(run.device)
+        chosen, rejected = reference_logprobs(run, part, batch)
         run.cache.update({p.id: (float(c), float(r)) for p, c, r in zip(part, chosen, rejected, strict=True)})
 
 
