@@ -6,14 +6,21 @@ TRL is not part of this project's set-up: install it beside the venv's packages 
     bench_trl.py grpo [--model builtin:tiny-arith --prompts 16 --group 8 --tokens 6 --lr 3e-4]
     bench_trl.py grpo --model builtin:smollm2-135m-instruct --prompts 6 --tokens 16 --lr 1e-5 --temperature 0.8 --steps 5 --bf16
     bench_trl.py dpo
+    bench_trl.py opd [--lr 1e-4 --steps 60]
 
 GRPO: the recipe's prompts (rendered by this project's packer, so the token ids are the same),
 ``group`` completions each, two optimizer steps per generation batch (the recipes' two
 minibatches), no KL term, generation by transformers; prints the median seconds per generation
 batch (one runner step) after the first. DPO: ``dpo-arith``'s pairs (the answer preferred to the
 answer plus one), 16 a step, beta 0.3, the sigmoid loss plus the SFT term with weight 1, a
-reference model; prints the median seconds per optimizer step after the first. fp32 unless
-``--bf16``; two intra-op threads unless OMP_NUM_THREADS is set.
+reference model; prints the median seconds per optimizer step after the first. OPD:
+``opd-arith``'s work (student ``builtin:tiny-arith``, teacher ``builtin:tiny-arith-teacher``, 32
+sampled sequences of <= 6 tokens a step, the exact reverse KL at every completion token, lr
+1e-4) through TRL's ``DistillationTrainer`` (``beta = 1``: reverse KL); prints the median seconds
+per step after the first, then the trained student's held-out exact reverse KL measured by this
+project's own evaluation (``opd-arith``'s step-0 evaluation with ``model.path`` set to TRL's
+result), so both sides are scored alike. fp32 unless ``--bf16``; two intra-op threads unless
+OMP_NUM_THREADS is set.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("algo", choices=["grpo", "dpo"])
+    parser.add_argument("algo", choices=["grpo", "dpo", "opd"])
     parser.add_argument("--model", default="builtin:tiny-arith")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
@@ -84,6 +91,21 @@ def main() -> None:
                         processing_class=tok, callbacks=[Timer()]).train()
             per = [b - a for a, b in zip(ends[1::2], ends[3::2], strict=False)]  # one generation batch each
             what = "s per generation batch (one runner step)"
+        elif args.algo == "opd":
+            from trl import DistillationConfig, DistillationTrainer
+
+            ds = Dataset.from_list([{"prompt": prompt(p)} for p in problems("train", 2000)])
+            cfg = DistillationConfig(output_dir=out, per_device_train_batch_size=32, beta=1.0,
+                                     max_completion_length=args.tokens, temperature=1.0,
+                                     gradient_checkpointing=False, max_steps=args.steps, **common)
+            teacher = load_causal_lm(resolve_model_path("builtin:tiny-arith-teacher"))
+            trainer = DistillationTrainer(model=load_causal_lm(path), teacher_model=teacher, args=cfg,
+                                          train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+            trainer.train()
+            trainer.save_model(f"{out}/student")
+            tok.save_pretrained(f"{out}/student")
+            per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+            what = f"s per step; held-out exact reverse KL {held_out_kl(f'{out}/student'):.3f}"
         else:
             from trl import DPOConfig, DPOTrainer
 
@@ -98,6 +120,22 @@ def main() -> None:
             what = "s per optimizer step"
     print(f"| TRL {args.algo} {args.model} {'bf16' if args.bf16 else 'fp32'} | "
           f"{statistics.median(per[1:]):.3f} {what}, median of {len(per) - 1} |")
+
+
+def held_out_kl(student: str) -> float:
+    """``eval/reverse_kl_exact`` of ``student`` at step 0 of ``opd-arith`` (nothing trained)."""
+    import json
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as out:
+        done = subprocess.run([sys.executable, "-m", "runner.cli", "--plain", "recipes/opd-arith.toml",
+                               f"model.path={student}", f"run.output_dir={out}", "run.max_steps=1",
+                               "logging.sample_every=0"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(done.stdout + done.stderr)
+        rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    return next(r["eval/reverse_kl_exact"] for r in rows if r["step"] == 0)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,9 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
     inputs = traj.policy_inputs(run.policy_packer)
     batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
     mask_BT = batch.loss_mask_BT[:, 1:].bool()
-    teacher_BT = teacher.logprobs(traj, inputs, mask_BT.shape[1], T)
+    # With the full KL the loss's own teacher forward (its logits) also gives the teacher's
+    # logprobs of the sampled tokens: no separate scoring forward.
+    teacher_BT = None if algo.full_kl else teacher.logprobs(traj, inputs, mask_BT.shape[1], T)
     # One pass over freshly sampled data: the behaviour logprobs are the first forward's own
     # (detached), so no separate scoring forward is needed.
     old_BT = None
@@ -193,19 +195,21 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
 
     def loss_fn(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         sub = select_rows(batch, rows)
-        full = algo.full_kl
-        if full:  # the full-vocabulary KL needs every logit of the completion positions
+        labels_BT = sub.input_ids_BT[:, 1:]
+        if algo.full_kl:  # the full-vocabulary KL needs every logit of the completion positions
             logits = run.policy.logits(sub) / T
-            lp_BT = token_logprobs(logits, sub.input_ids_BT[:, 1:])
+            lp_BT = token_logprobs(logits, labels_BT)
+            teacher_logits = _teacher_logits(teacher, sub, T)
+            teacher_lp_BT = token_logprobs(teacher_logits, labels_BT)  # its whole vocabulary
+            teacher_logits = teacher_logits[..., :logits.shape[-1]]
         else:
-            lp_BT, logits = run.policy.logprobs(sub, T)[0], None
-        w = lp_BT.shape[1]
-        old = lp_BT.detach() if old_BT is None else old_BT[rows, :w]
+            lp_BT, logits, teacher_logits = run.policy.logprobs(sub, T)[0], None, None
+            teacher_lp_BT = teacher_BT[rows, :lp_BT.shape[1]]
+        old = lp_BT.detach() if old_BT is None else old_BT[rows, :lp_BT.shape[1]]
         return opd_loss(OPDLossInputs(
-            logprobs_BT=lp_BT, old_logprobs_BT=old, teacher_logprobs_BT=teacher_BT[rows, :w],
-            mask_BT=sub.loss_mask_BT[:, 1:].bool(), student_logits_BTV=logits if full else None,
-            teacher_logits_BTV=_teacher_logits(teacher, sub, T, logits.shape[-1]) if full else None),
-            algo)
+            logprobs_BT=lp_BT, old_logprobs_BT=old, teacher_logprobs_BT=teacher_lp_BT,
+            mask_BT=sub.loss_mask_BT[:, 1:].bool(), student_logits_BTV=logits,
+            teacher_logits_BTV=teacher_logits), algo)
 
     history = [train_minibatch([run.policy], whole, loss_fn, recipe.train.grad_accum_steps,
                                layout.world, recipe.train.max_grad_norm)
@@ -224,6 +228,8 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
 
 
 @torch.no_grad()
-def _teacher_logits(teacher: Teacher, batch: Any, temperature: float, vocab: int) -> torch.Tensor:
-    """Teacher logits over the student's vocabulary (a padded teacher vocabulary is cut)."""
+def _teacher_logits(teacher: Teacher, batch: Any, temperature: float, vocab: int | None = None
+                    ) -> torch.Tensor:
+    """Teacher logits over the student's ``vocab`` first ids (a padded teacher vocabulary is
+    cut; None: all of them)."""
     return teacher.frozen.logits(batch)[..., :vocab] / temperature
