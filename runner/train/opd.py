@@ -27,7 +27,7 @@ from runner.algorithms.opd import (
     sampled_reverse_kl,
 )
 from runner.models.vocab import check_same_vocab
-from runner.packers.base import PolicyBatch, RLPolicyInput, collate
+from runner.packers.base import RLPolicyInput, collate
 from runner.recipe.schema import OPDConfig
 from runner.rewards import build_rewards
 from runner.rollout.base import Completion
@@ -140,32 +140,28 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
     if run.val_items:
         seeds = position_seeds(run, HELD_OUT_SEED, 0, len(run.val_items))
         traj = roll_out(run.rollout, run.val_items, sampling(run.recipe.rollout, 1, 0), seeds)
-        batch, student_BT, mask_BT, teacher_BT = score_both(run, teacher, traj)
+        T = run.recipe.rollout.temperature
+        inputs = traj.policy_inputs(run.policy_packer)
+        batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
+        mask_BT = batch.loss_mask_BT[:, 1:].bool()
+        if teacher.mode == "same_tokenizer":  # one forward each: the logits give both numbers
+            labels_BT = batch.input_ids_BT[:, 1:]
+            student = run.policy.logits(batch) / T
+            teacher_logits = _teacher_logits(teacher, batch, T)
+            student_BT = token_logprobs(student, labels_BT)
+            teacher_BT = token_logprobs(teacher_logits, labels_BT)
+            exact = float(full_reverse_kl(student, teacher_logits[..., :student.shape[-1]],
+                                          mask_BT).sum())
+        else:
+            student_BT = run.policy.logprobs(batch, T)[0]
+            teacher_BT = teacher.logprobs(traj, inputs, student_BT.shape[1], T)
         total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
         count = float(mask_BT.sum())
-        if teacher.mode == "same_tokenizer":
-            T = run.recipe.rollout.temperature
-            student = run.policy.logits(batch) / T
-            kl_BT = full_reverse_kl(student, _teacher_logits(teacher, batch, T, student.shape[-1]),
-                                    mask_BT)
-            exact = float(kl_BT.sum())
     total, count, exact = run.comm.sum([total, count, exact])
     out = {"eval/reverse_kl": total / max(1.0, count)}
     if teacher.mode == "same_tokenizer":
         out["eval/reverse_kl_exact"] = exact / max(1.0, count)
     return out
-
-
-@torch.no_grad()
-def score_both(run: RunContext, teacher: Teacher, traj: Trajectory
-               ) -> tuple[PolicyBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The trajectory's policy batch, the student's and the teacher's logprobs of its completion
-    tokens at the sampling temperature, and the completion mask (all on the shifted grid)."""
-    T = run.recipe.rollout.temperature
-    inputs = traj.policy_inputs(run.policy_packer)
-    batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
-    student_BT, mask_BT = run.policy.logprobs(batch, T)
-    return batch, student_BT, mask_BT, teacher.logprobs(traj, inputs, student_BT.shape[1], T)
 
 
 def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, step: int) -> dict[str, Any]:
