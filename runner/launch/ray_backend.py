@@ -262,8 +262,11 @@ class _Watch:
         if self.signals == 1:
             print("stop requested: the ranks finish this step and write a checkpoint "
                   "(press Ctrl-C again to stop at once)", file=sys.stderr)
+            # Only the rank tasks' flags: their calls to role actors (a rollout queued behind
+            # another rank's) must finish, or one rank fails mid-step while the others wait
+            # for it in a collective.
             for ref in self.refs:
-                self.ray.cancel(ref)
+                self.ray.cancel(ref, recursive=False)
         else:
             self.kill()
 
