@@ -224,8 +224,7 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
 
 
 @torch.no_grad()
-def _teacher_logits(teacher: Teacher, batch: Any, temperature: float, vocab: int | None = None
-                    ) -> torch.Tensor:
-    """Teacher logits over the student's ``vocab`` first ids (a padded teacher vocabulary is
-    cut; None: all of them)."""
-    return teacher.frozen.logits(batch)[..., :vocab] / temperature
+def _teacher_logits(teacher: Teacher, batch: Any, temperature: float) -> torch.Tensor:
+    """Teacher logits over the teacher's whole vocabulary (callers cut a padded one to the
+    student's width for the KL)."""
+    return teacher.frozen.logits(batch) / temperature
