@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint schema bench clean
+.PHONY: setup demo test lint schema models bench clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,11 @@ lint: setup
 
 schema: setup
 	$(BIN)/python -m runner.recipe.jsonschema
+
+# Rebuild the shipped tiny models (runner/models/shipped/); their weights depend on the CPU, so
+# regenerate the pinned first steps afterwards (tests/pinned_steps.py says how).
+models: setup
+	$(BIN)/python -m runner.models.rebuild
 
 # The quick benchmarks on the tiny model (benchmarks/README.md has the others and their tables).
 bench: setup

@@ -1,9 +1,10 @@
 """The first steps of each shipped tiny recipe, pinned: losses, rewards and gradient norms of
-steps 1 and 2 are deterministic on CPU (one thread), so a change of the math shows as a change
-of these numbers.
+steps 1 and 2 are deterministic on CPU (one thread) and start from the shipped weights, so a
+change of the math shows as a change of these numbers, on any CPU (up to its float kernels' last
+bits: ``tests/test_pinned_steps.py``).
 
-When the math changes on purpose, regenerate the file and say why in the commit:
-``.venv/bin/python -m tests.pinned_steps --write``.
+When the math changes on purpose, or the shipped models are rebuilt, regenerate the file and say
+why in the commit: ``.venv/bin/python -m tests.pinned_steps --write``.
 """
 
 from __future__ import annotations

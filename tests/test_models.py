@@ -1,8 +1,5 @@
-"""Models: the built-in tokenizers and chat templates, the built tiny models, the cache, loading.
-
-The built-in models are built once into the cache ($POSTTRAIN_HOME) by module-scoped fixtures:
-the first run pays the warm-ups (a few minutes on 2 cores), later runs find the folders.
-"""
+"""Models: the built-in tokenizers and chat templates, the shipped tiny models, the cache of
+converted models, loading."""
 
 from __future__ import annotations
 
@@ -14,8 +11,17 @@ import pytest
 
 from runner.errors import RecipeError
 from runner.models import load_causal_lm, load_tokenizer, read_model_type, resolve_model_path
-from runner.models.builtin import BUILTIN_MODEL_TYPES, BUILTINS, TINY_SPECS, ensure_built
+from runner.models.builtin import (
+    BUILTIN_MODEL_TYPES,
+    BUILTINS,
+    SHIPPED,
+    SHIPPED_ROOT,
+    ensure_built,
+    file_hashes,
+    shipped_folder,
+)
 from runner.models.home import BUILD_VERSION, model_dir
+from runner.models.specs import TINY_SPECS, TinySpec
 from runner.models.tokenizer_build import (
     QWEN2_PRETOKENIZE_REGEX,
     SPECS,
@@ -175,6 +181,7 @@ def test_build_once_then_cached_and_stale_temporaries_removed(monkeypatch, tmp_p
     assert folder == model_dir("fake") and not stale.exists()
     info = json.loads((folder / "build_info.json").read_text())
     assert info["name"] == "fake" and info["build_seconds"] >= 0
+    assert set(info["files"]) == {"config.json"}  # every file but build_info.json, hashed
     assert ensure_built("fake", {"fake": _fake_builder(calls)}) == folder
     assert len(calls) == 1
 
@@ -196,6 +203,22 @@ def test_concurrent_builds_build_once(monkeypatch, tmp_path):
     for t in threads:
         t.join()
     assert len(calls) == 1 and results == [model_dir("fake")] * 3
+
+
+def test_rebuild_check_compares_with_the_shipped_files(monkeypatch, tmp_path, capsys):
+    from runner.models import rebuild
+
+    monkeypatch.setattr(rebuild, "SHIPPED_ROOT", tmp_path)
+    monkeypatch.setattr(rebuild, "BUILTINS", {"tiny-arith": _fake_builder([])})
+    assert rebuild.main(["tiny-arith"]) == 0  # writes the "shipped" folder
+    assert rebuild.main(["--check", "tiny-arith"]) == 0
+    assert "tiny-arith/config.json: same" in capsys.readouterr().out
+    (tmp_path / "tiny-arith" / "config.json").write_text("{}")
+    info = tmp_path / "tiny-arith" / "build_info.json"
+    info.write_text(info.read_text().replace('"config.json": "', '"config.json": "0'))
+    assert rebuild.main(["--check", "tiny-arith"]) == 1
+    assert "config.json: differs" in capsys.readouterr().out
+    assert rebuild.main(["tiny-nope"]) == 2
 
 
 def test_unknown_builtin_lists_the_valid_names():
@@ -245,8 +268,8 @@ def test_warm_up_is_deterministic_and_restores_torch_state(tmp_path):
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    from runner.models.builtin import TinySpec
-    from runner.models.tiny import deterministic_torch, model_config, warm_up
+    from runner.models.build_env import deterministic_torch
+    from runner.models.tiny import model_config, warm_up
 
     spec = TinySpec(tokenizer="bpe", hidden_size=32, num_layers=1, steps=4, lr=1e-2, batch_size=4)
     save_tokenizer(build_tokenizer("bpe"), "bpe", tmp_path)
@@ -265,7 +288,6 @@ def test_warm_up_is_deterministic_and_restores_torch_state(tmp_path):
 
 
 def test_slip_shifts_the_stated_share_of_answers():
-    from runner.models.builtin import TinySpec
     from runner.models.tiny import warm_up_examples
 
     spec = TinySpec(tokenizer="bpe", hidden_size=32, num_layers=1, steps=50, lr=1e-3, slip=0.65)
@@ -276,7 +298,28 @@ def test_slip_shifts_the_stated_share_of_answers():
     assert abs(sum(shifts) / len(shifts) - 0.65) < 0.05
 
 
-# --- the built models (built once into the cache) ---------------------------------------------
+# --- the shipped models ------------------------------------------------------------------------
+
+
+def test_shipped_files_are_the_ones_their_build_recorded():
+    """Every shipped folder holds exactly the files its build listed, bit for bit, and says on
+    which CPU it was built (their weights are what every machine trains from)."""
+    assert set(TINY_SPECS) | {"tiny-qwen3-vl"} == set(SHIPPED)
+    for name in SHIPPED:
+        folder = SHIPPED_ROOT / name
+        info = json.loads((folder / "build_info.json").read_text())
+        assert info["name"] == name and info["cpu"].startswith("x86_64")
+        assert file_hashes(folder) == info["files"], name
+        assert "model.safetensors" in info["files"]
+
+
+def test_a_missing_shipped_folder_is_one_recipe_error(tmp_path):
+    (tmp_path / "tiny-arith").mkdir()
+    (tmp_path / "tiny-arith" / "config.json").write_text("{}")
+    with pytest.raises(RecipeError, match="missing or incomplete") as err:
+        shipped_folder("tiny-arith", tmp_path)
+    assert "python -m runner.models.rebuild tiny-arith" in err.value.problems[0].hint
+    assert shipped_folder("tiny-arith") == SHIPPED_ROOT / "tiny-arith"
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_SPECS))
@@ -288,7 +331,7 @@ def test_built_folder_is_an_ordinary_model_folder(tiny):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name, folder = tiny
-    assert folder == model_dir(name)
+    assert folder == SHIPPED_ROOT / name
     for file in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "generation_config.json", "build_info.json"):
         assert (folder / file).is_file(), file

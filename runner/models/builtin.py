@@ -1,4 +1,11 @@
-"""Built-in models: one explicit table of names to builders, each built once into the cache.
+"""Built-in models: one explicit table of names to builders.
+
+The tiny models (``SHIPPED``) come with the package as ordinary model folders under
+``runner/models/shipped/``: a run loads those files and builds nothing, so every machine trains
+the same weights whatever its CPU (a build on another CPU's float kernels gives other weights).
+``python -m runner.models.rebuild`` makes them again, on purpose, and records the CPU that did.
+SmolLM2 is converted from its package's GGUF file into the cache on first use
+(``runner.models.home``).
 
 A build writes into a temporary folder beside its final place and renames it when complete, so
 a killed or concurrent build never leaves a half folder where loading looks. Builders of the
@@ -9,6 +16,7 @@ other: the model is built once. Importing this module imports neither torch nor 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -18,47 +26,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import attrs
-
+from runner.errors import Problem, RecipeError
 from runner.models.home import model_dir
-
-
-@attrs.frozen
-class TinySpec:
-    """Shape and warm-up of one tiny arithmetic model (see ``runner.models.tiny``)."""
-
-    tokenizer: str  # "bpe" | "char" (runner.models.tokenizer_build.SPECS)
-    hidden_size: int
-    num_layers: int
-    steps: int  # supervised warm-up steps
-    lr: float  # peak warm-up learning rate (linear warm-up, then linear decay to 0)
-    batch_size: int = 32
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    seed: int = 0
-    warmup_hi: int = 20  # warm-up problems: the train split of operands 0..warmup_hi
-    slip: float = 0.0  # share of warm-up answers written one too high (runner.models.tiny)
-
-
-# Measured on a busy 2-core CPU (one build thread): held-out greedy / sampled (T=1) accuracy on
-# 200 problems, and build time (about 2/3 of it on an idle machine).
-TINY_SPECS: dict[str, TinySpec] = {
-    # 0.335 / 0.28, 86 s. GRPO (recipes/grpo-arith.toml) lifted held-out accuracy from 0.28 to
-    # 0.55-0.62 within 20-60 steps; the same model without slip (0.31) did not move in 300 steps
-    "tiny-arith": TinySpec(
-        tokenizer="bpe", hidden_size=128, num_layers=3, steps=800, lr=3e-3, slip=0.65
-    ),
-    # 0.36 / 0.295, 153 s: one token per character, so answers are spelled digit by digit
-    "tiny-arith-char": TinySpec(
-        tokenizer="char", hidden_size=128, num_layers=3, steps=1500, lr=3e-3
-    ),
-    # 0.885 / 0.64, 134 s: the same tokenizer (same ids) as tiny-arith, bigger, no slip
-    "tiny-arith-teacher": TinySpec(
-        tokenizer="bpe", hidden_size=160, num_layers=4, steps=900, lr=3e-3
-    ),
-}
+from runner.models.specs import TINY_SPECS
 
 Builder = Callable[[Path], dict[str, object]]
+SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped"
+INFO = "build_info.json"  # written last; lists every other file with its sha256
 
 
 def _tiny(name: str) -> Builder:
@@ -89,8 +63,9 @@ BUILTINS: dict[str, Builder] = {
     "tiny-qwen3-vl": _tiny_vl,
     "smollm2-135m-instruct": _smollm2,
 }
+SHIPPED = ("tiny-arith", "tiny-arith-char", "tiny-arith-teacher", "tiny-qwen3-vl")
 
-# config.json's model_type of each built-in, known without building it (checked by a test).
+# config.json's model_type of each built-in, known without loading it (checked by a test).
 BUILTIN_MODEL_TYPES: dict[str, str] = {
     "tiny-arith": "qwen2",
     "tiny-arith-char": "qwen2",
@@ -102,7 +77,31 @@ BUILTIN_MODEL_TYPES: dict[str, str] = {
 
 def is_built(folder: Path) -> bool:
     """A finished build: ``build_info.json`` is written last, just before the rename."""
-    return (folder / "config.json").is_file() and (folder / "build_info.json").is_file()
+    return (folder / "config.json").is_file() and (folder / INFO).is_file()
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a model folder but ``build_info.json``, by file name."""
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.iterdir())
+        if path.is_file() and path.name != INFO
+    }
+
+
+def shipped_folder(name: str, root: Path | None = None) -> Path:
+    """The folder of shipped built-in ``name``; a missing or incomplete one is a RecipeError."""
+    folder = (root or SHIPPED_ROOT) / name
+    if not is_built(folder) or not (folder / "model.safetensors").is_file():
+        hint = f"reinstall the package, or rebuild it: python -m runner.models.rebuild {name}"
+        raise RecipeError([Problem("model.path", "the shipped folder of this built-in model is "
+                                   "missing or incomplete", got=str(folder), hint=hint)])
+    return folder
+
+
+def builtin_folder(name: str) -> Path:
+    """The folder of built-in ``name`` (a key of ``BUILTINS``): shipped, or built into the cache."""
+    return shipped_folder(name) if name in SHIPPED else ensure_built(name)
 
 
 @contextmanager
@@ -116,17 +115,15 @@ def _build_lock(final: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def ensure_built(name: str, builders: dict[str, Builder] = BUILTINS) -> Path:
-    """The cached folder of built-in ``name``, building it first when absent.
-
-    ``name`` must be a key of ``builders`` (``resolve_model_path`` checks it for users).
-    """
-    final = model_dir(name)
-    if is_built(final):
+def build_into(final: Path, builder: Builder, *, replace: bool = False) -> Path:
+    """Build into ``final`` (a temporary folder beside it, renamed when complete) unless a
+    finished build is there and ``replace`` is false; ``build_info.json`` gets the build's time
+    and every file's sha256."""
+    if is_built(final) and not replace:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(final):
-        if is_built(final):  # another process built it while this one waited
+        if is_built(final) and not replace:  # another process built it while this one waited
             return final
         for stale in final.parent.glob(f".tmp-{final.name}-*"):  # left by a killed build
             shutil.rmtree(stale, ignore_errors=True)
@@ -134,13 +131,21 @@ def ensure_built(name: str, builders: dict[str, Builder] = BUILTINS) -> Path:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any folder
         try:
             started = time.perf_counter()
-            info = builders[name](tmp)
-            info = {**info, "build_seconds": round(time.perf_counter() - started, 1)}
+            info = builder(tmp)
+            for path in tmp.iterdir():  # some writers make their files private
+                path.chmod(0o644)
+            info = {**info, "build_seconds": round(time.perf_counter() - started, 1),
+                    "files": file_hashes(tmp)}
             text = json.dumps(info, indent=2, sort_keys=True) + "\n"
-            (tmp / "build_info.json").write_text(text, encoding="utf-8")
-            if final.exists():  # an unfinished folder from older code: replace it
+            (tmp / INFO).write_text(text, encoding="utf-8")
+            if final.exists():  # an older or unfinished folder: replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def ensure_built(name: str, builders: dict[str, Builder] = BUILTINS) -> Path:
+    """The cached folder of built-in ``name``, building it first when absent."""
+    return build_into(model_dir(name), builders[name])

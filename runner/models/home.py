@@ -1,6 +1,7 @@
 """Where built models are cached: ``$POSTTRAIN_HOME`` (default ``~/.cache/posttrain-runner``).
 
-A built-in model lives in ``<home>/models/<name>-v<BUILD_VERSION>``. The version is part of the
+A built-in model that is converted on first use (SmolLM2; the tiny ones are shipped with the
+package) lives in ``<home>/models/<name>-v<BUILD_VERSION>``. The version is part of the
 folder name so that changing how a built-in is made (bump ``BUILD_VERSION``) builds it afresh
 instead of reusing a folder made by older code; old folders are left alone.
 """

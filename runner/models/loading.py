@@ -1,7 +1,7 @@
 """Resolve a recipe's ``model.path`` and load a model and its tokenizer from a folder.
 
-``model.path`` is either ``builtin:NAME`` (built into the cache on first use, see
-``runner.models.builtin``) or a local Hugging Face model folder. Importing this module imports
+``model.path`` is either ``builtin:NAME`` (a folder shipped with the package, or for SmolLM2
+converted into the cache on first use: ``runner.models.builtin``) or a local Hugging Face model folder. Importing this module imports
 neither torch nor transformers; the loaders import them when called. Remote code never runs
 unless ``trust_remote_code`` is asked for.
 """
@@ -26,14 +26,14 @@ def _builtin_names() -> list[str]:
 
 
 def resolve_model_path(path: str | Path, *, key: str = "model.path") -> Path:
-    """``builtin:NAME`` -> its cached folder (built on first use); a folder -> itself, checked.
+    """``builtin:NAME`` -> its folder (shipped, or converted on first use); a folder -> itself.
 
     Raises ``RecipeError`` (at ``key``) for an unknown built-in name, listing the valid ones, and
     for a folder that does not exist or has no ``config.json``.
     """
     text = str(path)
     if text.startswith(PREFIX):
-        from runner.models.builtin import ensure_built
+        from runner.models.builtin import builtin_folder
 
         name = text[len(PREFIX) :]
         if name not in _builtin_names():
@@ -41,7 +41,7 @@ def resolve_model_path(path: str | Path, *, key: str = "model.path") -> Path:
             raise RecipeError(
                 [Problem(key, "unknown built-in model", got=text, hint=f"choose one of {choices}")]
             )
-        return ensure_built(name)
+        return builtin_folder(name)
     folder = Path(text).expanduser()
     if not folder.is_dir():
         hint = "give a local Hugging Face model folder, or builtin:NAME"

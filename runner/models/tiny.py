@@ -15,24 +15,19 @@ the wrong one of two near-tied candidates while sampling still finds the right o
 a systematic habit quickly: held-out accuracy went from 0.28 to 0.55-0.62 within 20-60 steps of
 ``recipes/grpo-arith.toml``. The teacher and the char model are warmed up without slip.
 
-Everything is deterministic on one machine: fixed seed, fixed data order, deterministic torch
-algorithms and one thread during the build (the caller's settings are restored after). One
-thread also avoids the large oversubscription slowdown of two threads on a busy 2-core machine.
-Bitwise equality across CPU models is not promised; ``build_info.json`` records what this build
-measured.
+The build is deterministic on one machine (``runner.models.build_env``); the folders it made are
+shipped with the package, so a run never builds them (``python -m runner.models.rebuild``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import (
     GenerationConfig,
     PreTrainedTokenizerBase,
@@ -42,42 +37,18 @@ from transformers import (
 )
 
 from runner.data.arithmetic import Problem, problems
-from runner.models.builtin import TinySpec
+from runner.models.build_env import (
+    cpu_description,
+    deterministic_torch,
+    quiet_transformers_progress,
+    warm_up_loop,
+)
+from runner.models.specs import TinySpec
 from runner.models.tokenizer_build import MODEL_MAX_LENGTH, build_tokenizer, save_tokenizer
 
 TASK = (0, 20, ("+", "-"))  # the built-in task: operands 0..20, + and -
 HELD_OUT_EVAL = 200  # held-out problems measured after the warm-up
-BUILD_THREADS = 1
 MAX_ANSWER_TOKENS = 6  # "-20" is 2 tokens (bpe) or 3 (char), plus eos
-
-
-@contextlib.contextmanager
-def deterministic_torch(threads: int = BUILD_THREADS) -> Iterator[None]:
-    """Deterministic algorithms, ``threads`` threads and a forked RNG inside; the caller's after."""
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    was_threads = torch.get_num_threads()
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(threads)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic)
-        torch.set_num_threads(was_threads)
-
-
-@contextlib.contextmanager
-def _quiet_transformers_progress() -> Iterator[None]:
-    """No "Writing model shards" bar inside our own progress output."""
-    from transformers.utils import logging
-
-    was_enabled = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            logging.enable_progress_bar()
 
 
 def model_config(spec: TinySpec, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
@@ -216,36 +187,20 @@ def held_out_accuracy(
 def warm_up(
     model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, spec: TinySpec, label: str
 ) -> list[float]:
-    """Supervised warm-up: AdamW, 20 linear warm-up steps then linear decay to 0; step losses."""
+    """The supervised warm-up (``build_env.warm_up_loop``) on ``warm_up_examples(spec)``."""
     examples = warm_up_examples(spec)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / 20) * (1 - step / spec.steps)
+    size = spec.batch_size
+    return warm_up_loop(
+        model,
+        lambda step: sft_batch(tokenizer, examples[step * size : (step + 1) * size]),
+        spec.steps, spec.lr, label,
     )
-    losses: list[float] = []
-    model.train()
-    console = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[loss]}"))
-    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task(f"warm-up {label}", total=spec.steps, loss="")
-        for step in range(spec.steps):
-            rows = examples[step * spec.batch_size : (step + 1) * spec.batch_size]
-            loss = model(**sft_batch(tokenizer, rows)).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            bar.update(task, advance=1, loss=f"loss {losses[-1]:.3f}")
-    model.eval()
-    return losses
 
 
 def build_tiny(folder: Path, name: str, spec: TinySpec) -> dict[str, object]:
     """Write the complete model folder of ``spec`` into ``folder``; returns its build info."""
     console = Console(stderr=True)
-    console.print(f"building builtin:{name} (first use; cached afterwards) ...")
+    console.print(f"building builtin:{name} ...")
     with deterministic_torch():
         save_tokenizer(build_tokenizer(spec.tokenizer), spec.tokenizer, folder)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
@@ -261,7 +216,7 @@ def build_tiny(folder: Path, name: str, spec: TinySpec) -> dict[str, object]:
             do_sample=False,
             max_new_tokens=8,
         )
-        with _quiet_transformers_progress():
+        with quiet_transformers_progress():
             model.save_pretrained(folder)
     console.print(f"built builtin:{name}: held-out greedy accuracy {greedy:.3f}")
     return {
@@ -273,4 +228,5 @@ def build_tiny(folder: Path, name: str, spec: TinySpec) -> dict[str, object]:
         "held_out_greedy_accuracy": greedy,
         "held_out_sampled_accuracy": sampled,  # temperature 1.0, seed 0
         "torch_version": torch.__version__,
+        "cpu": cpu_description(),
     }

@@ -26,11 +26,15 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from tokenizers import AddedToken
 
 from runner.data import shapes as task
-from runner.models.tiny import _quiet_transformers_progress, deterministic_torch
+from runner.models.build_env import (
+    cpu_description,
+    deterministic_torch,
+    quiet_transformers_progress,
+    warm_up_loop,
+)
 from runner.models.tokenizer_build import build_tokenizer, save_tokenizer, tokenizer_config
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -166,7 +170,7 @@ def build_tiny_vl(folder: Path, name: str) -> dict[str, object]:
     from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
 
     console = Console(stderr=True)
-    console.print(f"building builtin:{name} (first use; cached afterwards) ...")
+    console.print(f"building builtin:{name} ...")
     with deterministic_torch():
         tokenizer = _tokenizer(folder)
         processor = processor_for(tokenizer)
@@ -175,31 +179,17 @@ def build_tiny_vl(folder: Path, name: str) -> dict[str, object]:
         train = task.shapes("train", STEPS * BATCH, SEED)
         rng = random.Random(f"slip-{SEED}")
         answers = [_slipped(s.colour) if rng.random() < SLIP else s.colour for s in train]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / 20) * (1 - step / STEPS))
-        losses: list[float] = []
-        model.train()
-        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[loss]}"))
-        with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
-            job = bar.add_task(f"warm-up {name}", total=STEPS, loss="")
-            for step in range(STEPS):
-                rows = slice(step * BATCH, (step + 1) * BATCH)
-                loss = model(**warm_up_batch(processor, train[rows], answers[rows])).loss
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                schedule.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-                bar.update(job, advance=1, loss=f"loss {losses[-1]:.3f}")
-        model.eval()
+        losses = warm_up_loop(
+            model,
+            lambda step: warm_up_batch(processor, train[step * BATCH : (step + 1) * BATCH],
+                                       answers[step * BATCH : (step + 1) * BATCH]),
+            STEPS, LR, name)
         greedy = held_out_accuracy(model, processor)
         sampled = held_out_accuracy(model, processor, temperature=1.0)
         model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, do_sample=False, max_new_tokens=8)
-        with _quiet_transformers_progress():
+        with quiet_transformers_progress():
             model.save_pretrained(folder)
             processor.save_pretrained(folder)
     console.print(f"built builtin:{name}: held-out greedy accuracy {greedy:.3f}")
@@ -212,4 +202,5 @@ def build_tiny_vl(folder: Path, name: str) -> dict[str, object]:
         "held_out_greedy_accuracy": greedy,
         "held_out_sampled_accuracy": sampled,  # temperature 1.0, seed 0
         "torch_version": torch.__version__,
+        "cpu": cpu_description(),
     }

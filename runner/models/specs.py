@@ -1,0 +1,44 @@
+"""The shapes and warm-ups of the tiny text models (``runner.models.tiny`` builds them).
+
+Plain data, no torch: the built-in table (``runner.models.builtin``) and the builders read it.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class TinySpec:
+    """Shape and warm-up of one tiny arithmetic model (see ``runner.models.tiny``)."""
+
+    tokenizer: str  # "bpe" | "char" (runner.models.tokenizer_build.SPECS)
+    hidden_size: int
+    num_layers: int
+    steps: int  # supervised warm-up steps
+    lr: float  # peak warm-up learning rate (linear warm-up, then linear decay to 0)
+    batch_size: int = 32
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    seed: int = 0
+    warmup_hi: int = 20  # warm-up problems: the train split of operands 0..warmup_hi
+    slip: float = 0.0  # share of warm-up answers written one too high (runner.models.tiny)
+
+
+# Held-out greedy / sampled (T=1) accuracy on 200 problems, as the shipped builds measured them
+# (their build_info.json), and build time on one thread of a 2-core CPU.
+TINY_SPECS: dict[str, TinySpec] = {
+    # 0.335 / 0.28, 50-90 s. GRPO (recipes/grpo-arith.toml) lifts held-out accuracy from 0.23 to
+    # 0.5-0.6 within 20-60 steps; the same model without slip (0.31) did not move in 300 steps
+    "tiny-arith": TinySpec(
+        tokenizer="bpe", hidden_size=128, num_layers=3, steps=800, lr=3e-3, slip=0.65
+    ),
+    # one token per character, so answers are spelled digit by digit
+    "tiny-arith-char": TinySpec(
+        tokenizer="char", hidden_size=128, num_layers=3, steps=1500, lr=3e-3
+    ),
+    # the same tokenizer (same ids) as tiny-arith, bigger, no slip
+    "tiny-arith-teacher": TinySpec(
+        tokenizer="bpe", hidden_size=160, num_layers=4, steps=900, lr=3e-3
+    ),
+}
