@@ -61,9 +61,26 @@ def test_gae_two_steps_by_hand():
     close(ret, [[0.6, 1.0]])
 
 
-def test_gae_rejects_left_padding():
-    with pytest.raises(ValueError, match=r"right-padded.*\[1\]"):
-        gae(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([[1, 1, 0], [0, 1, 1]]), 1.0, 1.0)
+def test_gae_rejects_a_broken_run():
+    with pytest.raises(ValueError, match=r"contiguous.*\[1\]"):
+        gae(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([[1, 1, 0], [1, 0, 1]]), 1.0, 1.0)
+
+
+def test_advantages_after_a_prompt_equal_the_left_aligned_ones():
+    """A completion laid after its prompt (mask not starting at column 0) gets exactly the
+    advantages and returns of the same completion laid from column 0."""
+    torch.manual_seed(0)
+    score, lp, ref, val = torch.randn(2), torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    cfg = PPOConfig(kl_coef=0.1, gamma=0.9, lam=0.8, whiten_advantages=False)
+    adv, ret = ppo_advantages(score, lp, ref, val, mask, cfg)
+
+    def shift(x):
+        return torch.cat([torch.zeros(2, 2), x], dim=1)
+
+    adv2, ret2 = ppo_advantages(score, shift(lp), shift(ref), shift(val), shift(mask), cfg)
+    assert torch.equal(adv2[:, 2:], adv) and torch.equal(ret2[:, 2:], ret)
+    assert not adv2[:, :2].any()
 
 
 def test_kl_penalized_rewards_by_hand():

@@ -231,7 +231,7 @@ def test_file_overlap_is_refused(tmp_path):
 @pytest.mark.parametrize("train_key, value", [("factory", f"{HERE}.indexed"), ("path", "FILE")])
 def test_custom_train_source_without_held_out_source_trains_without_evaluation(
         tmp_path, train_key, value):
-    from runner.data.sources import held_out_reason
+    from runner.recipe.held_out import held_out_reason
 
     if value == "FILE":
         value = str(write_jsonl(tmp_path / "t.jsonl", rows(3)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 GRPO = "recipes/grpo-arith.toml"
 FACTORY = "examples.posttrain_extensions.build_prompt_dataset"
 
@@ -74,3 +76,39 @@ def test_dpo_answer_payload_the_packer_cannot_read_is_one_line(run_cli):
                           "keys ['caption', 'image'], which DecoderOnlyLLMDataPacker cannot turn "
                           "into text"), err
     assert len(err.splitlines()) == 1
+
+
+# The roles the plan lists are the roles the assembly builds (runner.train.assemble.build_roles
+# reads plan.roles): --dry-run shows them.
+ROLE_CASES = [
+    ("grpo-arith", (), ("driver", "policy", "rollout", "reward")),
+    ("grpo-arith", ("algo.kl_beta=0.05",), ("driver", "policy", "rollout", "reference", "reward")),
+    ("ppo-arith", ("algo.kl_coef=0.0",), ("driver", "policy", "rollout", "critic", "reward")),
+    ("ppo-arith", ("algo.kl_coef=0.05",),
+     ("driver", "policy", "rollout", "reference", "critic", "reward")),
+    ("dpo-arith", (), ("driver", "policy", "rollout", "reference", "reward")),
+    ("dpo-arith", ("data.validation.enabled=false",), ("driver", "policy", "reference")),
+    ("opd-arith", (), ("driver", "policy", "rollout", "teacher", "reward")),
+]
+
+
+@pytest.mark.parametrize(("recipe", "overrides", "roles"), ROLE_CASES)
+def test_plan_lists_the_roles_a_run_builds(repo, recipe, overrides, roles):
+    from runner.recipe import load_recipe, make_plan
+
+    plan = make_plan(load_recipe(repo / "recipes" / f"{recipe}.toml", list(overrides)))
+    assert plan.roles == roles
+    rows = dict(plan.rows())
+    assert rows["roles"] == ", ".join(roles)
+    engine = rows["rollout engine"]
+    if "rollout" not in roles:
+        assert engine == "(none: offline pairs)"
+    elif recipe.startswith("dpo"):
+        assert engine.endswith("(held-out generation only)")
+
+
+def test_dry_run_shows_a_dpo_held_out_engine(run_cli):
+    rc, out, _ = run_cli("--plain", "--dry-run", "recipes/dpo-arith.toml")
+    assert rc == 0
+    assert "driver, policy, rollout, reference, reward" in out
+    assert "(held-out generation only)" in out

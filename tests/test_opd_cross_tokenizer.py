@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,11 +31,11 @@ import torch
 from runner.models import load_causal_lm, load_tokenizer, resolve_model_path
 from runner.models.tokenizer_build import byte_symbols
 from runner.packers import build_packer
-from runner.recipe.schema import OPDConfig, Recipe
+from runner.recipe.schema import Recipe
 from runner.rollout.base import Completion
-from runner.train.opd import Teacher
 from runner.train.roles import Frozen
 from runner.train.rollouts import Trajectory
+from runner.train.teacher import Teacher
 from runner.types import ObsBundle
 
 EOS = 2  # both views: pad 0, bos 1, eos 2, system 3, user 4, assistant 5, unk 6
@@ -73,15 +72,12 @@ def _char_ids(text: str, vocab: dict[str, int]) -> list[int]:
 
 
 def _teacher(student: Path, teacher: Path) -> Teacher:
-    """The OPD teacher for a student folder, built by ``Teacher`` from a stand-in run holding
-    what it reads (the recipe, the device, the student's packers)."""
-    run = SimpleNamespace(recipe=Recipe(), accelerator=SimpleNamespace(device=torch.device("cpu")),
-                          model_path=student, policy_packer=build_packer(student, "qwen2"),
-                          build_packer=lambda: build_packer(student, "qwen2"),
-                          policy=SimpleNamespace(pad_free=False),
-                          frozen=lambda role, path, pad_free: Frozen(path, Recipe(), "cpu",
-                                                                     pad_free))
-    return Teacher(run, OPDConfig(mode="cross_token_multimodal", teacher_path=str(teacher)))
+    """The OPD cross-tokenizer teacher of a student folder: the teacher's model and packer, and
+    a student-codec packer."""
+    return Teacher(Frozen(teacher, Recipe(), "cpu"), "cross_token_multimodal",
+                   torch.device("cpu"), build_packer(student, "qwen2").pad_token_id,
+                   student_codec=build_packer(student, "qwen2"),
+                   packer=build_packer(teacher, "qwen2"))
 
 
 def _trajectory(student: Path) -> tuple[Trajectory, list]:

@@ -163,7 +163,7 @@ def test_teacher_input_holds_the_items_image(packer, items):
 
 def test_critic_backbone_sees_the_images(vl_path):
     from runner.models import load_causal_lm, text_config_value, text_hidden_size
-    from runner.train.ppo import critic_backbone
+    from runner.train.critic import critic_backbone
 
     lm = load_causal_lm(vl_path)
     assert critic_backbone(lm) is lm.model and lm.model.visual is not None

@@ -3,10 +3,13 @@
 Proximal Policy Optimization (Schulman et al. 2017, arXiv:1707.06347) with generalized
 advantage estimation (Schulman et al. 2016, arXiv:1506.02438) and the per-token KL reward
 penalty of RLHF (Ziegler et al. 2019, arXiv:1909.08593; Ouyang et al. 2022). Sequences are
-right-padded: ``mask_BT`` is true on a prefix of each row.
+laid on any grid where ``mask_BT`` is true on one contiguous run of each row (right-padded
+completions, or completions after their prompt on the shifted grid of a whole sequence).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -17,12 +20,19 @@ from runner.algorithms.masked import masked_mean, masked_whiten, metric
 from runner.recipe.schema import PPOConfig
 
 
-def _check_right_padded(mask_BT: Tensor) -> Tensor:
+def _check_contiguous(mask_BT: Tensor) -> Tensor:
     mask_BT = mask_BT.to(torch.bool)
-    if (mask_BT[:, 1:] & ~mask_BT[:, :-1]).any():
-        rows = torch.nonzero((mask_BT[:, 1:] & ~mask_BT[:, :-1]).any(dim=1)).flatten().tolist()
-        raise ValueError(f"mask must be right-padded (a prefix of each row); rows {rows} are not.")
+    starts_B = (mask_BT[:, 1:] & ~mask_BT[:, :-1]).sum(dim=1) + mask_BT[:, 0].long()
+    if (starts_B > 1).any():
+        rows = torch.nonzero(starts_B > 1).flatten().tolist()
+        raise ValueError(f"mask must be one contiguous run of each row; rows {rows} are not.")
     return mask_BT
+
+
+def _last_valid(mask_BT: Tensor) -> Tensor:
+    """Column of each row's last masked position (rows must have one)."""
+    cols = torch.arange(mask_BT.shape[1], device=mask_BT.device)
+    return torch.where(mask_BT, cols, -1).max(dim=1).values
 
 
 def kl_penalized_rewards(
@@ -36,7 +46,7 @@ def kl_penalized_rewards(
 
     (Ziegler et al. 2019.) Detached; 0 outside the mask. Every row needs >= 1 valid token.
     """
-    mask_BT = _check_right_padded(mask_BT)
+    mask_BT = _check_contiguous(mask_BT)
     lengths_B = mask_BT.sum(dim=1)
     if (lengths_B == 0).any():
         rows = torch.nonzero(lengths_B == 0).flatten().tolist()
@@ -44,20 +54,20 @@ def kl_penalized_rewards(
     kl_BT = (logprobs_BT - ref_logprobs_BT).detach()
     rewards_BT = torch.where(mask_BT, -kl_coef * kl_BT, torch.zeros_like(kl_BT))
     rows_B = torch.arange(rewards_BT.shape[0], device=rewards_BT.device)
-    rewards_BT[rows_B, lengths_B - 1] += score_B.detach().to(rewards_BT.dtype)
+    rewards_BT[rows_B, _last_valid(mask_BT)] += score_B.detach().to(rewards_BT.dtype)
     return rewards_BT
 
 
 def gae(
     rewards_BT: Tensor, values_BT: Tensor, mask_BT: Tensor, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
-    """Generalized advantage estimation over right-padded rows: -> (adv_BT, returns_BT).
+    """Generalized advantage estimation over each row's contiguous run: -> (adv_BT, returns_BT).
 
     delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},  R_t = A_t + V_t,
     with V and A taken as 0 past the last valid token (no bootstrap at the end of a
     completion). Detached; both outputs are 0 outside the mask.
     """
-    mask_BT = _check_right_padded(mask_BT)
+    mask_BT = _check_contiguous(mask_BT)
     zero = torch.zeros((), dtype=values_BT.dtype, device=values_BT.device)
     values_BT = torch.where(mask_BT, values_BT.detach(), zero)
     rewards_BT = torch.where(mask_BT, rewards_BT.detach(), zero)
@@ -80,16 +90,18 @@ def ppo_advantages(
     values_BT: Tensor,
     mask_BT: Tensor,
     cfg: PPOConfig,
+    whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten,
 ) -> tuple[Tensor, Tensor]:
     """Rollout-time step: KL-penalised rewards -> GAE -> optional whitening: (adv_BT, returns_BT).
 
-    Call once per batch of rollouts (whitening uses the whole batch), before minibatching.
+    Call once per batch of rollouts (whitening uses the whole batch: ``whiten`` is
+    ``masked_whiten`` of this batch, or a whitening over every rank's), before minibatching.
     Returns are computed from the un-whitened advantages.
     """
     rewards_BT = kl_penalized_rewards(score_B, logprobs_BT, ref_logprobs_BT, mask_BT, cfg.kl_coef)
     adv_BT, returns_BT = gae(rewards_BT, values_BT, mask_BT, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
-        adv_BT = masked_whiten(adv_BT, mask_BT)
+        adv_BT = whiten(adv_BT, mask_BT.to(torch.bool))
     return adv_BT, returns_BT
 
 

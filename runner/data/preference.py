@@ -33,13 +33,6 @@ from runner.recipe.schema import DataConfig, Recipe
 __all__ = ["DatasetPreferenceEnv", "PreferencePair", "build_pair_source"]
 
 
-def held_out_reason(data: DataConfig) -> str:
-    """"" when a DPO run of ``[data]`` evaluates on held-out pairs; otherwise why not. (A custom
-    training source with validation on and no held-out source is an error, raised when the
-    sources are built: DPO's overlap check needs both sides' ``membership_ids()``.)"""
-    return "" if data.validation.enabled else "off: data.validation.enabled is false"
-
-
 def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSource:
     """The training (or, with ``validation``, held-out) preference source of ``[data]``.
 

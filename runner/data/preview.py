@@ -12,7 +12,8 @@ from typing import Any
 import attrs
 
 from runner.data.preference import DatasetPreferenceEnv
-from runner.data.sources import build_prompt_sources, held_out_reason
+from runner.data.sources import build_prompt_sources
+from runner.recipe.held_out import held_out_reason
 from runner.recipe.schema import Recipe
 
 ITEM_CHARS = 200

@@ -42,6 +42,7 @@ from runner.data.files import load_hub, load_local
 from runner.data.membership import check_overlap, item_id, text_id
 from runner.errors import Problem, RecipeError
 from runner.extensions import load_callable
+from runner.recipe.held_out import held_out_reason
 from runner.recipe.schema import DataConfig
 from runner.types import ObsBundle
 
@@ -141,28 +142,6 @@ def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = 
     if not (data.factory or data.path or data.name):
         return _builtin(data, "held_out", v.size, columns, **common)
     raise RecipeError([Problem("data.validation", held_out_reason(data, algo_kind))])
-
-
-def _train_key(data: DataConfig) -> str:
-    return "data.factory" if data.factory else "data.path" if data.path else "data.name"
-
-
-def held_out_reason(data: DataConfig, algo_kind: str) -> str:
-    """"" when a run of ``[data]`` evaluates on a held-out set; otherwise why it does not, as a
-    sentence for the dry-run plan and the start of the run. (DPO: ``preference.held_out_reason``.)"""
-    if algo_kind == "dpo":
-        from runner.data.preference import held_out_reason as dpo_reason
-
-        return dpo_reason(data)
-    v = data.validation
-    if not v.enabled:
-        return "off: data.validation.enabled is false"
-    if v.factory or v.path or (data.name and v.split) or not (data.factory or data.path or data.name):
-        return ""
-    where = "data.validation.factory or data.validation.path" + (
-        " (or data.validation.split of the hub dataset)" if data.name else "")
-    return (f"none: no held-out set is given for the {_train_key(data)} training source, so the "
-            f"run trains without held-out evaluation; set {where} to evaluate")
 
 
 def build_prompt_sources(data: DataConfig, algo_kind: str

@@ -51,8 +51,7 @@ def run_rank(recipe: Recipe, ctx: RankContext, *, source: str, overrides: Sequen
     ``roles``: the role actors this rank calls (``runner.launch.ray_roles.RoleActors``; None:
     every role in this process). ``stop``: asked once per step whether the launcher wants the
     run to stop (where no signal reaches this process: a Ray actor)."""
-    import torch
-
+    from runner.precision import device_type
     from runner.recipe.plan import make_plan
     from runner.train import run_recipe
 
@@ -63,11 +62,11 @@ def run_rank(recipe: Recipe, ctx: RankContext, *, source: str, overrides: Sequen
             f"launcher started {ctx.world_size}", got=launch.num_processes,
             hint=f"set launch.num_processes = {ctx.world_size}, or start "
             f"{launch.num_processes} processes")])
-    use_cuda = recipe.run.device != "cpu" and torch.cuda.is_available()
+    use_cuda = device_type(recipe) == "cuda"
     comm = Collective.start(ctx, timeout_s=recipe.launch.collective_timeout_s, use_cuda=use_cuda)
     try:
         plan = make_plan(recipe, world_size=ctx.world_size)
         return run_recipe(recipe, plan, ctx=ctx, comm=comm, source=source, overrides=overrides,
-                          plain=plain, roles=roles, stop=stop)
+                          plain=plain, actors=roles, stop=stop)
     finally:
         comm.close()

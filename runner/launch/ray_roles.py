@@ -55,6 +55,7 @@ class RolloutActor:
     def _engine(self) -> Any:
         if self.engine is None:
             from runner.models import resolve_model_path
+            from runner.precision import resolve
             from runner.rollout.factory import make_engine
             from runner.ui.quiet import quiet_libraries
 
@@ -63,7 +64,8 @@ class RolloutActor:
                 sys.path.insert(0, self.payload.cwd)
             quiet_libraries()
             recipe = self.payload.recipe()
-            self.engine = make_engine(recipe, resolve_model_path(recipe.model.path))
+            self.engine = make_engine(recipe, resolve_model_path(recipe.model.path),
+                                      dtype=resolve(recipe).engine_dtype)
         return self.engine
 
     def generate(self, prompts: list[Any], sampling: Any, seeds: list[int] | None
@@ -94,9 +96,8 @@ class FrozenActor:
 
     def build(self, pad_free: bool = False) -> str:
         if self.model is None:
-            import torch
-
             from runner.models import resolve_model_path
+            from runner.precision import device_type, resolve
             from runner.train.roles import Frozen
             from runner.ui.quiet import quiet_libraries
 
@@ -107,8 +108,9 @@ class FrozenActor:
             recipe = self.payload.recipe()
             path = (resolve_model_path(recipe.algo.teacher_path, key="algo.teacher_path")
                     if self.role == "teacher" else resolve_model_path(recipe.model.path))
-            cuda = recipe.run.device != "cpu" and torch.cuda.is_available()
-            self.model = Frozen(path, recipe, "cuda" if cuda else "cpu", pad_free)
+            device = device_type(recipe)
+            self.model = Frozen(path, recipe, device, pad_free,
+                                bf16=resolve(recipe, device).train == "bf16")
         self.model.pad_free = pad_free  # the layout of the batches the ranks send
         return self.role
 

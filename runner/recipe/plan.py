@@ -1,4 +1,5 @@
-"""RunPlan: values derived from a Recipe (layout, batch sizes, paths). Frozen, like the recipe."""
+"""RunPlan: values derived from a Recipe (layout, batch sizes, the roles a run builds, paths).
+Frozen, like the recipe; the assembly builds exactly the roles it lists."""
 
 from __future__ import annotations
 
@@ -8,14 +9,34 @@ import attrs
 
 from runner.errors import Problem, RecipeError
 from runner.recipe.checks import batch_key
+from runner.recipe.held_out import held_out_reason
 from runner.recipe.schema import DPOConfig, GRPOConfig, OPDConfig, PPOConfig, Recipe
 
-_ROLES = {
-    "grpo": ("driver", "rollout", "policy", "reward"),
-    "dpo": ("driver", "policy", "reference"),
-    "ppo": ("driver", "rollout", "policy", "reference", "critic", "reward"),
-    "opd": ("driver", "rollout", "policy", "teacher"),
-}
+# Every role a run can build, in the order the assembly builds them.
+ROLE_ORDER = ("driver", "policy", "rollout", "reference", "critic", "teacher", "reward")
+
+
+def planned_roles(recipe: Recipe) -> tuple[str, ...]:
+    """The roles a run of ``recipe`` builds (``driver`` being the process that runs the loop).
+
+    GRPO: a reference only with ``kl_beta > 0``; PPO: only with ``kl_coef > 0`` (the penalty
+    is 0 otherwise); DPO: a rollout engine and the reward functions only with held-out pairs
+    (evaluated by greedy generation too); OPD scores its samples with the recipe's rewards for
+    the log.
+    """
+    a = recipe.algo
+    wanted = {"driver", "policy"}
+    if isinstance(a, GRPOConfig):
+        wanted |= {"rollout", "reward"} | ({"reference"} if a.kl_beta > 0 else set())
+    elif isinstance(a, PPOConfig):
+        wanted |= {"rollout", "reward", "critic"} | ({"reference"} if a.kl_coef > 0 else set())
+    elif isinstance(a, OPDConfig):
+        wanted |= {"rollout", "reward", "teacher"}
+    elif isinstance(a, DPOConfig):
+        wanted.add("reference")
+        if not held_out_reason(recipe.data, "dpo"):
+            wanted |= {"rollout", "reward"}
+    return tuple(r for r in ROLE_ORDER if r in wanted)
 
 
 @attrs.frozen
@@ -42,7 +63,7 @@ class RunPlan:
             ("algorithm", self.algo),
             ("launch", f"{self.backend}, {self.world_size} process(es)"),
             ("roles", ", ".join(self.roles)),
-            ("rollout engine", self.engine if self.algo != "dpo" else "(none: offline pairs)"),
+            ("rollout engine", self._engine_row()),
             ("steps", str(self.max_steps)),
             ("items per step", str(self.items_per_step)),
             ("sequences per step", f"{self.samples_per_step} ({self.samples_per_rank} per rank)"),
@@ -50,6 +71,11 @@ class RunPlan:
                                          f"(minibatch {self.minibatch_size} per rank)"),
             ("output", str(self.output_dir)),
         ]
+
+    def _engine_row(self) -> str:
+        if "rollout" not in self.roles:
+            return "(none: offline pairs)"
+        return self.engine + (" (held-out generation only)" if self.algo == "dpo" else "")
 
 
 def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
@@ -85,7 +111,7 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         minibatch_size=max(1, per_rank // splits),
         optimizer_steps_per_step=passes * splits,
         max_steps=recipe.run.max_steps,
-        roles=_ROLES[a.kind],
+        roles=planned_roles(recipe),
         engine=recipe.rollout.engine,
         output_dir=out,
         checkpoint_dir=out / "checkpoints",

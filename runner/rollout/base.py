@@ -46,6 +46,7 @@ class RolloutOutput:
 @runtime_checkable
 class RolloutEngine(Protocol):
     name: str
+    shared: bool  # one engine serves every rank (a rollout actor): rank 0 alone sends weights
 
     def generate(self, prompts: Sequence[EnginePrompt | Sequence[int]], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:

@@ -8,11 +8,11 @@ from runner.recipe.schema import Recipe
 from runner.rollout.base import RolloutEngine
 
 
-def make_engine(recipe: Recipe, model_path: Path, *, max_model_len: int = 512) -> RolloutEngine:
-    from runner.precision import resolve
-
+def make_engine(recipe: Recipe, model_path: Path, *, dtype: str, max_model_len: int = 512
+                ) -> RolloutEngine:
+    """The engine of ``recipe.rollout`` on ``model_path`` with weights in ``dtype`` (the run's
+    ``Precision.engine_dtype``)."""
     r = recipe.rollout
-    dtype = resolve(recipe).engine_dtype
     if r.engine == "vllm":
         from runner.rollout.vllm import VLLMEngine
 

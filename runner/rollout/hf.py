@@ -76,6 +76,7 @@ def row_seed(prompt_seed: int, sample: int) -> int:
 
 class HFEngine:
     name = "hf"
+    shared = False  # one engine per rank
 
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64) -> None:
         self.model = model.eval()

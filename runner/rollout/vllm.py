@@ -114,6 +114,7 @@ def vllm_request(prompt: EnginePrompt) -> Any:
 
 class VLLMEngine:
     name = "vllm"
+    shared = False  # one engine per rank
 
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 512,
                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False,

@@ -5,13 +5,16 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runner.launch.collective import Collective
 from runner.launch.context import RankContext
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
 from runner.ui import SilentReporter, make_reporter
+
+if TYPE_CHECKING:
+    from runner.train.roles import RoleProvider
 
 # algorithm kind -> module whose ``run(RunContext) -> dict`` is its loop
 LOOPS: dict[str, str] = {
@@ -23,7 +26,7 @@ LOOPS: dict[str, str] = {
 
 
 def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collective, source: str,
-               overrides: Sequence[str], plain: bool, roles: Any = None,
+               overrides: Sequence[str], plain: bool, actors: RoleProvider | None = None,
                stop: Callable[[], bool] | None = None) -> int:
     """Run a validated recipe to the end on this rank; returns the exit code (0)."""
     from runner.train.assemble import assemble
@@ -33,7 +36,7 @@ def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collect
     loop = importlib.import_module(LOOPS[recipe.algo.kind]).run
     # Leaving the block by any path (an error, Ctrl-C) tears the live view down first.
     with make_reporter(plain) if ctx.is_main else SilentReporter() as reporter:
-        run = assemble(recipe, plan, ctx, comm, reporter, source, overrides, roles=roles,
+        run = assemble(recipe, plan, ctx, comm, reporter, source, overrides, actors=actors,
                        stop=stop)
         try:
             result = loop(run) | {"metrics": run.metrics.rows}

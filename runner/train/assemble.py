@@ -21,14 +21,16 @@ import numpy as np
 import torch
 
 from runner.data.cursor import DataCursor, check_resume
-from runner.data.sources import held_out_reason
 from runner.errors import Problem, RecipeError, RunnerError
 from runner.launch.collective import Collective
 from runner.launch.context import RankContext
+from runner.precision import Precision, device_type, resolve
 from runner.recipe.checks import batch_key
+from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
 from runner.recipe.resolved import write_resolved
 from runner.recipe.schema import Recipe
+from runner.rewards import RewardSet, build_rewards
 from runner.state.checkpoint import (
     LoadedCheckpoint,
     TrainingState,
@@ -40,7 +42,16 @@ from runner.state.checkpoint import (
 )
 from runner.train.handshake import handshake, model_files_hash
 from runner.train.policy import scheduler_state
-from runner.train.roles import Rollout, Trainable, disable_dropout, prepare_trainable
+from runner.train.roles import (
+    Frozen,
+    FrozenScorer,
+    RoleProvider,
+    Rollout,
+    Trainable,
+    disable_dropout,
+    prepare_trainable,
+)
+from runner.train.teacher import Teacher
 from runner.ui import MetricsLog, Reporter
 
 
@@ -61,6 +72,17 @@ def item_seed(seed: int, step: int, position: int) -> int:
     """The sampling seed of the item at global batch position ``position`` of ``step``: the
     same whatever the number of ranks."""
     return (step_seed(seed, step) * 1_000_033 + position * 7_777) % 2**63
+
+
+@attrs.define
+class Roles:
+    """The models and functions a loop uses besides the policy and the rollout, built by the
+    assembly exactly as the plan lists them (``RunPlan.roles``); None where it lists none."""
+
+    reference: FrozenScorer | None = None
+    critic: Trainable | None = None
+    teacher: Teacher | None = None
+    rewards: RewardSet | None = None
 
 
 @attrs.define
@@ -85,18 +107,19 @@ class RunContext:
     rollout: Rollout | None
     metrics: MetricsLog
     has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
+    precision: Precision  # decided once per rank (runner.precision.resolve)
+    roles: Roles = attrs.field(factory=Roles)
     stop_poll: Callable[[], bool] | None = None  # the launcher asks for a stop (Ray actors)
-    roles: Any = None  # role actors serving this rank (runner.launch.ray_roles.RoleActors)
+    actors: RoleProvider | None = None  # roles served outside this rank (Ray role actors)
 
-    def frozen(self, role: str, path: Path, pad_free: bool = False) -> Any:
+    def frozen(self, role: str, path: Path, pad_free: bool = False) -> FrozenScorer:
         """The frozen model of ``role`` ("reference" or "teacher") loaded from ``path``, scoring
         padding-free batches when ``pad_free``: in this process, or the role's actor when it has
-        one. Either has ``logprobs`` and ``logits``."""
-        if self.roles is not None and self.roles.frozen_of(role) is not None:
-            return self.roles.remote_frozen(role, self.accelerator.device, pad_free)
-        from runner.train.roles import Frozen
-
-        return Frozen(path, self.recipe, self.accelerator.device, pad_free)
+        one."""
+        if self.actors is not None and self.actors.frozen_of(role) is not None:
+            return self.actors.remote_frozen(role, self.accelerator.device, pad_free)
+        return Frozen(path, self.recipe, self.accelerator.device, pad_free,
+                      bf16=self.precision.train == "bf16")
 
     @property
     def rollout_packer(self) -> Any:
@@ -192,13 +215,10 @@ def resume_cursor(recipe: Recipe, ckpt: LoadedCheckpoint | None, parts_now: dict
                         seed=recipe.run.seed)
 
 
-def make_accelerator(recipe: Recipe) -> Any:
+def make_accelerator(device: str, precision: Precision) -> Any:
     from accelerate import Accelerator
 
-    cpu = recipe.run.device == "cpu" or (recipe.run.device == "auto" and not torch.cuda.is_available())
-    from runner.precision import resolve
-
-    return Accelerator(cpu=cpu, mixed_precision=resolve(recipe, "cpu" if cpu else "cuda").train)
+    return Accelerator(cpu=device == "cpu", mixed_precision=precision.train)
 
 
 def _open_data(recipe: Recipe, ctx: RankContext) -> tuple[Any, Any, dict[str, str]]:
@@ -248,13 +268,16 @@ class _Steps:
 
 
 def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, reporter: Reporter,
-             source: str, overrides: Sequence[str], roles: Any = None,
+             source: str, overrides: Sequence[str], actors: RoleProvider | None = None,
              stop: Callable[[], bool] | None = None) -> RunContext:
-    """``roles``: role actors (``runner.launch.ray_roles.RoleActors``) serving this rank; the
-    roles it has none for are built here."""
+    """Build every role the plan lists (``plan.roles``), in this process or, where ``actors``
+    serves it, as a handle on the launcher's role actor."""
     from runner.models import load_causal_lm, read_model_type, resolve_model_path
     from runner.packers import build_packer
     from runner.rollout.factory import make_engine
+
+    device = device_type(recipe)
+    precision = resolve(recipe, device)  # once per rank: the trained, frozen and engine dtypes
 
     seed_everything(recipe.run.seed, recipe.run.deterministic)
     step = _Steps()
@@ -291,10 +314,10 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     factory = recipe.data_packer.factory
     options = {"trust_remote_code": trust, "dtype": dtype}
     packer = step("policy", lambda: build_packer(base, model_type, factory, **options))
-    dpo_held_out = recipe.algo.kind == "dpo" and data is not None and data.held_out is not None
-    if dpo_held_out:  # DPO evaluates by generation too: the held-out prompts, chosen = reference
+    generates = "rollout" in plan.roles
+    dpo_held_out = recipe.algo.kind == "dpo" and generates
+    if dpo_held_out and data is not None:  # DPO evaluates by generation too: chosen = reference
         val_items = [_pair_item(p) for p in data.validation_pairs()]
-    generates = recipe.algo.kind != "dpo" or dpo_held_out
     engine_packer = (step("rollout", lambda: build_packer(base, model_type, factory, **options))
                      if generates else None)
     fingerprint = data.cursor.fingerprint if data is not None else ""
@@ -303,7 +326,7 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     # Before the first collective of the build (DDP's parameter broadcast, the engine's setup):
     # a rank that failed must not leave the others waiting inside one.
     handshake(comm, ctx, step.failed, fingerprint, hashes)
-    accelerator = make_accelerator(recipe)
+    accelerator = make_accelerator(device, precision)
     if accelerator.num_processes != ctx.world_size:  # no DDP: the ranks would train apart
         raise RunnerError(f"Accelerate sees {accelerator.num_processes} process(es) but this is "
                           f"rank {ctx.rank} of {ctx.world_size}: the launcher did not set RANK, "
@@ -312,8 +335,9 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
                                pad_free=recipe.train.padding_free and getattr(packer, "can_pack", False),
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
-    remote = roles is not None and roles.rollout
-    engine = ((roles.rollout_engine(ctx) if remote else make_engine(recipe, model_dir))
+    remote = bool(actors is not None and actors.rollout)
+    engine = ((actors.rollout_engine(ctx) if remote and actors is not None
+               else make_engine(recipe, model_dir, dtype=precision.engine_dtype))
               if generates else None)
     rollout = Rollout(engine, engine_packer) if generates else None
     metrics = MetricsLog(plan.metrics_path if ctx.is_main else None,
@@ -326,12 +350,51 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
         reporter.message(f"held-out evaluation: {reason}")
     run = RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
                      parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
-                     has_held_out, stop, roles)
+                     has_held_out, precision, stop_poll=stop, actors=actors)
+    run.roles = build_roles(run)
     # A rollout actor, and any engine under LoRA (a checkpoint holds adapters only), starts from
     # the base model.
     if rollout is not None and ckpt is not None and (remote or lora):
         run.sync_weights()
     return run
+
+
+def build_roles(run: RunContext) -> Roles:
+    """The roles of ``run.plan.roles`` besides the policy and the rollout, built in the plan's
+    order (the reference, the critic, the teacher, the reward functions)."""
+    recipe, wanted = run.recipe, run.plan.roles
+    reference = (run.frozen("reference", run.model_path, run.policy.pad_free)
+                 if "reference" in wanted else None)
+    critic = None
+    if "critic" in wanted:
+        from runner.train.critic import build_critic
+
+        critic = build_critic(recipe, run.model_path, run.accelerator, run.ckpt)
+    teacher = build_teacher(run) if "teacher" in wanted else None
+    rewards = build_rewards(recipe.reward) if "reward" in wanted else None
+    return Roles(reference, critic, teacher, rewards)
+
+
+def build_teacher(run: RunContext) -> Teacher:
+    """OPD's teacher: its frozen model (here or in its actor) and, in cross_token_multimodal
+    mode, its own packer and a student-codec packer from the student's factory."""
+    from runner.models import read_model_type, resolve_model_path
+    from runner.models.vocab import check_same_vocab
+    from runner.packers import build_packer
+
+    algo, m = run.recipe.algo, run.recipe.model
+    path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
+    same = algo.mode == "same_tokenizer"
+    frozen = run.frozen("teacher", path, run.policy.pad_free and same)
+    device, pad = run.accelerator.device, run.policy_packer.pad_token_id
+    if same:
+        check_same_vocab(run.model_path, path, trust_remote_code=m.trust_remote_code)
+        return Teacher(frozen, algo.mode, device, pad)
+    packer = build_packer(path, read_model_type(path), run.recipe.data_packer.teacher_model_factory,
+                          key="data_packer.teacher_model_factory",
+                          trust_remote_code=m.trust_remote_code, dtype=m.dtype)
+    return Teacher(frozen, algo.mode, device, pad, student_codec=run.build_packer(),
+                   packer=packer)
 
 
 def _codec(base: Path, trust: bool) -> Any:

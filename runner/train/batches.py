@@ -83,6 +83,10 @@ def minibatches(layout: Layout, weights_global: Sequence[float], n_minibatches: 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]  # metrics: floats or 0-d tensors
 
 
+# Like LossFn, with a third value the caller keeps (GRPO: the rows' detached logprobs).
+KeepingLossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any], Any]]
+
+
 def train_minibatch(trainables: Sequence[Trainable], mb: Minibatch, loss_fn: LossFn, accum: int,
                     world: int, max_grad_norm: float) -> dict[str, float]:
     """One optimizer step over this rank's part of ``mb``, in up to ``accum`` micro-batches.
@@ -93,14 +97,28 @@ def train_minibatch(trainables: Sequence[Trainable], mb: Minibatch, loss_fn: Los
     minibatch's) and the gradient norm. A rank that holds no row of ``mb`` still takes part
     (DDP synchronises every rank) with a zero-weighted loss on its first row.
     """
+    def keeping(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any], None]:
+        return (*loss_fn(rows), None)
+
+    return train_minibatch_keeping(trainables, mb, keeping, accum, world, max_grad_norm)[0]
+
+
+def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,
+                            loss_fn: KeepingLossFn, accum: int, world: int, max_grad_norm: float
+                            ) -> tuple[dict[str, float], list[tuple[torch.Tensor, Any]]]:
+    """``train_minibatch`` whose loss also returns a value per micro-batch: returns the metrics
+    and, in micro-batch order, (the rows ``loss_fn`` was called with, its third value)."""
     pieces = [mb.rows[s] for s in split_even(len(mb.rows), max(1, accum))] or [[]]
     weights = dict(zip(mb.rows, mb.weights, strict=True))
     sums: dict[str, float] = {}
+    kept: list[tuple[torch.Tensor, Any]] = []
 
     def micro(rows: list[int]) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             share = sum(weights[r] for r in rows) / mb.total if rows and mb.total else 0.0
-            loss, metrics = loss_fn(torch.tensor(rows or [0]))
+            idx = torch.tensor(rows or [0])
+            loss, metrics, value = loss_fn(idx)
+            kept.append((idx, value))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * share
             return loss * (share * world)
@@ -109,7 +127,7 @@ def train_minibatch(trainables: Sequence[Trainable], mb: Minibatch, loss_fn: Los
 
     norm = optimizer_step(trainables, [micro(p) for p in pieces], max_grad_norm)
     # The metrics stay tensors through the micro-batches: read once, after the step.
-    return {**{k: float(v) for k, v in sums.items()}, "grad_norm": norm / world}
+    return {**{k: float(v) for k, v in sums.items()}, "grad_norm": norm / world}, kept
 
 
 def reduce_history(comm: Collective, history: Sequence[dict[str, float]]) -> dict[str, float]:

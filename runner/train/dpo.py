@@ -21,12 +21,12 @@ from runner.algorithms.dpo import DPOLossInputs, dpo_loss
 from runner.launch.collective import interleave
 from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import DPOConfig
-from runner.rewards import build_rewards
+from runner.rewards import RewardSet
 from runner.train.assemble import RunContext
 from runner.train.batches import Minibatch, reduce_history, train_minibatch
 from runner.train.loop import run_loop
 from runner.train.policy import split_even
-from runner.train.roles import Frozen
+from runner.train.roles import FrozenScorer
 from runner.train.rollouts import evaluate
 from runner.types import ObsBundle
 from runner.ui import Reporter
@@ -36,8 +36,8 @@ from runner.ui import Reporter
 class DPORun:
     run: RunContext
     algo: DPOConfig
-    reference: Frozen
-    rewards: Any  # the recipe's reward functions, scoring greedy held-out generations
+    reference: FrozenScorer
+    rewards: RewardSet | None  # the recipe's reward functions, scoring held-out generations
     cache: dict[str, tuple[float, float]]  # pair id -> reference (chosen, rejected) logprobs
 
     @property
@@ -136,6 +136,7 @@ def held_out(run: DPORun) -> dict[str, float]:
         loss_sum += float(dpo_loss(x, run.algo)[0]) * len(part)
     correct, loss_sum, n = ctx.comm.sum([correct, loss_sum, len(pairs)])
     ctx.sync_weights()  # the generation engine gets the policy's weights at evaluations only
+    assert run.rewards is not None  # the plan builds them with the held-out set
     return {"eval/preference_accuracy": correct / max(1.0, n), "eval/loss": loss_sum / max(1.0, n),
             **evaluate(ctx, run.rewards)}
 
@@ -143,8 +144,8 @@ def held_out(run: DPORun) -> dict[str, float]:
 def run(ctx: RunContext) -> dict[str, Any]:
     algo = ctx.recipe.algo
     assert isinstance(algo, DPOConfig)
-    dpo = DPORun(ctx, algo, ctx.frozen("reference", ctx.model_path, ctx.policy.pad_free),
-                 build_rewards(ctx.recipe.reward), {})
+    assert ctx.roles.reference is not None
+    dpo = DPORun(ctx, algo, ctx.roles.reference, ctx.roles.rewards, {})
     if algo.precompute_reference:
         precompute(dpo, ctx.reporter)
     return run_loop(ctx, lambda s: one_step(dpo, s),

@@ -1,12 +1,19 @@
 """The GRPO loop (Shao et al. 2024, DeepSeekMath): sample a group of completions per prompt,
 score them, normalise rewards within each group, and take clipped policy-gradient steps.
 
-One step: this rank's prompts from the global cursor -> ``group_size`` completions each ->
-rewards -> advantages (from every rank's rewards, so ``scale_rewards = "batch"`` uses the global
-batch) -> ``ppo_epochs`` x ``minibatches`` optimizer steps over minibatches of the global batch
--> new weights to the engine -> metrics, eval, checkpoint. Everything random is seeded from
-(run seed, step) and each prompt's global position, so a resumed run repeats the uninterrupted
-one exactly, and the same global batch trains the same way on any number of ranks.
+One step is three plain functions, each with explicit inputs and outputs:
+
+- ``produce``: this rank's prompts from the global cursor -> ``group_size`` completions each,
+  with the engine's token logprobs (a ``Trajectory``);
+- ``score``: rewards -> advantages (from every rank's rewards, so ``scale_rewards = "batch"``
+  uses the global batch), the optional shared-prefix filter, the collated batch, the
+  minibatches of every epoch, and the behaviour and reference logprobs (a ``ScoredBatch``);
+- ``consume``: ``ppo_epochs`` x ``minibatches`` optimizer steps over minibatches of the global
+  batch.
+
+``one_step`` calls them in a row, then pushes the new weights to the engine. Everything random
+is seeded from (run seed, step) and each prompt's global position, so a resumed run repeats the
+uninterrupted one exactly, and the same global batch trains the same way on any number of ranks.
 """
 
 from __future__ import annotations
@@ -14,83 +21,85 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import attrs
 import torch
 
 from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, group_advantages, grpo_loss
+from runner.packers.base import PolicyBatch
 from runner.recipe.schema import GRPOConfig
-from runner.rewards import build_rewards
+from runner.rewards import RewardSet
 from runner.train.assemble import RunContext, step_seed
 from runner.train.batches import (
     Layout,
+    Minibatch,
     gather_rows,
     minibatches,
     rank_mean,
     reduce_history,
     select_rows,
-    train_minibatch,
+    train_minibatch_keeping,
 )
 from runner.train.loop import run_loop
 from runner.train.policy import completion_grid
-from runner.train.roles import Frozen
 from runner.train.rollouts import (
     Trajectory,
     evaluate,
     item_ids_metric,
     sample,
-    score,
     shared_prefixes,
 )
+from runner.train.rollouts import score as reward_trajectory
 
 
 def run(run: RunContext) -> dict[str, Any]:
     algo = run.recipe.algo
     assert isinstance(algo, GRPOConfig)
-    rewards = build_rewards(run.recipe.reward)
-    reference = (run.frozen("reference", run.model_path, run.policy.pad_free)
-                 if algo.kl_beta > 0 else None)
-    return run_loop(run, lambda step: _one_step(run, algo, rewards, reference, step),
+    rewards = run.roles.rewards
+    assert rewards is not None
+    return run_loop(run, lambda step: one_step(run, algo, rewards, step),
                     (lambda: evaluate(run, rewards)) if run.has_held_out else None)
 
 
-def _one_step(run: RunContext, algo: GRPOConfig, rewards: Any, reference: Frozen | None,
-              step: int) -> dict[str, Any]:
-    recipe = run.recipe
-    t0 = time.perf_counter()
-    traj = sample(run, algo.prompts_per_step, algo.group_size, step)
-    t1 = time.perf_counter()
-    traj = score(traj, rewards, step)
+@attrs.frozen(eq=False)
+class ScoredBatch:
+    """A scored trajectory, ready for the optimizer steps of one step (tensors on the device).
+
+    ``old_BT`` holds the behaviour logprobs of every row that ``consume`` does not score
+    itself: with ``old_logprobs = "policy"`` the first minibatch's rows are filled by that
+    optimizer step's own (detached) forward, which runs the weights that sampled them.
+    """
+
+    traj: Trajectory
+    layout: Layout
+    batch: PolicyBatch
+    rewards_all: list[float]  # every rank's rewards, in global row order
+    adv_all: torch.Tensor  # [global rows]
+    adv_B: torch.Tensor  # this rank's rows
+    epochs: list[list[Minibatch]]
+    engine_BT: torch.Tensor  # the engine's logprobs of the sampled tokens, on the batch's grid
+    old_BT: torch.Tensor
+    ref_BT: torch.Tensor | None
+    own_old: bool  # the first minibatch's behaviour logprobs are its own forward's
+    ignore_prefix: list[int] | None  # shared-prefix tokens left out of the loss, per row
+
+
+def produce(run: RunContext, algo: GRPOConfig, step: int) -> Trajectory:
+    """This rank's share of the step's prompts, ``group_size`` completions each."""
+    return sample(run, algo.prompts_per_step, algo.group_size, step)
+
+
+def score(run: RunContext, algo: GRPOConfig, rewards: RewardSet, traj: Trajectory,
+          step: int) -> ScoredBatch:
+    """Rewards, group advantages, the batch and its minibatches, and the logprobs the loss
+    compares against (behaviour: the engine's or the policy's; reference with ``kl_beta``)."""
+    recipe, policy, device = run.recipe, run.policy, run.accelerator.device
+    traj = reward_trajectory(traj, rewards, step)
     ignore = shared_prefixes(traj, algo.group_size) if algo.shared_prefix_filter else None
-    t2 = time.perf_counter()
     layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step, algo.group_size)
     rewards_all = gather_rows(run.comm, layout, traj.rewards)
-    metrics = _update(run, algo, layout, traj, rewards_all, reference, step, ignore)
-    if ignore is not None:
-        metrics["prefix_tokens_filtered"] = sum(gather_rows(run.comm, layout, ignore)) / layout.global_rows
-    t3 = time.perf_counter()
-    run.sync_weights()
-    t4 = time.perf_counter()
-    if recipe.logging.sample_every and step % recipe.logging.sample_every == 0:
-        run.reporter.sample(step, str(traj.items[0].prompt), traj.texts[0], traj.rewards[0])
-    r = torch.tensor(rewards_all)
-    n_tokens, n_completions = run.comm.sum([traj.n_tokens, len(traj.completions)])
-    return {
-        "reward/mean": float(r.mean()), "reward/max": float(r.max()),
-        **rank_mean(run.comm, traj.reward_parts),
-        "completion_len": n_tokens / n_completions, **metrics, **item_ids_metric(traj),
-        "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
-        "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9),
-        "perf/train_tok_s": algo.ppo_epochs * traj.n_tokens / max(t3 - t2, 1e-9),
-    }
-
-
-def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
-            rewards_all: list[float], reference: Frozen | None, step: int,
-            ignore_prefix: list[int] | None) -> dict[str, float]:
-    recipe, policy = run.recipe, run.policy
-    device = run.accelerator.device
     adv_all = group_advantages(torch.tensor(rewards_all), algo.group_size, algo.scale_rewards)
     adv_B = adv_all[[layout.global_row(i) for i in range(len(traj.completions))]].to(device)
-    inputs = traj.policy_inputs(run.policy_packer, ignore_prefix)
+    inputs = traj.policy_inputs(run.policy_packer, ignore)
     batch = run.policy_packer.collate(inputs).to(device)
     width = batch.input_ids_BT.shape[1] - 1
     temperature = recipe.rollout.temperature
@@ -107,7 +116,7 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
     others = [r for r in range(len(traj.completions)) if r not in first_rows]
     with torch.no_grad():
         engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions], width).to(device)
-        old_BT = engine_BT if algo.old_logprobs == "engine" else None
+        old_BT = engine_BT
         if algo.old_logprobs == "policy":
             dtype = torch.promote_types(next(policy.model.parameters()).dtype, torch.float32)
             old_BT = torch.zeros_like(engine_BT, dtype=dtype)
@@ -118,40 +127,112 @@ def _update(run: RunContext, algo: GRPOConfig, layout: Layout, traj: Trajectory,
                 scored = policy.logprobs(select_rows(batch, rows), temperature)[0]
                 if others:
                     old_BT[rows, :scored.shape[1]] = scored
+        reference = run.roles.reference
         ref_BT = reference.logprobs(batch, temperature)[0] if reference is not None else None
-    # The first optimizer step's forwards run the weights the engine sampled with: their
-    # logprobs of the sampled tokens differ from the engine's only by numerics (a stale engine
-    # shows here).
-    gaps, first = [torch.zeros(())], [True]
     # (A rank holding no row of the first minibatch only takes part with a zero-weighted row.)
     own_old = algo.old_logprobs == "policy" and bool(first_rows)
+    return ScoredBatch(traj, layout, batch, rewards_all, adv_all, adv_B, epochs, engine_BT,
+                       old_BT, ref_BT, own_old, ignore)
 
-    def loss_fn(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        sub = select_rows(batch, idx)
-        lp_BT, mask_BT = policy.logprobs(sub, temperature)
-        w = lp_BT.shape[1]
-        if first[0]:
-            gaps.append(((engine_BT[idx, :w] - lp_BT.detach()).abs() * mask_BT).max())
-            if own_old:  # kept for the later epochs
-                old_BT[idx, :w] = lp_BT.detach()
-        old = lp_BT.detach() if first[0] and own_old else old_BT[idx, :w]
-        is_w = (engine_is_weights(old, engine_BT[idx, :w], algo.engine_is_cap)
-                if algo.engine_is_correction else None)
-        return grpo_loss(GRPOLossInputs(
-            logprobs_BT=lp_BT, old_logprobs_BT=old, adv_B=adv_B[idx],
-            ref_logprobs_BT=None if ref_BT is None else ref_BT[idx, :w], mask_BT=mask_BT,
-            max_tokens=recipe.rollout.max_new_tokens, is_weights_BT=is_w), algo)
 
-    history = []
-    for mbs in epochs:
-        for mb in mbs:
-            history.append(train_minibatch([policy], mb, loss_fn, recipe.train.grad_accum_steps,
-                                           layout.world, recipe.train.max_grad_norm))
-            first[0] = False
+Kept = tuple[torch.Tensor, torch.Tensor]  # a micro-batch's detached logprobs and their mask
+
+
+def minibatch_loss(run: RunContext, algo: GRPOConfig, scored: ScoredBatch, old_BT: torch.Tensor,
+                   first: bool, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any], Kept]:
+    """The GRPO loss of rows ``idx`` and its metrics, with the rows' detached token logprobs
+    (the behaviour logprobs of the first minibatch, and its engine gap). In the first
+    minibatch with ``own_old`` the behaviour logprobs are this forward's own."""
+    s = scored
+    sub = select_rows(s.batch, idx)
+    lp_BT, mask_BT = run.policy.logprobs(sub, run.recipe.rollout.temperature)
+    w = lp_BT.shape[1]
+    old = lp_BT.detach() if first and s.own_old else old_BT[idx, :w]
+    is_w = (engine_is_weights(old, s.engine_BT[idx, :w], algo.engine_is_cap)
+            if algo.engine_is_correction else None)
+    loss, metrics = grpo_loss(GRPOLossInputs(
+        logprobs_BT=lp_BT, old_logprobs_BT=old, adv_B=s.adv_B[idx],
+        ref_logprobs_BT=None if s.ref_BT is None else s.ref_BT[idx, :w], mask_BT=mask_BT,
+        max_tokens=run.recipe.rollout.max_new_tokens, is_weights_BT=is_w), algo)
+    return loss, metrics, (lp_BT.detach(), mask_BT)
+
+
+def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str, float]:
+    """The step's optimizer steps over ``scored``; returns the reduced metrics, the learning
+    rate and ``rollout/logprob_gap`` (the engine's logprobs against the first optimizer step's
+    forward, which runs the weights the engine sampled with: they differ only by numerics, and
+    a stale engine shows here)."""
+    recipe, policy = run.recipe, run.policy
+    old_BT = scored.old_BT
+    history: list[dict[str, float]] = []
+    gap = torch.zeros(())
+    for epoch, mbs in enumerate(scored.epochs):
+        for k, mb in enumerate(mbs):
+            first = epoch == 0 and k == 0
+
+            def loss_fn(idx: torch.Tensor, old_BT: torch.Tensor = old_BT, first: bool = first
+                        ) -> tuple[torch.Tensor, dict[str, Any], Kept]:
+                return minibatch_loss(run, algo, scored, old_BT, first, idx)
+
+            metrics, kept = train_minibatch_keeping([policy], mb, loss_fn,
+                                                    recipe.train.grad_accum_steps,
+                                                    scored.layout.world, recipe.train.max_grad_norm)
+            history.append(metrics)
+            if first:
+                gap = _engine_gap(scored.engine_BT, kept, gap)
+                if scored.own_old:  # kept for the later epochs
+                    old_BT = _with_rows(old_BT, kept)
     policy.scheduler.step()
     out = reduce_history(run.comm, history)
     out["lr"] = policy.scheduler.get_last_lr()[0]
-    out["adv_abs_mean"] = float(adv_all.abs().mean())
-    out.update(rank_mean(run.comm, policy.padding_metrics(batch)))
-    out["rollout/logprob_gap"] = max(run.comm.gather(float(torch.stack(gaps).max())))
+    out["adv_abs_mean"] = float(scored.adv_all.abs().mean())
+    out.update(rank_mean(run.comm, policy.padding_metrics(scored.batch)))
+    out["rollout/logprob_gap"] = max(run.comm.gather(float(gap)))
     return out
+
+
+def _engine_gap(engine_BT: torch.Tensor, kept: list[tuple[torch.Tensor, Kept]],
+                gap: torch.Tensor) -> torch.Tensor:
+    """The largest |engine - policy| token logprob over the kept rows' completion tokens."""
+    for rows, (lp_BT, mask_BT) in kept:
+        w = lp_BT.shape[1]
+        gap = torch.maximum(gap, ((engine_BT[rows, :w] - lp_BT).abs() * mask_BT).max())
+    return gap
+
+
+def _with_rows(old_BT: torch.Tensor, kept: list[tuple[torch.Tensor, Kept]]) -> torch.Tensor:
+    """``old_BT`` with the kept rows' logprobs written over theirs (a new tensor)."""
+    out = old_BT.clone()
+    for rows, (lp_BT, _) in kept:
+        out[rows, :lp_BT.shape[1]] = lp_BT
+    return out
+
+
+def one_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int) -> dict[str, Any]:
+    """produce -> score -> consume, then the new weights to the engine; the step's metrics."""
+    recipe = run.recipe
+    t0 = time.perf_counter()
+    traj = produce(run, algo, step)
+    t1 = time.perf_counter()
+    scored = score(run, algo, rewards, traj, step)
+    t2 = time.perf_counter()
+    metrics = consume(run, algo, scored)
+    traj, layout = scored.traj, scored.layout
+    if scored.ignore_prefix is not None:
+        metrics["prefix_tokens_filtered"] = (sum(gather_rows(run.comm, layout, scored.ignore_prefix))
+                                             / layout.global_rows)
+    t3 = time.perf_counter()
+    run.sync_weights()
+    t4 = time.perf_counter()
+    if recipe.logging.sample_every and step % recipe.logging.sample_every == 0:
+        run.reporter.sample(step, str(traj.items[0].prompt), traj.texts[0], traj.rewards[0])
+    r = torch.tensor(scored.rewards_all)
+    n_tokens, n_completions = run.comm.sum([traj.n_tokens, len(traj.completions)])
+    return {
+        "reward/mean": float(r.mean()), "reward/max": float(r.max()),
+        **rank_mean(run.comm, traj.reward_parts),
+        "completion_len": n_tokens / n_completions, **metrics, **item_ids_metric(traj),
+        "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
+        "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9),
+        "perf/train_tok_s": algo.ppo_epochs * traj.n_tokens / max(t3 - t2, 1e-9),
+    }

@@ -3,17 +3,13 @@
 The student samples completions; the teacher scores the student's tokens; the per-token reverse
 KL estimate ``logp_student - logp_teacher`` of each sampled token, negated, is its advantage in
 a clipped policy-gradient step. ``same_tokenizer`` mode scores the student's ids directly.
-``cross_token_multimodal`` mode lets the teacher have its own tokenizer: a student-codec packer
-(built from the student's factory) decodes the completion, the teacher packer re-encodes the
-prompt and the completion text, and the teacher's token logprobs are summed onto the student
-tokens whose character spans hold them.
+``cross_token_multimodal`` mode lets the teacher have its own tokenizer (``runner.train.teacher``,
+built by the assembly).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,16 +17,11 @@ import torch
 from runner.algorithms.logprobs import token_logprobs
 from runner.algorithms.opd import (
     OPDLossInputs,
-    align_to_student,
     full_reverse_kl,
     opd_loss,
     sampled_reverse_kl,
 )
-from runner.models.vocab import check_same_vocab
-from runner.packers.base import RLPolicyInput, collate
 from runner.recipe.schema import OPDConfig
-from runner.rewards import build_rewards
-from runner.rollout.base import Completion
 from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
@@ -41,9 +32,7 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
-from runner.train.policy import completion_grid
 from runner.train.rollouts import (
-    Trajectory,
     evaluate,
     item_ids_metric,
     position_seeds,
@@ -52,70 +41,14 @@ from runner.train.rollouts import (
     sampling,
     score,
 )
-
-
-class Teacher:
-    """The frozen teacher with what it needs to score student completions."""
-
-    def __init__(self, run: RunContext, algo: OPDConfig) -> None:
-        from runner.models import read_model_type, resolve_model_path
-        from runner.packers import build_packer
-
-        self.path: Path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
-        self.frozen = run.frozen("teacher", self.path,
-                                 run.policy.pad_free and algo.mode == "same_tokenizer")
-        self.mode = algo.mode
-        self.device = run.accelerator.device
-        self.pad_token_id = run.policy_packer.pad_token_id
-        if algo.mode == "same_tokenizer":
-            check_same_vocab(run.model_path, self.path,
-                             trust_remote_code=run.recipe.model.trust_remote_code)
-            self.student_codec = self.packer = None
-        else:  # built only in this mode
-            self.student_codec = run.build_packer()
-            self.packer = build_packer(self.path, read_model_type(self.path),
-                                       run.recipe.data_packer.teacher_model_factory,
-                                       key="data_packer.teacher_model_factory",
-                                       trust_remote_code=run.recipe.model.trust_remote_code,
-                                       dtype=run.recipe.model.dtype)
-
-    @torch.no_grad()
-    def logprobs(self, traj: Trajectory, inputs: Sequence[RLPolicyInput], width: int,
-                 temperature: float) -> torch.Tensor:
-        """Teacher logprobs of each student completion token, on the student's grid [B, width]."""
-        if self.mode == "same_tokenizer":
-            batch = collate(inputs, self.pad_token_id).to(self.device)
-            return self.frozen.logprobs(batch, temperature)[0][:, :width]
-        values = [self._aligned(item, c, temperature)
-                  for item, c in zip(traj.items, traj.completions, strict=True)]
-        return completion_grid(inputs, values, width).to(self.device)
-
-    def _aligned(self, item: Any, completion: Any, temperature: float) -> list[float]:
-        """Teacher logprobs (at the sampling temperature, like the student's) of one completion's
-        text under the teacher's tokenizer, summed onto the student's tokens."""
-        codec, packer = self.student_codec, self.packer
-        ids = list(completion.token_ids)
-        prefix = [len(codec.decode(ids[:k])) for k in range(len(ids) + 1)]
-        student_spans = list(zip(prefix, prefix[1:], strict=False))
-        text = codec.decode(ids)
-        teacher_ids, teacher_spans = packer.encode_with_offsets(text)
-        if completion.finish_reason == "stop":
-            teacher_ids.append(packer.eos_token_id)
-            teacher_spans.append((len(text), len(text)))
-        if not teacher_ids:
-            return [0.0] * len(ids)
-        # The teacher's packer builds its own input from the item (a multimodal teacher's
-        # includes the item's images), followed by the completion in the teacher's tokens.
-        x = packer.get_policy_input(item, Completion(tuple(teacher_ids), text, (), "length"))
-        lp_BT, mask_BT = self.frozen.logprobs(packer.collate([x]).to(self.device), temperature)
-        return align_to_student(student_spans, teacher_spans, lp_BT[mask_BT].tolist())
+from runner.train.teacher import Teacher
 
 
 def run(run: RunContext) -> dict[str, Any]:
     algo = run.recipe.algo
     assert isinstance(algo, OPDConfig)
-    teacher = Teacher(run, algo)
-    rewards = build_rewards(run.recipe.reward)
+    teacher, rewards = run.roles.teacher, run.roles.rewards
+    assert teacher is not None and rewards is not None
 
     def held_out() -> dict[str, float]:
         return evaluate(run, rewards) | held_out_reverse_kl(run, teacher)
@@ -140,21 +73,21 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
     if run.val_items:
         seeds = position_seeds(run, HELD_OUT_SEED, 0, len(run.val_items))
         traj = roll_out(run.rollout, run.val_items, sampling(run.recipe.rollout, 1, 0), seeds)
-        T = run.recipe.rollout.temperature
+        temperature = run.recipe.rollout.temperature
         inputs = traj.policy_inputs(run.policy_packer)
         batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
         mask_BT = batch.loss_mask_BT[:, 1:].bool()
         if teacher.mode == "same_tokenizer":  # one forward each: the logits give both numbers
             labels_BT = batch.input_ids_BT[:, 1:]
-            student = run.policy.logits(batch) / T
-            teacher_logits = _teacher_logits(teacher, batch, T)
+            student = run.policy.logits(batch) / temperature
+            teacher_logits = teacher.logits(batch, temperature)
             student_BT = token_logprobs(student, labels_BT)
             teacher_BT = token_logprobs(teacher_logits, labels_BT)
             exact = float(full_reverse_kl(student, teacher_logits[..., :student.shape[-1]],
                                           mask_BT).sum())
         else:
-            student_BT = run.policy.logprobs(batch, T)[0]
-            teacher_BT = teacher.logprobs(traj, inputs, student_BT.shape[1], T)
+            student_BT = run.policy.logprobs(batch, temperature)[0]
+            teacher_BT = teacher.logprobs(traj, inputs, student_BT.shape[1], temperature)
         total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
         count = float(mask_BT.sum())
     total, count, exact = run.comm.sum([total, count, exact])
@@ -166,7 +99,7 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
 
 def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, step: int) -> dict[str, Any]:
     recipe = run.recipe
-    T = recipe.rollout.temperature
+    temperature = recipe.rollout.temperature
     t0 = time.perf_counter()
     traj = sample(run, algo.prompts_per_step, algo.samples_per_prompt, step)
     traj = score(traj, rewards, step)
@@ -176,13 +109,13 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
     mask_BT = batch.loss_mask_BT[:, 1:].bool()
     # With the full KL the loss's own teacher forward (its logits) also gives the teacher's
     # logprobs of the sampled tokens: no separate scoring forward.
-    teacher_BT = None if algo.full_kl else teacher.logprobs(traj, inputs, mask_BT.shape[1], T)
+    teacher_BT = None if algo.full_kl else teacher.logprobs(traj, inputs, mask_BT.shape[1], temperature)
     # One pass over freshly sampled data: the behaviour logprobs are the first forward's own
     # (detached), so no separate scoring forward is needed.
     old_BT = None
     if algo.ppo_epochs > 1:
         with torch.no_grad():
-            old_BT = run.policy.logprobs(batch, T)[0]
+            old_BT = run.policy.logprobs(batch, temperature)[0]
     t2 = time.perf_counter()
     layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
     tokens = [float(t) for t in mask_BT.sum(-1).tolist()]
@@ -193,13 +126,13 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
         sub = select_rows(batch, rows)
         labels_BT = sub.input_ids_BT[:, 1:]
         if algo.full_kl:  # the full-vocabulary KL needs every logit of the completion positions
-            logits = run.policy.logits(sub) / T
+            logits = run.policy.logits(sub) / temperature
             lp_BT = token_logprobs(logits, labels_BT)
-            teacher_logits = _teacher_logits(teacher, sub, T)
+            teacher_logits = teacher.logits(sub, temperature)
             teacher_lp_BT = token_logprobs(teacher_logits, labels_BT)  # its whole vocabulary
             teacher_logits = teacher_logits[..., :logits.shape[-1]]
         else:
-            lp_BT, logits, teacher_logits = run.policy.logprobs(sub, T)[0], None, None
+            lp_BT, logits, teacher_logits = run.policy.logprobs(sub, temperature)[0], None, None
             teacher_lp_BT = teacher_BT[rows, :lp_BT.shape[1]]
         old = lp_BT.detach() if old_BT is None else old_BT[rows, :lp_BT.shape[1]]
         return opd_loss(OPDLossInputs(
@@ -221,10 +154,3 @@ def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, 
             "lr": run.policy.scheduler.get_last_lr()[0],
             "time/rollout": t1 - t0, "time/teacher": t2 - t1, "time/update": t3 - t2,
             "time/sync": t4 - t3, "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
-
-
-@torch.no_grad()
-def _teacher_logits(teacher: Teacher, batch: Any, temperature: float) -> torch.Tensor:
-    """Teacher logits over the teacher's whole vocabulary (callers cut a padded one to the
-    student's width for the KL)."""
-    return teacher.frozen.logits(batch) / temperature

@@ -1,15 +1,16 @@
 """The roles of a run behind small interfaces: the trained modules (policy, critic), the frozen
-models (reference, teacher), and the rollout (engine + its packer).
+scorers (reference, teacher; in this process or in a role's actor), and the rollout (engine +
+its packer).
 
-Loops call these methods and never reach into a role's internals, so a role can later live in
-another process without the loops changing.
+Loops call these methods and never reach into a role's internals, so a role can live in another
+process (``RoleProvider``: the launcher's role actors) without the loops changing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -142,10 +143,44 @@ def disable_dropout(model: Any) -> Any:
     return model
 
 
-class Frozen:
-    """A frozen model that scores batches: the reference, or the teacher's model."""
+class FrozenScorer(Protocol):
+    """A frozen model that scores batches: ``Frozen`` here, or one in a role's actor."""
 
-    def __init__(self, path: Path, recipe: Recipe, device: Any, pad_free: bool = False) -> None:
+    def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token logprobs at ``temperature`` and their mask, on the shifted grid [B, T-1]."""
+        ...
+
+    def logits(self, batch: PolicyBatch) -> torch.Tensor:
+        """Next-token logits on the shifted grid [B, T-1, V]."""
+        ...
+
+
+class RoleProvider(Protocol):
+    """Roles that live outside this rank (the launcher's role actors): the assembly asks it
+    first and builds in this process what it does not serve."""
+
+    @property
+    def rollout(self) -> Any:
+        """Truthy when it serves the rollout engine."""
+        ...
+
+    def rollout_engine(self, ctx: Any) -> RolloutEngine: ...
+
+    def frozen_of(self, role: str) -> Any:
+        """The actor of ``role`` ("reference", "teacher"), or None."""
+        ...
+
+    def remote_frozen(self, role: str, device: Any, pad_free: bool = False) -> FrozenScorer: ...
+
+
+class Frozen:
+    """A frozen model that scores batches in this process: the reference, or the teacher's."""
+
+    def __init__(self, path: Path, recipe: Recipe, device: Any, pad_free: bool = False,
+                 bf16: bool = False) -> None:
+        """``bf16``: score under bf16 autocast, as the trained models run (the run's precision,
+        decided once by the assembly)."""
         from runner.models import load_causal_lm
 
         self.path = path
@@ -153,11 +188,8 @@ class Frozen:
         self.model = load_causal_lm(path, dtype=recipe.model.dtype,
                                     trust_remote_code=recipe.model.trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
-        # The trained models run under Accelerate's autocast; a frozen one gets the same.
-        from runner.precision import resolve
-
         self.device_type = torch.device(device).type
-        self.bf16 = resolve(recipe, self.device_type).train == "bf16"
+        self.bf16 = bf16
 
     @torch.no_grad()
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
@@ -182,7 +214,7 @@ class Rollout:
     @property
     def shared(self) -> bool:
         """One engine serves every rank (a rollout actor): rank 0 alone updates its weights."""
-        return bool(getattr(self.engine, "shared", False))
+        return self.engine.shared
 
     def generate(self, items: Sequence[ObsBundle], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:

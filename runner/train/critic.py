@@ -1,0 +1,66 @@
+"""PPO's critic: a value head on a transformer backbone (a copy of the policy's, or a separate
+model named by ``algo.critic_path``), built and prepared by the assembly like the policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.packers.base import PolicyBatch
+from runner.recipe.schema import PPOConfig, Recipe
+from runner.state.checkpoint import LoadedCheckpoint
+from runner.train.roles import Trainable, disable_dropout, prepare_trainable
+
+CRITIC = "critic"  # its name in checkpoints
+
+
+class ValueModel(torch.nn.Module):
+    """A transformer backbone with a scalar value head: values_BT for every position."""
+
+    def __init__(self, backbone: Any, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        dtype = torch.promote_types(next(backbone.parameters()).dtype, torch.float32)
+        self.v_head = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+        torch.nn.init.zeros_(self.v_head.weight)
+        torch.nn.init.zeros_(self.v_head.bias)
+
+    def forward(self, batch: PolicyBatch) -> torch.Tensor:
+        """Values on the shifted grid [B, T-1]: the value of the state before token t+1."""
+        hidden = self.backbone(input_ids=batch.input_ids_BT, use_cache=False,
+                               **batch.model_kwargs()).last_hidden_state
+        return self.v_head(hidden[:, :-1].to(self.v_head.weight.dtype)).squeeze(-1)
+
+
+def critic_backbone(lm: Any) -> Any:
+    """The module under the LM head whose hidden states the value head reads: the decoder of a
+    text model; for a vision-language model its whole base model (vision tower included: the
+    critic sees the images), which ``get_decoder`` would leave out."""
+    base = getattr(lm, "model", None)
+    if base is not None and getattr(base, "visual", None) is not None:
+        return base
+    return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+
+
+def build_critic(recipe: Recipe, model_path: Path, accelerator: Any,
+                 ckpt: LoadedCheckpoint | None) -> Trainable:
+    """The critic, its optimizer and schedule, restored from ``ckpt`` when resuming."""
+    from runner.models import load_causal_lm, resolve_model_path, text_hidden_size
+
+    algo = recipe.algo
+    assert isinstance(algo, PPOConfig)
+    path = resolve_model_path(algo.critic_path, key="algo.critic_path") if algo.critic_path \
+        else model_path
+    lm = load_causal_lm(path, dtype=recipe.model.dtype,
+                        trust_remote_code=recipe.model.trust_remote_code)
+    if recipe.train.disable_dropout:
+        disable_dropout(lm)
+    critic = ValueModel(critic_backbone(lm), text_hidden_size(lm.config))
+    if ckpt is not None:
+        critic.load_state_dict(ckpt.extra_state(CRITIC))
+    saved = ckpt.state.extra.get(CRITIC, {}) if ckpt else {}
+    return prepare_trainable(accelerator, critic, recipe, lr=algo.critic_lr or None,
+                             ckpt_optimizer=ckpt.extra_optimizer_state(CRITIC) if ckpt else None,
+                             ckpt_scheduler=saved.get("scheduler"))
