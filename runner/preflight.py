@@ -46,17 +46,22 @@ def _model_paths(recipe: Recipe) -> list[tuple[str, str]]:
     return paths
 
 
-def check_model_folder(path: str, key: str) -> list[Problem]:
+def check_model_folder(path: str, key: str, trust_remote_code: bool = False) -> list[Problem]:
     """A ``builtin:NAME`` must be a known name (nothing is built); any other path a folder
-    holding config.json."""
+    holding config.json that transformers reads as the run will: a ``model_type`` it does not
+    know, or one whose ``auto_map`` code is not trusted, is the run's own problem. The folder's
+    code never runs here (a trusted ``auto_map`` is left to the run)."""
     from runner.errors import RecipeError
     from runner.models import read_model_type, resolve_model_path
+    from runner.models.loading import check_config
 
     try:
         if path.startswith("builtin:"):
             read_model_type(path, key=key)  # answers from the table; unknown names raise
         else:
-            resolve_model_path(path, key=key)
+            folder = resolve_model_path(path, key=key)
+            if not trust_remote_code:
+                check_config(folder, key=key)
     except RecipeError as exc:
         return list(exc.problems)
     return []
@@ -89,7 +94,9 @@ def validate_models(recipe: Recipe) -> list[Problem]:
     """Checks that need the local file system: every model folder exists (built-in names are
     known), the output folder can be made, and OPD same_tokenizer has one vocabulary for
     student and teacher (built-in models are built once for that, then cached)."""
-    problems = [p for key, path in _model_paths(recipe) for p in check_model_folder(path, key)]
+    trust = recipe.model.trust_remote_code
+    problems = [p for key, path in _model_paths(recipe)
+                for p in check_model_folder(path, key, trust)]
     problems += check_output_dir(recipe.run.output_dir)
     if problems or recipe.algo.kind != "opd" or recipe.algo.mode != "same_tokenizer":
         return problems
