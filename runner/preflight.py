@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.errors import ExtensionError, Problem
+import attrs
+
+from runner.errors import ExtensionError, Problem, show_value
 from runner.extensions import check_binds, load_callable
 from runner.recipe.checks import BUILTIN_REWARDS
 from runner.recipe.schema import Recipe
@@ -113,13 +115,42 @@ def validate_models(recipe: Recipe) -> list[Problem]:
     return []
 
 
-def validate_extensions(recipe: Recipe) -> list[Problem]:
-    """Every problem with the recipe's extensions (all are checked, none stops the others)."""
+def validate_extensions(recipe: Recipe, overrides: Sequence[str] = ()) -> list[Problem]:
+    """Every problem with the recipe's extensions (all are checked, none stops the others).
+
+    ``overrides``: the command line's KEY=VALUE items; a factory given there whose kwargs do not
+    bind is told that its ``*_kwargs`` table came from the recipe, and how to replace it.
+    """
     problems: list[Problem] = []
+    given = _override_keys(overrides)
     for key, dotted, args, kwargs in _calls(recipe):
         try:
             fn: Callable[..., Any] = load_callable(dotted, key=key)
-            check_binds(fn, dotted, key=key, args=args, kwargs=kwargs)
         except ExtensionError as exc:
             problems += exc.problems
+            continue
+        try:
+            check_binds(fn, dotted, key=key, args=args, kwargs=kwargs)
+        except ExtensionError as exc:
+            problems += [_kwargs_from_recipe(p, key, kwargs, given) for p in exc.problems]
     return problems
+
+
+def _override_keys(overrides: Sequence[str]) -> set[str]:
+    from runner.recipe.load import parse_overrides
+
+    return {ov.key for ov in parse_overrides(overrides)[0]}
+
+
+def _kwargs_from_recipe(problem: Problem, key: str, kwargs: dict[str, Any],
+                        given: set[str]) -> Problem:
+    """``problem`` with a hint saying where the kwargs came from, when ``key`` (a factory) was
+    overridden on the command line but its kwargs table was not."""
+    table = f"{key}_kwargs"
+    if not kwargs or key not in given or any(k == table or k.startswith(table + ".")
+                                             for k in given):
+        return problem
+    hint = (f"{problem.hint}. {table} = {show_value(kwargs)} came from the recipe (written for "
+            f"its own {key}), not from the command line: replace the whole table on the command line "
+            f"too, {table}={{...}} with the new factory's arguments, or {table}={{}} for none")
+    return attrs.evolve(problem, hint=hint)
