@@ -142,7 +142,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     from runner.preflight import validate_extensions, validate_models
 
-    problems = validate_extensions(recipe)
+    problems = validate_extensions(recipe, args.overrides)
     problems += validate_models(recipe) if not problems else []
     if problems:
         raise RecipeError(problems, source=args.recipe)

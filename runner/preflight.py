@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.errors import ExtensionError, Problem
+import attrs
+
+from runner.errors import ExtensionError, Problem, show_value
 from runner.extensions import check_binds, load_callable
 from runner.recipe.checks import BUILTIN_REWARDS
 from runner.recipe.schema import Recipe
@@ -46,17 +48,22 @@ def _model_paths(recipe: Recipe) -> list[tuple[str, str]]:
     return paths
 
 
-def check_model_folder(path: str, key: str) -> list[Problem]:
+def check_model_folder(path: str, key: str, trust_remote_code: bool = False) -> list[Problem]:
     """A ``builtin:NAME`` must be a known name (nothing is built); any other path a folder
-    holding config.json."""
+    holding config.json that transformers reads as the run will: a ``model_type`` it does not
+    know, or one whose ``auto_map`` code is not trusted, is the run's own problem. The folder's
+    code never runs here (a trusted ``auto_map`` is left to the run)."""
     from runner.errors import RecipeError
     from runner.models import read_model_type, resolve_model_path
+    from runner.models.loading import check_config
 
     try:
         if path.startswith("builtin:"):
             read_model_type(path, key=key)  # answers from the table; unknown names raise
         else:
-            resolve_model_path(path, key=key)
+            folder = resolve_model_path(path, key=key)
+            if not trust_remote_code:
+                check_config(folder, key=key)
     except RecipeError as exc:
         return list(exc.problems)
     return []
@@ -89,7 +96,9 @@ def validate_models(recipe: Recipe) -> list[Problem]:
     """Checks that need the local file system: every model folder exists (built-in names are
     known), the output folder can be made, and OPD same_tokenizer has one vocabulary for
     student and teacher (built-in models are built once for that, then cached)."""
-    problems = [p for key, path in _model_paths(recipe) for p in check_model_folder(path, key)]
+    trust = recipe.model.trust_remote_code
+    problems = [p for key, path in _model_paths(recipe)
+                for p in check_model_folder(path, key, trust)]
     problems += check_output_dir(recipe.run.output_dir)
     if problems or recipe.algo.kind != "opd" or recipe.algo.mode != "same_tokenizer":
         return problems
@@ -106,13 +115,42 @@ def validate_models(recipe: Recipe) -> list[Problem]:
     return []
 
 
-def validate_extensions(recipe: Recipe) -> list[Problem]:
-    """Every problem with the recipe's extensions (all are checked, none stops the others)."""
+def validate_extensions(recipe: Recipe, overrides: Sequence[str] = ()) -> list[Problem]:
+    """Every problem with the recipe's extensions (all are checked, none stops the others).
+
+    ``overrides``: the command line's KEY=VALUE items; a factory given there whose kwargs do not
+    bind is told that its ``*_kwargs`` table came from the recipe, and how to replace it.
+    """
     problems: list[Problem] = []
+    given = _override_keys(overrides)
     for key, dotted, args, kwargs in _calls(recipe):
         try:
             fn: Callable[..., Any] = load_callable(dotted, key=key)
-            check_binds(fn, dotted, key=key, args=args, kwargs=kwargs)
         except ExtensionError as exc:
             problems += exc.problems
+            continue
+        try:
+            check_binds(fn, dotted, key=key, args=args, kwargs=kwargs)
+        except ExtensionError as exc:
+            problems += [_kwargs_from_recipe(p, key, kwargs, given) for p in exc.problems]
     return problems
+
+
+def _override_keys(overrides: Sequence[str]) -> set[str]:
+    from runner.recipe.load import parse_overrides
+
+    return {ov.key for ov in parse_overrides(overrides)[0]}
+
+
+def _kwargs_from_recipe(problem: Problem, key: str, kwargs: dict[str, Any],
+                        given: set[str]) -> Problem:
+    """``problem`` with a hint saying where the kwargs came from, when ``key`` (a factory) was
+    overridden on the command line but its kwargs table was not."""
+    table = f"{key}_kwargs"
+    if not kwargs or key not in given or any(k == table or k.startswith(table + ".")
+                                             for k in given):
+        return problem
+    hint = (f"{problem.hint}. {table} = {show_value(kwargs)} came from the recipe (written for "
+            f"its own {key}), not from the command line: replace the whole table on the command line "
+            f"too, {table}={{...}} with the new factory's arguments, or {table}={{}} for none")
+    return attrs.evolve(problem, hint=hint)

@@ -3,7 +3,8 @@
 ``model.path`` is either ``builtin:NAME`` (a folder shipped with the package, or for SmolLM2
 converted into the cache on first use: ``runner.models.builtin``) or a local Hugging Face model folder. Importing this module imports
 neither torch nor transformers; the loaders import them when called. Remote code never runs
-unless ``trust_remote_code`` is asked for.
+unless ``trust_remote_code`` is asked for, and weights load from safetensors only: a folder
+whose weights are pickled (``pytorch_model.bin`` and the like) is refused, never unpickled.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from runner.errors import Problem, RecipeError
 PREFIX = "builtin:"
 # The generic tokenizer class under its transformers 4 and 5 names (5 writes the second on save).
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+# Weight files that are Python pickles (torch.load), by suffix; safetensors needs no unpickling.
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 def _builtin_names() -> list[str]:
@@ -129,18 +132,64 @@ def text_hidden_size(config: Any) -> int:
     return int(getattr(text, "hidden_size", None) or config.hidden_size)
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> Any:
+def check_config(path: str | Path, trust_remote_code: bool = False, *,
+                 key: str = "model.path") -> None:
+    """Read a folder's config.json as transformers does when the run loads the model, without
+    running any code of the folder: a ``model_type`` transformers does not know, with or without
+    an ``auto_map``, is the run's own ``RecipeError``. ``--validate`` calls this."""
+    from transformers import AutoConfig
+
+    folder = _folder(path)
+    try:
+        AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        known = _known_failure(exc, folder, trust_remote_code)
+        if isinstance(known, RecipeError):
+            raise known from exc
+        raise RecipeError([Problem(key, f"{folder}: transformers cannot read its config.json "
+                                   f"({str(exc).strip().splitlines()[0]})")]) from exc
+    except OSError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RecipeError([Problem(key, f"{folder}: transformers cannot read its config.json "
+                                   f"({first})")]) from exc
+
+
+def pickled_weights(folder: Path) -> list[str]:
+    """Names of the pickled weight files of a folder that holds no safetensors weights (a
+    folder with ``model.safetensors`` or a sharded index loads those and nothing else)."""
+    if any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")):
+        return []
+    return sorted(p.name for p in folder.iterdir()
+                  if p.is_file() and p.name.endswith(PICKLED_WEIGHTS + (".bin.index.json",)))
+
+
+def require_safetensors(folder: Path, key: str = "model.path") -> None:
+    """Refuse a folder whose weights are pickled: loading them would run ``torch.load``."""
+    found = pickled_weights(folder) if folder.is_dir() else []
+    if found:
+        raise RecipeError([Problem(
+            key, f"{folder}: the weights are pickled ({', '.join(found[:3])}) and there is no "
+            "model.safetensors: weights are loaded from safetensors only (nothing is "
+            "unpickled)", hint="convert the weights to safetensors where you trust them "
+            "(save_pretrained writes model.safetensors)")])
+
+
+def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False,
+                   *, key: str = "model.path") -> Any:
     """The language model of a folder (or ``builtin:NAME``) in ``dtype``, in eval mode:
     ``AutoModelForCausalLM``, or for a vision-language folder the image-text-to-text class
-    (``AutoModelForCausalLM`` refuses e.g. ``qwen3_vl``)."""
+    (``AutoModelForCausalLM`` refuses e.g. ``qwen3_vl``). Weights come from safetensors only;
+    a folder with pickled weights is a ``RecipeError`` at ``key``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder = _folder(path)
+    require_safetensors(folder, key)
     auto = AutoModelForImageTextToText if is_multimodal(folder) else AutoModelForCausalLM
     try:
         model = auto.from_pretrained(
-            str(folder), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+            str(folder), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
+            use_safetensors=True,
         )
     except ValueError as exc:
         raise _known_failure(exc, folder, trust_remote_code) from exc

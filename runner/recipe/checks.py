@@ -34,6 +34,11 @@ def check_prompt_source(r: Recipe) -> list[Problem]:
     return []
 
 
+# The override that turns each built-in DPO source off.
+_OFF = {"jsonl_path": 'data.jsonl_path=""', "tar_path": 'data.tar_path=""',
+        "synthetic_pairs": "data.synthetic_pairs=0"}
+
+
 def check_dpo_source(r: Recipe) -> list[Problem]:
     if not isinstance(r.algo, DPOConfig):
         return []
@@ -43,7 +48,9 @@ def check_dpo_source(r: Recipe) -> list[Problem]:
         problems.append(Problem(
             "data.factory", "a DPO factory cannot be combined with " + ", ".join(
                 f"data.{k}" for k in others), got={"data.factory": r.data.factory},
-            hint="use either the factory or one built-in preference source"))
+            hint="use either the factory or one built-in preference source; to train on the "
+            "factory, turn the built-in source off: " + " ".join(_OFF[k] for k in others)
+            + " on the command line (or remove it from the recipe)"))
     elif len(others) > 1:
         problems.append(Problem(f"data.{others[1]}", " and ".join(f"data.{k}" for k in others)
                                 + " are mutually exclusive", hint="keep one preference source"))

@@ -145,6 +145,7 @@ class VLLMEngine:
         self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed,
                        enforce_eager=True, max_model_len=max_model_len,
                        trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
+                       load_format="safetensors",  # never a pickled .bin (torch.load)
                        **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.eos_token_id = int(self.tokenizer.eos_token_id)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from runner.data.cursor import DataCursor, check_resume
-from runner.errors import Problem, RecipeError, RunnerError
+from runner.errors import Problem, RecipeError, RunnerError, RuntimeFailure
 from runner.launch.collective import Collective
 from runner.launch.context import RankContext
 from runner.precision import Precision, device_type, resolve
@@ -188,6 +188,18 @@ def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedChec
     return load_checkpoint(path) if path is not None else None
 
 
+def refuse_pickled(ckpt: LoadedCheckpoint) -> None:
+    """A checkpoint's model loads from safetensors only: one whose weights were swapped for a
+    pickle (``pytorch_model.bin``) is refused, never unpickled."""
+    from runner.models.loading import pickled_weights
+
+    found = pickled_weights(ckpt.model_dir) if ckpt.model_dir.is_dir() else []
+    if found:
+        raise RuntimeFailure("resume", None, f"cannot load checkpoint {ckpt.path}: model/ holds "
+                             f"pickled weights ({', '.join(found[:3])}) and no model.safetensors; "
+                             "weights are loaded from safetensors only (nothing is unpickled)")
+
+
 def check_world_change(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint) -> None:
     """Another world size continues exactly only over the same global batch."""
     saved_world, saved_items = ckpt.state.world_size, ckpt.state.items_per_step
@@ -284,6 +296,7 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     ckpt = step("checkpoint", lambda: find_resume(recipe, plan, reporter))
     if ckpt is not None:
         step("checkpoint", lambda: check_world_change(recipe, plan, ckpt))
+        step("checkpoint", lambda: refuse_pickled(ckpt))
     opened = step("data", lambda: _open_data(recipe, ctx))
     parts = opened[2] if opened else {}
     cursor = step("data", lambda: resume_cursor(recipe, ckpt, parts))  # before any model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 
@@ -25,6 +26,16 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    # datasets draws a progress bar for every local file it converts and logs its own error
+    # ("Failed to load JSON ...") before the runner's one line about the same file. Both are
+    # read when datasets is imported; one already imported is told directly.
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DATASETS_VERBOSITY", "critical")
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity(logging.CRITICAL)
     warnings.filterwarnings("ignore", message=".*TRANSFORMERS_VERBOSITY.*")
     try:
         from transformers.utils import logging as hf_logging
