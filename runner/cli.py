@@ -68,9 +68,9 @@ def worker_main(argv: Sequence[str]) -> int:
     die_with_driver()
 
     def run() -> int:
-        from runner.launch import RankContext
         from runner.launch.payload import Payload
         from runner.launch.rank import run_rank
+        from runner.ranks.context import RankContext
         from runner.ui.quiet import quiet_libraries
 
         payload = Payload.read(Path(argv[0]))
@@ -90,7 +90,7 @@ def worker_main(argv: Sequence[str]) -> int:
 
 def _rank_prefix() -> str:
     """'rank N: ' before error lines when this process is one of several ranks."""
-    from runner.launch.context import RankContext
+    from runner.ranks.context import RankContext
 
     try:
         ctx = RankContext.from_env()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from runner.launch.context import SINGLE, RankContext
+from runner.ranks.context import SINGLE, RankContext
 from runner.recipe.schema import Recipe
 
 
@@ -47,4 +47,4 @@ def launch(recipe: Recipe, *, source: str, overrides: Sequence[str], plain: bool
     return BACKENDS[recipe.launch.backend](recipe, source=source, overrides=overrides, plain=plain)
 
 
-__all__ = ["BACKENDS", "RankContext", "launch"]
+__all__ = ["BACKENDS", "launch"]

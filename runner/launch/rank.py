@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from runner.errors import Problem, RecipeError
-from runner.launch.collective import Collective
-from runner.launch.context import RankContext
+from runner.ranks.collective import Collective
+from runner.ranks.context import RankContext
 from runner.recipe.schema import Recipe
 
 

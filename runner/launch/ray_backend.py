@@ -129,8 +129,8 @@ class RankActor:
         import ray
 
         from runner.cli import _guarded
-        from runner.launch.context import RankContext
         from runner.launch.rank import run_rank
+        from runner.ranks.context import RankContext
         from runner.ui.quiet import quiet_libraries
 
         host, port = master

@@ -23,8 +23,8 @@ import torch
 from runner.data.cursor import DataCursor, check_resume
 from runner.data.sources import held_out_reason
 from runner.errors import Problem, RecipeError, RunnerError
-from runner.launch.collective import Collective
-from runner.launch.context import RankContext
+from runner.ranks.collective import Collective
+from runner.ranks.context import RankContext
 from runner.recipe.checks import batch_key
 from runner.recipe.plan import RunPlan
 from runner.recipe.resolved import write_resolved
