@@ -1,6 +1,7 @@
 """Typed errors that carry user-facing problems.
 
-Library code raises these; only ``runner.cli`` renders them and picks exit codes.
+Library code raises these; only ``runner.launch.entry.guarded`` (used by the CLI and every rank)
+renders them and picks exit codes.
 A problem renders as one line: ``file: key.path: what is wrong (got X). how to fix.``
 """
 

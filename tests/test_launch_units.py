@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from runner.errors import RunnerError
-from runner.launch.collective import Collective, interleave
-from runner.launch.context import RankContext
 from runner.launch.torchrun import rank_env
+from runner.ranks.collective import Collective, interleave
+from runner.ranks.context import RankContext
 from runner.state.checkpoint import TMP_PREFIX, _remove_stale
 from runner.train.batches import Layout, minibatches
 from runner.train.handshake import handshake

@@ -91,6 +91,12 @@ def test_math_verify_on_real_answers(reference, completion, expected):
     assert builtin.math_verify_reward([completion], [ObsBundle("q", reference)]) == [expected]
 
 
+def test_the_recipe_names_every_builtin_reward_in_order():
+    from runner.recipe.checks import BUILTIN_REWARDS
+
+    assert tuple(builtin.BUILTIN_REWARDS) == BUILTIN_REWARDS
+
+
 def test_math_verify_is_a_builtin_name_everywhere():
     from runner.recipe.checks import BUILTIN_REWARDS
 

@@ -106,7 +106,7 @@ def load_local(path: str, split: str, *, key: str, split_key: str) -> tuple[Any,
 
 def arrow_cache_dir() -> Path:
     """Where ``datasets`` keeps the Arrow copies of local data files: ``<home>/datasets``."""
-    from runner.models.home import home
+    from runner.cache import home
 
     return home() / "datasets"
 

@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from runner.launch.context import SINGLE, RankContext
-from runner.recipe.schema import Recipe
+if TYPE_CHECKING:
+    from runner.ranks.context import RankContext
+    from runner.recipe.plan import RunPlan
+    from runner.recipe.schema import Recipe
 
 
-def _local(recipe: Recipe, *, source: str, overrides: Sequence[str], plain: bool) -> int:
+def _local(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
+           plain: bool) -> int:
     from runner.launch.rank import run_rank
+    from runner.ranks.context import SINGLE
 
-    return run_rank(recipe, SINGLE, source=source, overrides=overrides, plain=plain)
+    return run_rank(recipe, plan, SINGLE, source=source, overrides=overrides, plain=plain)
 
 
-def _torchrun(recipe: Recipe, *, source: str, overrides: Sequence[str], plain: bool) -> int:
+def _torchrun(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
+              plain: bool) -> int:
     from runner.launch.payload import Payload
     from runner.launch.torchrun import launch_torchrun
 
@@ -25,26 +31,28 @@ def _torchrun(recipe: Recipe, *, source: str, overrides: Sequence[str], plain: b
     return launch_torchrun(payload, recipe.launch.num_processes, recipe.launch.collective_timeout_s)
 
 
-def _ray(recipe: Recipe, *, source: str, overrides: Sequence[str], plain: bool) -> int:
+def _ray(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
+         plain: bool) -> int:
     from runner.launch.payload import Payload
     from runner.launch.ray_backend import launch_ray
 
     payload = Payload.of(recipe, source=source, overrides=overrides, cwd=os.getcwd(), plain=plain)
-    return launch_ray(payload, recipe)
+    return launch_ray(payload, recipe, plan)
 
 
 BACKENDS: dict[str, Callable[..., int]] = {"local": _local, "torchrun": _torchrun, "ray": _ray}
 
 
-def launch(recipe: Recipe, *, source: str, overrides: Sequence[str], plain: bool) -> int:
-    """Run a validated recipe: as a rank of an external launcher when the environment says so,
-    else through ``launch.backend``."""
-    ctx = RankContext.from_env()
+def launch(recipe: Recipe, plan: RunPlan, ctx: RankContext | None, *, source: str,
+           overrides: Sequence[str], plain: bool) -> int:
+    """Run a validated recipe: as rank ``ctx`` of an external launcher (``plan`` is then that
+    rank's plan), else through ``launch.backend`` (``plan`` is the driver's)."""
     if ctx is not None:
         from runner.launch.rank import run_rank
 
-        return run_rank(recipe, ctx, source=source, overrides=overrides, plain=plain)
-    return BACKENDS[recipe.launch.backend](recipe, source=source, overrides=overrides, plain=plain)
+        return run_rank(recipe, plan, ctx, source=source, overrides=overrides, plain=plain)
+    return BACKENDS[recipe.launch.backend](recipe, plan, source=source, overrides=overrides,
+                                           plain=plain)
 
 
-__all__ = ["BACKENDS", "RankContext", "launch"]
+__all__ = ["BACKENDS", "launch"]

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from runner.errors import Problem, RecipeError
-from runner.launch.collective import Collective
-from runner.launch.context import RankContext
+from runner.ranks.collective import Collective
+from runner.ranks.context import RankContext
+from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
 
 
@@ -44,28 +44,22 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
-def run_rank(recipe: Recipe, ctx: RankContext, *, source: str, overrides: Sequence[str],
-             plain: bool, roles: Any = None, stop: Callable[[], bool] | None = None) -> int:
+def run_rank(recipe: Recipe, plan: RunPlan, ctx: RankContext, *, source: str,
+             overrides: Sequence[str], plain: bool, roles: Any = None,
+             stop: Callable[[], bool] | None = None) -> int:
     """Join the ranks' process group, run the recipe's algorithm on this rank, leave.
 
-    ``roles``: the role actors this rank calls (``runner.launch.ray_roles.RoleActors``; None:
-    every role in this process). ``stop``: asked once per step whether the launcher wants the
-    run to stop (where no signal reaches this process: a Ray actor)."""
+    ``plan``: this rank's plan (``runner.launch.entry.rank_plan``; the driver's own where the
+    driver is the only rank). ``roles``: the role actors this rank calls
+    (``runner.launch.ray_roles.RoleActors``; None: every role in this process). ``stop``: asked
+    once per step whether the launcher wants the run to stop (where no signal reaches this
+    process: a Ray actor)."""
     from runner.precision import device_type
-    from runner.recipe.plan import make_plan
     from runner.train import run_recipe
 
-    launch = recipe.launch
-    if launch.backend != "local" and launch.num_processes != ctx.world_size:
-        raise RecipeError([Problem(
-            "launch.num_processes", f"the recipe asks for {launch.num_processes} ranks but the "
-            f"launcher started {ctx.world_size}", got=launch.num_processes,
-            hint=f"set launch.num_processes = {ctx.world_size}, or start "
-            f"{launch.num_processes} processes")])
     use_cuda = device_type(recipe) == "cuda"
     comm = Collective.start(ctx, timeout_s=recipe.launch.collective_timeout_s, use_cuda=use_cuda)
     try:
-        plan = make_plan(recipe, world_size=ctx.world_size)
         return run_recipe(recipe, plan, ctx=ctx, comm=comm, source=source, overrides=overrides,
                           plain=plain, actors=roles, stop=stop)
     finally:

@@ -36,6 +36,7 @@ from typing import Any
 
 from runner.errors import RunnerError
 from runner.launch.payload import Payload
+from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
 
 LOOPBACK = "127.0.0.1"
@@ -128,10 +129,9 @@ class RankActor:
         """The rank program; (exit code, the error lines it printed)."""
         import ray
 
-        from runner.cli import _guarded
-        from runner.launch.context import RankContext
+        from runner.launch.entry import enter_rank, error_prefix, guarded, rank_plan
         from runner.launch.rank import run_rank
-        from runner.ui.quiet import quiet_libraries
+        from runner.ranks.context import RankContext
 
         host, port = master
         # What torchrun gives its workers: torch.distributed and Accelerate (which picks DDP
@@ -142,22 +142,18 @@ class RankActor:
                            "TORCHELASTIC_USE_AGENT_STORE": "True"})
         if host == LOOPBACK:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        os.chdir(payload.cwd)
-        if payload.cwd not in sys.path:
-            sys.path.insert(0, payload.cwd)
         context = ray.get_runtime_context()
+        ctx = RankContext(self.rank, self.world, local_rank)
 
         def body() -> int:
-            recipe = payload.recipe()
-            quiet_libraries()
-            ctx = RankContext(self.rank, self.world, local_rank)
-            return run_rank(recipe, ctx, source=payload.source, overrides=payload.overrides,
-                            plain=True, roles=roles, stop=context.is_canceled)
+            recipe = enter_rank(payload)
+            return run_rank(recipe, rank_plan(recipe, ctx), ctx, source=payload.source,
+                            overrides=payload.overrides, plain=True, roles=roles,
+                            stop=context.is_canceled)
 
         errors = io.StringIO()
-        prefix = f"rank {self.rank}: " if self.world > 1 else ""
         with contextlib.redirect_stderr(errors):
-            code = _guarded(body, prefix)
+            code = guarded(body, error_prefix(ctx))
         return code, errors.getvalue()
 
 
@@ -361,8 +357,9 @@ def check_versions(driver: Mapping[str, str], hellos: Mapping[str, Mapping[str, 
                           + "; ".join(problems) + ". Install the same versions on every node")
 
 
-def launch_ray(payload: Payload, recipe: Recipe) -> int:
-    """Run the payload's recipe on ``launch.num_processes`` rank actors; the exit code."""
+def launch_ray(payload: Payload, recipe: Recipe, plan: RunPlan) -> int:
+    """Run the payload's recipe on ``launch.num_processes`` rank actors; the exit code.
+    ``plan``: the driver's plan (where the ranks write their checkpoints)."""
     ray = _init_ray(recipe)
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -419,7 +416,7 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
         code = watch.wait()
         _drain(stdout)
         if code == 130 and watch.signals == 1:
-            _say_stopped(recipe)
+            _say_stopped(plan)
         return code
     finally:
         sys.stdout = stdout.stream
@@ -433,13 +430,12 @@ def launch_ray(payload: Payload, recipe: Recipe) -> int:
         ray.shutdown()
 
 
-def _say_stopped(recipe: Recipe) -> None:
+def _say_stopped(plan: RunPlan) -> None:
     """After an agreed stop: which checkpoint the ranks wrote (their own lines reach the driver
     through Ray's log stream, which may lag behind the end of the run)."""
-    from runner.recipe.plan import make_plan
     from runner.state.checkpoint import latest_checkpoint
 
-    latest = latest_checkpoint(make_plan(recipe).checkpoint_dir)
+    latest = latest_checkpoint(plan.checkpoint_dir)
     if latest is not None:
         print(f"stopped: the checkpoint is written ({latest})", file=sys.stderr)
 

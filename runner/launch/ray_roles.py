@@ -19,8 +19,6 @@ model, or ``algo.teacher_path``) and scores the batches the ranks send it (``Rem
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -54,16 +52,12 @@ class RolloutActor:
 
     def _engine(self) -> Any:
         if self.engine is None:
+            from runner.launch.entry import enter_rank
             from runner.models import resolve_model_path
             from runner.precision import resolve
             from runner.rollout.factory import make_engine
-            from runner.ui.quiet import quiet_libraries
 
-            os.chdir(self.payload.cwd)
-            if self.payload.cwd not in sys.path:
-                sys.path.insert(0, self.payload.cwd)
-            quiet_libraries()
-            recipe = self.payload.recipe()
+            recipe = enter_rank(self.payload)
             self.engine = make_engine(recipe, resolve_model_path(recipe.model.path),
                                       dtype=resolve(recipe).engine_dtype)
         return self.engine
@@ -96,16 +90,12 @@ class FrozenActor:
 
     def build(self, pad_free: bool = False) -> str:
         if self.model is None:
+            from runner.launch.entry import enter_rank
             from runner.models import resolve_model_path
             from runner.precision import device_type, resolve
             from runner.train.roles import Frozen
-            from runner.ui.quiet import quiet_libraries
 
-            os.chdir(self.payload.cwd)
-            if self.payload.cwd not in sys.path:
-                sys.path.insert(0, self.payload.cwd)
-            quiet_libraries()
-            recipe = self.payload.recipe()
+            recipe = enter_rank(self.payload)
             path = (resolve_model_path(recipe.algo.teacher_path, key="algo.teacher_path")
                     if self.role == "teacher" else resolve_model_path(recipe.model.path))
             device = device_type(recipe)

@@ -8,16 +8,11 @@ instead of reusing a folder made by older code; old folders are left alone.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from runner.cache import home
+
 BUILD_VERSION = 3  # bump when a built-in changes (v3: Qwen2-exact tokenizers, retuned warm-ups)
-
-
-def home() -> Path:
-    """The cache root: ``$POSTTRAIN_HOME``, else ``~/.cache/posttrain-runner``."""
-    configured = os.environ.get("POSTTRAIN_HOME", "")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "posttrain-runner"
 
 
 def models_dir() -> Path:

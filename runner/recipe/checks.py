@@ -11,9 +11,11 @@ from collections.abc import Callable
 
 from runner.errors import Problem
 from runner.recipe.schema import DataConfig, DPOConfig, GRPOConfig, OPDConfig, PPOConfig, Recipe
-from runner.rewards.builtin import BUILTIN_REWARDS as BUILTIN_REWARD_FUNCTIONS
 
-BUILTIN_REWARDS = tuple(BUILTIN_REWARD_FUNCTIONS)
+# The built-in rewards a recipe may name instead of a dotted path. The recipe layer owns the
+# names; ``runner.rewards.builtin.BUILTIN_REWARDS`` maps each to its function (a test holds the
+# two together).
+BUILTIN_REWARDS = ("arithmetic_exact", "format", "math_verify", "exact_match")
 _DOTTED_HINT = "write a dotted path like 'my_package.my_module.build'"
 
 

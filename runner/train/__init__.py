@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from runner.launch.collective import Collective
-from runner.launch.context import RankContext
+from runner.ranks.collective import Collective
+from runner.ranks.context import RankContext
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
 from runner.ui import SilentReporter, make_reporter

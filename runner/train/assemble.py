@@ -22,9 +22,9 @@ import torch
 
 from runner.data.cursor import DataCursor, check_resume
 from runner.errors import Problem, RecipeError, RunnerError, RuntimeFailure
-from runner.launch.collective import Collective
-from runner.launch.context import RankContext
 from runner.precision import Precision, device_type, resolve
+from runner.ranks.collective import Collective
+from runner.ranks.context import RankContext
 from runner.recipe.checks import batch_key
 from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan

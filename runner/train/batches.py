@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from runner.launch.collective import Collective, interleave
+from runner.ranks.collective import Collective, interleave
 from runner.train.policy import split_even
 from runner.train.roles import Trainable, optimizer_step
 

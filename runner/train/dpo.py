@@ -18,8 +18,8 @@ import attrs
 import torch
 
 from runner.algorithms.dpo import DPOLossInputs, dpo_loss
-from runner.launch.collective import interleave
 from runner.packers.base import PolicyBatch, RLPolicyInput
+from runner.ranks.collective import interleave
 from runner.recipe.schema import DPOConfig
 from runner.rewards import RewardSet
 from runner.train.assemble import RunContext

@@ -9,8 +9,8 @@ import hashlib
 from pathlib import Path
 
 from runner.errors import RunnerError
-from runner.launch.collective import Collective
-from runner.launch.context import RankContext
+from runner.ranks.collective import Collective
+from runner.ranks.context import RankContext
 
 _CHUNK = 1 << 20
 

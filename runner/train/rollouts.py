@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from runner.launch.collective import interleave
 from runner.packers.base import DataPacker, RLPolicyInput
+from runner.ranks.collective import interleave
 from runner.recipe.schema import RolloutConfig
 from runner.rewards import RewardSet
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig

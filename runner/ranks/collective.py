@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from runner.launch.context import RankContext
+from runner.ranks.context import RankContext
 
 
 class Collective:
