@@ -28,7 +28,7 @@ import attrs
 
 from runner.data import arithmetic, contract
 from runner.data.cursor import fingerprint_of
-from runner.data.files import digest_files
+from runner.data.files import BOM, DuplicateKey, digest_files, unique_keys
 from runner.data.membership import text_id
 from runner.data.tar_samples import read_tar_samples
 from runner.errors import ExtensionError, Problem, RecipeError
@@ -197,10 +197,16 @@ def _read_jsonl(file: Path, key: str) -> list[tuple[str, Any]]:
                 raise RecipeError([Problem(key, f"{where}: not valid UTF-8 ({exc.reason} at "
                                            f"byte {exc.start + 1} of the line)",
                                            hint="save the file as UTF-8")]) from None
+            if number == 1 and line.startswith(BOM):  # as datasets reads data.path files
+                line = line[len(BOM):]
             if not line.strip():
                 continue
             try:
-                samples.append((f"line {number}", json.loads(line.rstrip("\r\n"))))
+                samples.append((f"line {number}", json.loads(line.rstrip("\r\n"),
+                                                             object_pairs_hook=unique_keys)))
+            except DuplicateKey as exc:
+                raise RecipeError([Problem(key, f"{where}: the key {exc.name!r} appears twice",
+                                           hint="give each key once per line")]) from None
             except json.JSONDecodeError as exc:
                 raise RecipeError([Problem(key, f"{where}: not valid JSON "
                                            f"({exc.msg} at column {exc.colno})",
@@ -227,6 +233,9 @@ def _triple(sample: Any, keys: PairKeys, key: str, path: str, where: str) -> Tri
     chosen = pick((keys.chosen,) if keys.chosen else ("chosen", "winner"), "data.chosen_key")
     rejected = pick((keys.rejected,) if keys.rejected else ("rejected", "loser"),
                     "data.rejected_key")
+    if isinstance(prompt, Mapping):
+        raise RecipeError([Problem(key, f"{path} {where}: the prompt is a mapping, not text",
+                                   got=prompt, hint="write the prompt as a JSON string")])
     for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         if not isinstance(value, str | Mapping):
             raise RecipeError([Problem(key, f"{path} {where}: the {name} is "

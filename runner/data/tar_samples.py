@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
+from runner.data.files import DuplicateKey, unique_keys
 from runner.errors import Problem, RecipeError
 
 BLOCK = tarfile.BLOCKSIZE
@@ -119,7 +120,10 @@ def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, key: str, fi
 
 def _parse(data: bytes, name: str, key: str, file: Path) -> Any:
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"), object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise _refuse(key, file, f"member {name!r}: the key {exc.name!r} appears twice",
+                      hint="give each key once per sample", refused=False) from None
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise _refuse(key, file, f"member {name!r} line {line}: not valid UTF-8 ({exc.reason})",

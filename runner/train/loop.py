@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from runner.errors import ActorDied
+from runner.errors import ActorDied, NonFiniteUpdate
 from runner.train.assemble import RunContext
 
 
@@ -94,6 +94,10 @@ def run_loop(run: RunContext, one_step: Callable[[int], dict[str, Any]],
                     row.update(held_out())
             except ActorDied as exc:  # a role's actor: say in which step it was lost
                 raise ActorDied(f"step {step}: {exc}") from None
+            except NonFiniteUpdate as exc:
+                if exc.step is not None:
+                    raise
+                raise NonFiniteUpdate(exc.detail, step=step) from None
             # Wall seconds since the same point of the previous step: everything the loop did
             # (the step, evaluation, the previous step's display, checkpoint and stop check).
             now = time.perf_counter()
