@@ -154,3 +154,133 @@ def test_dpo_jsonl_reads_a_bom_as_nothing(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + _jsonl(PAIR, PAIR))
     source = build_pair_source(DataConfig(jsonl_path=str(path), validation=OFF))
     assert len(source) == 2 and source.pair(0).prompt == "p"
+
+
+# --- rewards ------------------------------------------------------------------------------------
+
+def _reward_outcome(value: object) -> list[float] | str:
+    from runner.errors import RewardFailure
+    from runner.rewards import RewardSet
+
+    rewards = RewardSet(("judge",), (lambda completions, items: [value] * len(completions),),
+                        (1.0,))
+    try:
+        return rewards.score(["a", "b"], [None, None], step=3)[0]
+    except RewardFailure as exc:
+        return str(exc)
+
+
+def _np(name: str, value: object) -> object:
+    import numpy as np
+
+    return getattr(np, name)(value)
+
+
+REWARD_CASES = {
+    "1e39 (inf as a float32)": (1e39, "reward at step 3: judge returned 1e+39 at index 0: it is "
+                                "infinite as a float32 (the training dtype of rewards; the "
+                                "largest finite value is 3.403e+38); scale the reward down"),
+    "-1e308": (-1e308, "reward at step 3: judge returned -1e+308 at index 0: it is infinite as a "
+               "float32 (the training dtype of rewards; the largest finite value is 3.403e+38); "
+               "scale the reward down"),
+    "nan": (float("nan"), "reward at step 3: judge returned nan at index 0: NaN is not a reward; "
+            "return a finite number"),
+    "a string": ("1.0", "reward at step 3: judge returned '1.0' at index 0: a str is not a "
+                 "number; return int or float values"),
+    "a boolean": (True, "reward at step 3: judge returned True at index 0: a boolean is not a "
+                  "number; return int or float values"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REWARD_CASES))
+def test_rewards_that_cannot_train_are_refused(name):
+    value, expected = REWARD_CASES[name]
+    assert _reward_outcome(value) == expected
+
+
+@pytest.mark.parametrize("value", [_np("float32", 1.0), _np("float64", 1.0), _np("int64", 1),
+                                   _np("float16", 1.0), 1, 1.0])
+def test_rewards_of_any_real_number_type_are_accepted(value):
+    assert _reward_outcome(value) == [1.0, 1.0]
+
+
+def test_a_weighted_total_beyond_float32_is_refused():
+    from runner.errors import RewardFailure
+    from runner.rewards import RewardSet
+
+    def one(completions, items):
+        return [3e38] * len(completions)
+
+    rewards = RewardSet(("a", "b"), (one, one), (1.0, 1.0))
+    with pytest.raises(RewardFailure) as info:
+        rewards.score(["x"], [None], step=2)
+    assert str(info.value) == ("reward at step 2: the weighted total (reward.weights) is 6e+38 at "
+                               "item 0, not a finite float32; lower reward.weights or the "
+                               "rewards' scale")
+
+
+# --- a step whose loss or gradient is not finite ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trainable():
+    import torch
+    from accelerate import Accelerator
+
+    from runner.recipe.schema import Recipe
+    from runner.train.roles import prepare_trainable
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    return prepare_trainable(Accelerator(cpu=True), model, Recipe())
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+def test_a_non_finite_loss_never_reaches_the_optimizer(trainable, max_grad_norm, poison):
+    import torch
+
+    from runner.errors import NonFiniteUpdate
+    from runner.train.roles import optimizer_step
+
+    before = {k: v.clone() for k, v in trainable.model.state_dict().items()}
+    steps = int(trainable.optimizer.state_dict()["state"].get(0, {}).get("step", 0))
+
+    def loss() -> torch.Tensor:
+        out = trainable.model(torch.ones(2, 3)).sum()
+        return out * float(poison)
+
+    with pytest.raises(NonFiniteUpdate) as info:
+        optimizer_step([trainable], [loss], max_grad_norm)
+    assert str(info.value).startswith("policy: the loss is not finite (gradient norm ")
+    after = trainable.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert int(trainable.optimizer.state_dict()["state"].get(0, {}).get("step", 0)) == steps
+
+
+def test_the_loop_names_the_step_and_writes_no_checkpoint():
+    from types import SimpleNamespace
+
+    import attrs
+
+    from runner.errors import NonFiniteUpdate
+    from runner.recipe.schema import Recipe
+    from runner.train.loop import run_loop
+
+    saved, written = [], []
+
+    def one_step(step: int) -> dict:
+        if step == 3:
+            raise NonFiniteUpdate("the gradient norm is not finite")
+        return {"loss": 1.0}
+
+    recipe = Recipe()
+    run = SimpleNamespace(
+        recipe=recipe, metrics=SimpleNamespace(write=written.append), start_step=0,
+        reporter=SimpleNamespace(start=lambda *a: None, step=lambda *a: None,
+                                 message=lambda *a: None),
+        stop_poll=None, comm=SimpleNamespace(any=lambda flag: flag), save=saved.append)
+    run.recipe = attrs.evolve(recipe, checkpoint=attrs.evolve(recipe.checkpoint, every_steps=1))
+    with pytest.raises(NonFiniteUpdate) as info:
+        run_loop(run, one_step, None)
+    assert str(info.value) == "policy at step 3: the gradient norm is not finite"
+    assert saved == [1, 2] and [row["step"] for row in written] == [1, 2]
