@@ -284,3 +284,87 @@ def test_the_loop_names_the_step_and_writes_no_checkpoint():
         run_loop(run, one_step, None)
     assert str(info.value) == "policy at step 3: the gradient norm is not finite"
     assert saved == [1, 2] and [row["step"] for row in written] == [1, 2]
+
+
+# --- the run folder: one run at a time, no writes through links --------------------------------
+
+def test_a_second_run_on_the_same_folder_is_refused(tmp_path):
+    from runner.state.run_folder import RunLock
+
+    first = RunLock.acquire(tmp_path / "run")
+    with pytest.raises(RecipeError) as info:
+        RunLock.acquire(tmp_path / "run")
+    assert info.value.lines() == [
+        f"run.output_dir: another run (pid {__import__('os').getpid()}) is using "
+        f"{tmp_path / 'run'}: it holds {tmp_path / 'run' / 'run.lock'}. Wait for it to finish, "
+        "stop it, or choose another run.output_dir."]
+    first.release()
+    RunLock.acquire(tmp_path / "run").release()
+
+
+def test_a_killed_run_leaves_no_stuck_lock(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from runner.state.run_folder import RunLock
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from runner.state.run_folder import RunLock; lock = RunLock.acquire(Path(sys.argv[1])); "
+         "print('locked', flush=True); time.sleep(60)", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RecipeError, match=f"another run \\(pid {holder.pid}\\)"):
+            RunLock.acquire(tmp_path / "run")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+    RunLock.acquire(tmp_path / "run").release()  # the lock file stays; the lock does not
+
+
+def test_the_run_refuses_a_locked_folder_before_reading_it(run_cli, tmp_path):
+    from runner.state.run_folder import RunLock
+
+    lock = RunLock.acquire(tmp_path / "run")
+    try:
+        rc, out, err = run_cli("--plain", "recipes/grpo-arith.toml",
+                               f"run.output_dir={tmp_path / 'run'}", "run.max_steps=1",
+                               "data.validation.enabled=false")
+    finally:
+        lock.release()
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        f"run.output_dir: another run (pid {__import__('os').getpid()}) is using "
+        f"{tmp_path / 'run'}: it holds {tmp_path / 'run' / 'run.lock'}. Wait for it to finish, "
+        "stop it, or choose another run.output_dir."]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["run.lock"]
+
+
+@pytest.mark.parametrize("rows", [[], [{"step": 1}]])
+def test_metrics_are_never_written_through_a_link(tmp_path, rows):
+    from runner.errors import RuntimeFailure
+    from runner.ui.metrics import MetricsLog
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    (tmp_path / "metrics.jsonl").symlink_to(target)
+    with pytest.raises(RuntimeFailure) as info:
+        MetricsLog(tmp_path / "metrics.jsonl", rows=rows)
+    assert "it is a symbolic link, and the run never writes through one [errno 40]" in str(
+        info.value)
+    assert target.read_text() == "keep me"
+
+
+def test_the_resolved_recipe_replaces_a_link_instead_of_following_it(tmp_path):
+    from runner.recipe.resolved import write_resolved
+    from runner.recipe.schema import Recipe
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    for name in ("recipe.resolved.toml", "recipe.resolved.tmp"):
+        (tmp_path / name).symlink_to(target)
+    write_resolved(Recipe(), tmp_path / "recipe.resolved.toml")
+    assert target.read_text() == "keep me"
+    assert not (tmp_path / "recipe.resolved.toml").is_symlink()

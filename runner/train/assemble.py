@@ -38,6 +38,7 @@ from runner.state.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from runner.state.run_folder import RunLock
 from runner.train.handshake import handshake, model_files_hash
 from runner.train.policy import scheduler_state
 from runner.train.roles import Rollout, Trainable, disable_dropout, prepare_trainable
@@ -87,6 +88,7 @@ class RunContext:
     has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
     stop_poll: Callable[[], bool] | None = None  # the launcher asks for a stop (Ray actors)
     roles: Any = None  # role actors serving this rank (runner.launch.ray_roles.RoleActors)
+    lock: RunLock | None = None  # rank 0's lock on the run folder, held until close()
 
     def frozen(self, role: str, path: Path, pad_free: bool = False) -> Any:
         """The frozen model of ``role`` ("reference" or "teacher") loaded from ``path``, scoring
@@ -138,6 +140,8 @@ class RunContext:
         self.metrics.close()
         if self.rollout is not None:
             self.rollout.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable]) -> Path:
@@ -258,6 +262,9 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
 
     seed_everything(recipe.run.seed, recipe.run.deterministic)
     step = _Steps()
+    # The writer locks the run folder before reading its checkpoints: a second run on the same
+    # folder stops here, before it reads or writes anything there.
+    lock = step("output", lambda: RunLock.acquire(plan.output_dir)) if ctx.is_main else None
     ckpt = step("checkpoint", lambda: find_resume(recipe, plan, reporter))
     if ckpt is not None:
         step("checkpoint", lambda: check_world_change(recipe, plan, ckpt))
@@ -326,7 +333,7 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
         reporter.message(f"held-out evaluation: {reason}")
     run = RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
                      parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
-                     has_held_out, stop, roles)
+                     has_held_out, stop, roles, lock)
     # A rollout actor, and any engine under LoRA (a checkpoint holds adapters only), starts from
     # the base model.
     if rollout is not None and ckpt is not None and (remote or lora):
