@@ -368,3 +368,164 @@ def test_the_resolved_recipe_replaces_a_link_instead_of_following_it(tmp_path):
     write_resolved(Recipe(), tmp_path / "recipe.resolved.toml")
     assert target.read_text() == "keep me"
     assert not (tmp_path / "recipe.resolved.toml").is_symlink()
+
+
+# --- checkpoints whose files are whole but do not parse -----------------------------------------
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from runner.state.checkpoint import TrainingState, save_checkpoint
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg)
+    root = tmp_path_factory.mktemp("ckpts") / "checkpoints"
+    for step in (1, 2):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        save_checkpoint(root, step, model=model, tokenizer=None, optimizer=opt,
+                        state=TrainingState(step=step, cursor=None,
+                                            scheduler={"last_epoch": step}),
+                        metrics_rows=[{"step": s} for s in range(1, step + 1)], keep_last=5)
+    return root
+
+
+def _edit_json(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def _header_length(path: Path, length: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(length.to_bytes(8, "little") + data[8:])
+
+
+def _garble_header(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[8:16] = b"{garble!"
+    path.write_bytes(bytes(data))
+
+
+CKPT_FAULTS = {
+    "garbled safetensors header": (
+        lambda f: _garble_header(f / "model" / "model.safetensors"),
+        "model/model.safetensors: SafetensorError: Error while deserializing header: "),
+    "header length 2**40": (
+        lambda f: _header_length(f / "model" / "model.safetensors", 2**40),
+        "model/model.safetensors: SafetensorError: Error while deserializing header: header "
+        "too large"),
+    "wrong python RNG state": (
+        lambda f: _edit_json(f / "state.json", lambda d: d["rng"][0]["python"].__setitem__(
+            1, [1, 2, 3])),
+        "the RNG states (state.json 'rng', rng.safetensors): ValueError: state vector is the "
+        "wrong size"),
+    "wrong torch RNG state": (
+        lambda f: __import__("safetensors.torch").torch.save_file(
+            {"torch.0": __import__("torch").zeros(10, dtype=__import__("torch").uint8)},
+            f / "rng.safetensors"),
+        "the RNG states (state.json 'rng', rng.safetensors): RuntimeError: Expected a "
+        "CPUGeneratorImplState of size "),
+    'step "four"': (
+        lambda f: _edit_json(f / "state.json", lambda d: d.__setitem__("step", "four")),
+        "state.json: 'step' is \"four\", not of the type a checkpoint records"),
+    "state.json step disagrees with the folder name": (
+        lambda f: _edit_json(f / "state.json", lambda d: d.__setitem__("step", 7)),
+        "its state.json records step 7 but the folder is named step-000002 (renamed or "
+        "copied?)"),
+    "optimizer state that is not a table": (
+        lambda f: _edit_json(f / "optimizer.json", lambda d: d.__setitem__("state", [1])),
+        "optimizer.safetensors / optimizer.json: AttributeError: "),
+}
+
+
+def _damage(root: Path, name: str, pre_manifest: bool) -> Path:
+    from runner.state.checkpoint import COMPLETE
+    from runner.state.integrity import MANIFEST, write_manifest
+
+    folder = root / "step-000002"
+    CKPT_FAULTS[name][0](folder)
+    if pre_manifest:  # what versions before manifests wrote: no manifest, no world_size
+        (folder / MANIFEST).unlink()
+        _edit_json(folder / "state.json", lambda d: [d.pop(k) for k in ("world_size",
+                                                                       "items_per_step")])
+    else:  # the files match their manifest: only parsing can tell
+        write_manifest(folder, 2, skip=(COMPLETE,))
+    return folder
+
+
+@pytest.mark.parametrize("pre_manifest", [False, True], ids=["manifest", "pre-manifest"])
+@pytest.mark.parametrize("name", sorted(CKPT_FAULTS))
+def test_a_checkpoint_that_does_not_parse_falls_back(two_checkpoints, tmp_path, name,
+                                                     pre_manifest):
+    import shutil
+
+    from runner.state.checkpoint import load_latest
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(two_checkpoints, root)
+    folder = _damage(root, name, pre_manifest)
+    said: list[str] = []
+    loaded = load_latest(root, on_skip=said.append)
+    assert loaded is not None and loaded.path == root / "step-000001"
+    assert loaded.state.step == 1
+    assert len(said) == 1, said
+    prefix = f"cannot load checkpoint {folder}: {CKPT_FAULTS[name][1]}"
+    assert said[0].startswith(prefix) and said[0].endswith("; skipping it"), said[0]
+
+
+def test_no_checkpoint_that_parses_is_one_error(two_checkpoints, tmp_path):
+    import shutil
+
+    from runner.errors import RuntimeFailure
+    from runner.state.checkpoint import load_latest
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(two_checkpoints, root)
+    for step in (1, 2):
+        _edit_json(root / f"step-00000{step}" / "state.json",
+                   lambda d: d.__setitem__("step", "four"))
+        from runner.state.checkpoint import COMPLETE
+        from runner.state.integrity import write_manifest
+
+        write_manifest(root / f"step-00000{step}", step, skip=(COMPLETE,))
+    with pytest.raises(RuntimeFailure) as info:
+        load_latest(root, on_skip=lambda line: None)
+    assert str(info.value).startswith(f"resume: no intact checkpoint in {root} (step-000002: "
+                                      "state.json: 'step' is \"four\"")
+
+
+@pytest.mark.parametrize("how", ["copied", "renamed"])
+def test_a_folder_named_for_another_step_is_skipped_and_never_pruned(two_checkpoints, tmp_path,
+                                                                    how):
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from runner.state.checkpoint import TrainingState, load_latest, save_checkpoint
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(two_checkpoints, root)
+    (shutil.copytree if how == "copied" else shutil.move)(root / "step-000002",
+                                                           root / "step-000099")
+    (root / "latest").write_text("step-000099")
+    said: list[str] = []
+    loaded = load_latest(root, on_skip=said.append)
+    expect = "step-000002" if how == "copied" else "step-000001"
+    assert loaded.path == root / expect
+    assert said == [f"cannot load checkpoint {root / 'step-000099'}: its state.json records step "
+                    "2 but the folder is named step-000099 (renamed or copied?); skipping it"]
+    cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg)
+    for step in (3, 4):
+        save_checkpoint(root, step, model=model, tokenizer=None,
+                        optimizer=torch.optim.AdamW(model.parameters()),
+                        state=TrainingState(step=step, cursor=None, scheduler={}),
+                        metrics_rows=[], keep_last=2)
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000003", "step-000004",
+                                                           "step-000099"]

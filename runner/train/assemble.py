@@ -33,8 +33,7 @@ from runner.state.checkpoint import (
     LoadedCheckpoint,
     TrainingState,
     capture_rng,
-    latest_checkpoint,
-    load_checkpoint,
+    load_latest,
     restore_rng,
     save_checkpoint,
 )
@@ -162,11 +161,11 @@ def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[st
 
 
 def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedCheckpoint | None:
-    """The newest intact checkpoint (damaged newer ones are skipped, saying why)."""
+    """The newest intact checkpoint that loads (damaged or unparsable newer ones are skipped,
+    saying why)."""
     if recipe.checkpoint.resume == "never":
         return None
-    path = latest_checkpoint(plan.checkpoint_dir, on_skip=reporter.message)
-    return load_checkpoint(path) if path is not None else None
+    return load_latest(plan.checkpoint_dir, on_skip=reporter.message)
 
 
 def check_world_change(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint) -> None:
