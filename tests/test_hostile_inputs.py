@@ -529,3 +529,75 @@ def test_a_folder_named_for_another_step_is_skipped_and_never_pruned(two_checkpo
                         metrics_rows=[], keep_last=2)
     assert sorted(p.name for p in root.glob("step-*")) == ["step-000003", "step-000004",
                                                            "step-000099"]
+
+
+# --- media: decompression bombs, paths that are not regular files -------------------------------
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` pixels and holds none (its header is enough
+    for a decoder to allocate them)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + \
+        chunk(b"IEND", b"")
+
+
+def _decode_image(value: object) -> str:
+    import threading
+
+    from runner.data.media import decode_media
+    from runner.types import MediaOrigin, ObsBundle
+
+    item = ObsBundle("q", images=(value,), origin=MediaOrigin("row 3 of shapes.jsonl", "image"))
+    outcome: list[str] = []
+
+    def decode() -> None:
+        try:
+            decode_media(item)
+            outcome.append("decoded")
+        except RecipeError as exc:
+            outcome.extend(exc.lines())
+
+    thread = threading.Thread(target=decode, daemon=True)  # a hang fails the test, not the suite
+    thread.start()
+    thread.join(20)
+    assert outcome, "decoding did not finish within 20 s"
+    return outcome[0] if len(outcome) == 1 else repr(outcome)
+
+
+def test_a_decompression_bomb_png_is_refused_from_its_header():
+    where = "data.image_column: row 3 of shapes.jsonl: column 'image', image 0: "
+    fix = " Fix or drop the row, or map it with data.items_fn."
+    assert _decode_image(_png_header(30000, 30000)) == (
+        where + "the image has 900,000,000 pixels, more than the limit of 67,108,864 "
+        "(8192 x 8192); it is refused before decoding." + fix)
+    assert _decode_image(_png_header(9000, 9000)) == (  # under PIL's own limit, over ours
+        where + "the image has 9000 x 9000 pixels, more than the limit of 67,108,864 "
+        "(8192 x 8192); it is refused before decoding." + fix)
+
+
+def test_an_image_path_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    import os
+
+    fifo = tmp_path / "picture.png"
+    os.mkfifo(fifo)
+    assert _decode_image(str(fifo)) == (
+        f"data.image_column: row 3 of shapes.jsonl: column 'image', image 0: {fifo} is a FIFO "
+        "(named pipe), not a regular file. Fix or drop the row, or map it with data.items_fn.")
+
+
+def test_a_video_path_that_is_a_fifo_is_refused(tmp_path):
+    import os
+
+    from runner.data.media import MediaError, load_video
+
+    fifo = tmp_path / "clip.mp4"
+    os.mkfifo(fifo)
+    with pytest.raises(MediaError, match="is a FIFO \\(named pipe\\), not a regular file"):
+        load_video(str(fifo))
