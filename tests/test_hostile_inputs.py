@@ -601,3 +601,61 @@ def test_a_video_path_that_is_a_fifo_is_refused(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(MediaError, match="is a FIFO \\(named pipe\\), not a regular file"):
         load_video(str(fifo))
+
+
+# --- tar bombs ----------------------------------------------------------------------------------
+
+def _tar(members: dict[str, bytes], tail: bytes = b"") -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buf.getvalue() + tail
+
+
+SAMPLE = json.dumps(PAIR).encode()
+BOMBS = {  # 8 MiB of zeros (a few KB compressed) against a cap of 1 MiB
+    "a skipped member": {"a.json": SAMPLE, "zeros.bin": bytes(8 << 20)},
+    "a member past the cap": {"a.json": SAMPLE, "b.json": b" " * (2 << 20) + SAMPLE},
+    "zeros after the end marker": {"a.json": SAMPLE},
+}
+
+
+@pytest.mark.parametrize("compress", ["bz2", "gz", "xz"])
+@pytest.mark.parametrize("name", sorted(BOMBS))
+def test_a_tar_bomb_is_refused_at_the_total_cap(tmp_path, name, compress):
+    import bz2
+    import gzip
+    import lzma
+
+    from runner.data.pairs import PairKeys, file_pairs
+
+    tail = bytes(8 << 20) if name == "zeros after the end marker" else b""
+    raw = _tar(BOMBS[name], tail)
+    pack = {"bz2": bz2.compress, "gz": gzip.compress, "xz": lzma.compress}[compress]
+    packed = pack(raw)
+    assert len(packed) < 64 << 10
+    path = tmp_path / f"bomb.tar.{compress}"
+    path.write_bytes(packed)
+    with pytest.raises(RecipeError) as info:
+        file_pairs(str(path), PairKeys(), kind="tar", key="data.tar_path", shuffle=False,
+                   split="train", max_total_bytes=1 << 20, max_member_bytes=4 << 20)
+    assert _one_line(info.value, path) == (
+        "data.tar_path: P decompresses to more than data.tar_max_bytes (1,048,576 bytes); the "
+        "archive is refused. Raise data.tar_max_bytes if the archive is meant to be that big.")
+    small = tmp_path / f"ok.tar.{compress}"
+    small.write_bytes(pack(_tar({"a.json": SAMPLE})))
+    assert len(file_pairs(str(small), PairKeys(), kind="tar", key="data.tar_path", shuffle=False,
+                          split="train", max_total_bytes=1 << 20)) == 1
+
+
+def test_tar_max_bytes_reaches_the_reader(tmp_path):
+    path = tmp_path / "a.tar"
+    path.write_bytes(_tar({"a.json": SAMPLE}))
+    with pytest.raises(RecipeError, match="more than data.tar_max_bytes \\(1,000 bytes\\)"):
+        build_pair_source(DataConfig(tar_path=str(path), tar_max_bytes=1000, validation=OFF))

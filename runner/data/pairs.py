@@ -9,7 +9,8 @@ Sources (``DatasetPreferenceEnv`` picks one):
   sample, an object with the same keys as a jsonl line; samples are taken in member-name order
   and other regular members (a README, a licence) are ignored. The archive is read to its end
   or refused (``runner.data.tar_samples``): members one by one, at most
-  ``data.tar_member_max_bytes`` each, nothing extracted to disk;
+  ``data.tar_member_max_bytes`` each and ``data.tar_max_bytes`` decompressed in all, nothing
+  extracted to disk;
 - built-in arithmetic pairs: the correct answer preferred to a wrong one.
 
 File answers must be text or tables (a number, null or a list is refused with the file and
@@ -35,6 +36,7 @@ from runner.errors import ExtensionError, Problem, RecipeError
 
 Triple = tuple[Any, Any, Any]
 TAR_MEMBER_MAX_BYTES = 64 * 2**20  # the default of data.tar_member_max_bytes
+TAR_MAX_BYTES = 2 * 2**30  # the default of data.tar_max_bytes
 
 
 @attrs.frozen
@@ -163,7 +165,8 @@ def factory_pairs(dotted: str, kwargs: Mapping[str, Any], *, key: str, shuffle: 
 
 def file_pairs(path: str, keys: PairKeys, *, kind: str, key: str, shuffle: bool, split: str,
                limit: int | None = None,
-               max_member_bytes: int = TAR_MEMBER_MAX_BYTES) -> PairSource:
+               max_member_bytes: int = TAR_MEMBER_MAX_BYTES,
+               max_total_bytes: int = TAR_MAX_BYTES) -> PairSource:
     """Pairs of a jsonl file (``kind="jsonl"``) or a tar archive (``kind="tar"``)."""
     file = Path(path)
     if not file.is_file():
@@ -171,7 +174,7 @@ def file_pairs(path: str, keys: PairKeys, *, kind: str, key: str, shuffle: bool,
     if kind == "jsonl":
         samples = _read_jsonl(file, key)
     else:
-        samples = read_tar_samples(file, key, max_member_bytes)
+        samples = read_tar_samples(file, key, max_member_bytes, max_total_bytes)
     if not samples:
         empty = "is empty" if file.stat().st_size == 0 else "holds no preference pairs"
         raise RecipeError([Problem(key, f"{path} {empty}")])
