@@ -659,3 +659,48 @@ def test_tar_max_bytes_reaches_the_reader(tmp_path):
     path.write_bytes(_tar({"a.json": SAMPLE}))
     with pytest.raises(RecipeError, match="more than data.tar_max_bytes \\(1,000 bytes\\)"):
         build_pair_source(DataConfig(tar_path=str(path), tar_max_bytes=1000, validation=OFF))
+
+
+# --- a second SIGTERM stops a run as a second Ctrl-C does ---------------------------------------
+
+STUCK_STEP = """
+import signal, sys, time
+from runner.train.loop import StopRequests
+from runner.ui import SilentReporter
+try:
+    with StopRequests(SilentReporter()):
+        if sys.argv[1] == "stuck":  # the step is inside one native call that does not return
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        print("in the step", flush=True)
+        time.sleep(60)
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("step,signals", [("stuck", ("SIGTERM", "SIGTERM")),
+                                          ("stuck", ("SIGINT", "SIGTERM")),
+                                          ("responsive", ("SIGTERM", "SIGTERM"))])
+def test_a_second_stop_signal_ends_the_run(step, signals):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_STEP, step], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    try:
+        assert proc.stdout.readline().strip() == "in the step"
+        started = time.monotonic()
+        for name in signals:
+            proc.send_signal(getattr(signal, name))
+            time.sleep(0.3)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert time.monotonic() - started < 15
+    assert err.splitlines()[-1].startswith("interrupted") and "Traceback" not in err, err
