@@ -138,6 +138,15 @@ class RuntimeFailure(RunnerError):
         super().__init__(safe_line(f"{where}: {message}"))
 
 
+class NonFiniteUpdate(RuntimeFailure):
+    """A training step's loss or gradient norm is not finite: the update is not applied. The
+    loop fills in the step (the optimizer does not know it)."""
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        self.detail = message
+        super().__init__("policy", step, message)
+
+
 class RewardFailure(RuntimeFailure):
     """Reward functions failed on a batch: ``failures`` holds (function name, item index or
     None, what happened) for each one, in the recipe's order. The step fails; the loop decides

@@ -173,7 +173,7 @@ def test_a_damaged_file_is_one_error_at_load(pristine, tmp_path):
     with pytest.raises(RuntimeFailure) as info:
         load_checkpoint(root / "step-000002")
     assert str(info.value).startswith(f"resume: cannot load checkpoint {root / 'step-000002'}: "
-                                      "SafetensorError: ")
+                                      "rng.safetensors: SafetensorError: ")
 
 
 def _tree(root: Path) -> dict[str, str]:

@@ -41,9 +41,16 @@ class ColumnMap:
     def apply(self, row: Mapping[str, Any], *, where: str) -> ObsBundle:
         """The canonical item of ``row``; ``where`` names the row in errors (e.g. "row 3 of ...")."""
         get = _Getter(row, where)
+        prompt = get(self.prompt, "data.prompt_column")
+        check_value(prompt_problem(prompt), where, self.prompt, "data.prompt_column")
+        reference = ""
+        if self.response:
+            raw = get(self.response, "data.response_column")
+            check_value(reference_problem(raw), where, self.response, "data.response_column")
+            reference = _as_text(raw)
         return ObsBundle(
-            prompt=get(self.prompt, "data.prompt_column"),
-            reference=_as_text(get(self.response, "data.response_column")) if self.response else "",
+            prompt=prompt,
+            reference=reference,
             images=_as_tuple(get(self.image, "data.image_column")) if self.image else (),
             videos=_as_tuple(get(self.video, "data.video_column")) if self.video else (),
             id=str(get(self.id, "data.id_column")) if self.id else "",
@@ -85,6 +92,45 @@ def missing_column(column: str, key: str, where: str, columns: list[str]) -> Rec
     return RecipeError([Problem(
         key, f"column {column!r} is not in {where} (its columns: {shown or 'none'})",
         hint=f"set {key} to one of its columns, or reshape rows with data.items_fn")])
+
+
+def prompt_problem(value: Any) -> str:
+    """Why ``value`` cannot be a prompt, or "": a prompt is text (a number is taken as its
+    text) or a list of chat messages, each a mapping with a text ``role`` and a ``content``."""
+    if value is None:
+        return "is null or missing"
+    if isinstance(value, str):
+        return ""
+    if isinstance(value, float) and value != value:
+        return "is empty (NaN)"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return ""
+    if isinstance(value, list | tuple):
+        for n, message in enumerate(value):
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or \
+                    not isinstance(message.get("content"), str | list):
+                return (f"is a list whose element {n} is not a chat message (a mapping with a "
+                        "text 'role' and a 'content')")
+        return "" if value else "is an empty list of chat messages"
+    kind = "a mapping" if isinstance(value, Mapping) else f"a {type(value).__name__}"
+    return f"is {kind}, not text or a list of chat messages"
+
+
+def reference_problem(value: Any) -> str:
+    """Why ``value`` cannot be a reference answer, or "" (text, a number, a list or table)."""
+    if value is None:
+        return "is null or missing (the reward would compare against nothing)"
+    if isinstance(value, float) and value != value:
+        return "is empty (NaN)"
+    return ""
+
+
+def check_value(problem: str, where: str, column: str, key: str) -> None:
+    """Raise the RecipeError naming the row and column when ``problem`` is not ""."""
+    if problem:
+        raise RecipeError([Problem(key, f"{where}: column {column!r} {problem}",
+                                   hint="fix or drop the row, or reshape rows with "
+                                   "data.items_fn")])
 
 
 def _as_text(value: Any) -> str:

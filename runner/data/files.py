@@ -19,6 +19,7 @@ without network fails at once with the dataset named instead of retrying for hal
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
 import json
 import os
@@ -35,6 +36,25 @@ from runner.errors import Problem, RecipeError
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv")
 PROBE_TIMEOUT_S = 3.0
+BOM = "\ufeff"  # a UTF-8 byte order mark opening a file is skipped, by every reader
+
+
+class DuplicateKey(ValueError):
+    """A JSON object names one key twice (``json`` would silently keep the last)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for ``json.loads`` that refuses a key given twice."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in out:
+            raise DuplicateKey(name)
+        out[name] = value
+    return out
 
 
 def local_files(path: str, *, key: str) -> tuple[str, list[Path]]:
@@ -82,6 +102,8 @@ def load_local(path: str, split: str, *, key: str, split_key: str) -> tuple[Any,
     for file in files:
         if file.suffix.lower() in TEXT_SUFFIXES:
             check_text_file(file, key=key)
+        if file.suffix.lower() == ".csv":
+            check_csv_file(file, key=key)
     size, sha = digest_files(path, files)
     import datasets
 
@@ -139,6 +161,37 @@ def check_text_file(file: Path, *, key: str) -> None:
             content = content or bool(raw.strip())
     if not content:
         raise RecipeError([Problem(key, f"{file} is empty", hint="give a file with data rows")])
+
+
+def check_csv_file(file: Path, *, key: str) -> None:
+    """Refuse a CSV file that ``datasets`` (pandas) would read wrongly instead of refusing: a
+    row with more or fewer fields than the header (pandas shifts the columns, or fills the
+    missing ones with nulls), an unterminated quote, or a last row without its line break (the
+    file may be cut inside that row). Lines are numbered as an editor shows them."""
+    with file.open(encoding="utf-8-sig", newline="") as handle:
+        reader = csv.reader(handle, strict=True)
+        header: list[str] | None = None
+        try:
+            for row in reader:
+                if not row:
+                    continue
+                if header is None:
+                    header = row
+                elif len(row) != len(header):
+                    raise RecipeError([Problem(key, f"{file} line {reader.line_num}: the row has "
+                                               f"{len(row)} fields where the header has "
+                                               f"{len(header)}", hint="give every row one "
+                                               "field per header column (quote fields that "
+                                               "hold commas)")])
+        except csv.Error as exc:
+            raise RecipeError([Problem(key, f"{file} line {reader.line_num}: not valid CSV "
+                                       f"({exc})", hint="close every quoted field")]) from None
+    with file.open("rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        if handle.read(1) not in (b"\n", b"\r"):
+            raise RecipeError([Problem(key, f"{file} line {reader.line_num}: the last row does not "
+                                       "end with a line break, so the file may be cut inside it",
+                                       hint="end the file with a line break if it is complete")])
 
 
 def first_bad_jsonl_line(file: Path) -> str:

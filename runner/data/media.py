@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import stat
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +29,7 @@ import numpy as np
 from runner.errors import Problem, RecipeError
 from runner.types import ObsBundle
 
+MAX_IMAGE_PIXELS = 8192 * 8192  # larger images are refused unread (decompression bombs)
 MAX_FRAMES = 8  # frames sampled from a video file (an even number: 2 frames per temporal patch)
 FRAMES_FPS = 2.0  # the fps assumed for a video given as a list of frames
 
@@ -69,8 +73,42 @@ def _path(value: Any) -> str | None:
     return None
 
 
+def _kind(mode: int) -> str:
+    return ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode)
+            else "a device or socket")
+
+
+def check_regular_file(path: str) -> None:
+    """A MediaError unless ``path`` is a regular file (a FIFO would block its reader)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise MediaError(f"cannot open {path} ({exc.strerror or exc})") from exc
+    if not stat.S_ISREG(mode):
+        raise MediaError(f"{path} is {_kind(mode)}, not a regular file")
+
+
+def read_regular_file(path: str) -> bytes:
+    """The bytes of the regular file at ``path``. Anything else (a FIFO, a device, a folder) is
+    a MediaError: it is opened without blocking and refused before any read, so a named pipe
+    cannot hang the run."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise MediaError(f"cannot open {path} ({exc.strerror or exc})") from exc
+    with os.fdopen(fd, "rb") as handle:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise MediaError(f"{path} is {_kind(mode)}, not a regular file")
+        os.set_blocking(fd, True)
+        return handle.read()
+
+
 def load_image(value: Any) -> Any:
-    """A PIL RGB image from a PIL image, raw bytes, a path, or a ``{"bytes"|"path"}`` mapping."""
+    """A PIL RGB image from a PIL image, raw bytes, a path, or a ``{"bytes"|"path"}`` mapping.
+
+    An image of more than ``MAX_IMAGE_PIXELS`` pixels is refused from its header, before it is
+    decoded (a decompression bomb: a few KB of PNG that decode to gigabytes)."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(value, Image.Image):
@@ -79,11 +117,28 @@ def load_image(value: Any) -> Any:
     if data is None and path is None:
         raise MediaError(f"a {type(value).__name__} is not an image (give a path, raw bytes or "
                          "a PIL image)")
+    if data is None:
+        data = read_regular_file(path)
     try:
-        with Image.open(io.BytesIO(data) if data is not None else path) as img:
-            return img.convert("RGB")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                width, height = img.size
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise MediaError(_too_many_pixels(f"{width} x {height}"))
+                return img.convert("RGB")
+    except MediaError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        found = re.search(r"\((\d+) pixels\)", str(exc))  # PIL's own, larger limit
+        raise MediaError(_too_many_pixels(f"{int(found[1]):,}" if found else "more")) from None
     except (OSError, UnidentifiedImageError, ValueError) as exc:
         raise MediaError(f"cannot read the image ({type(exc).__name__}: {exc})") from exc
+
+
+def _too_many_pixels(size: str) -> str:
+    return (f"the image has {size} pixels, more than the limit of {MAX_IMAGE_PIXELS:,} "
+            "(8192 x 8192); it is refused before decoding")
 
 
 def sample_indices(total: int, max_frames: int = MAX_FRAMES) -> list[int]:
@@ -124,6 +179,8 @@ def load_video(value: Any) -> VideoClip:
                          "list of frames)")
     import av
 
+    if data is None:
+        check_regular_file(path)
     try:
         with av.open(io.BytesIO(data) if data is not None else path) as container:
             stream = container.streams.video[0]

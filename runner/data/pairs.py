@@ -9,7 +9,8 @@ Sources (``DatasetPreferenceEnv`` picks one):
   sample, an object with the same keys as a jsonl line; samples are taken in member-name order
   and other regular members (a README, a licence) are ignored. The archive is read to its end
   or refused (``runner.data.tar_samples``): members one by one, at most
-  ``data.tar_member_max_bytes`` each, nothing extracted to disk;
+  ``data.tar_member_max_bytes`` each and ``data.tar_max_bytes`` decompressed in all, nothing
+  extracted to disk;
 - built-in arithmetic pairs: the correct answer preferred to a wrong one.
 
 File answers must be text or tables (a number, null or a list is refused with the file and
@@ -28,13 +29,14 @@ import attrs
 
 from runner.data import arithmetic, contract
 from runner.data.cursor import fingerprint_of
-from runner.data.files import digest_files
+from runner.data.files import BOM, DuplicateKey, digest_files, unique_keys
 from runner.data.membership import text_id
 from runner.data.tar_samples import read_tar_samples
 from runner.errors import ExtensionError, Problem, RecipeError
 
 Triple = tuple[Any, Any, Any]
 TAR_MEMBER_MAX_BYTES = 64 * 2**20  # the default of data.tar_member_max_bytes
+TAR_MAX_BYTES = 2 * 2**30  # the default of data.tar_max_bytes
 
 
 @attrs.frozen
@@ -163,7 +165,8 @@ def factory_pairs(dotted: str, kwargs: Mapping[str, Any], *, key: str, shuffle: 
 
 def file_pairs(path: str, keys: PairKeys, *, kind: str, key: str, shuffle: bool, split: str,
                limit: int | None = None,
-               max_member_bytes: int = TAR_MEMBER_MAX_BYTES) -> PairSource:
+               max_member_bytes: int = TAR_MEMBER_MAX_BYTES,
+               max_total_bytes: int = TAR_MAX_BYTES) -> PairSource:
     """Pairs of a jsonl file (``kind="jsonl"``) or a tar archive (``kind="tar"``)."""
     file = Path(path)
     if not file.is_file():
@@ -171,7 +174,7 @@ def file_pairs(path: str, keys: PairKeys, *, kind: str, key: str, shuffle: bool,
     if kind == "jsonl":
         samples = _read_jsonl(file, key)
     else:
-        samples = read_tar_samples(file, key, max_member_bytes)
+        samples = read_tar_samples(file, key, max_member_bytes, max_total_bytes)
     if not samples:
         empty = "is empty" if file.stat().st_size == 0 else "holds no preference pairs"
         raise RecipeError([Problem(key, f"{path} {empty}")])
@@ -197,10 +200,16 @@ def _read_jsonl(file: Path, key: str) -> list[tuple[str, Any]]:
                 raise RecipeError([Problem(key, f"{where}: not valid UTF-8 ({exc.reason} at "
                                            f"byte {exc.start + 1} of the line)",
                                            hint="save the file as UTF-8")]) from None
+            if number == 1 and line.startswith(BOM):  # as datasets reads data.path files
+                line = line[len(BOM):]
             if not line.strip():
                 continue
             try:
-                samples.append((f"line {number}", json.loads(line.rstrip("\r\n"))))
+                samples.append((f"line {number}", json.loads(line.rstrip("\r\n"),
+                                                             object_pairs_hook=unique_keys)))
+            except DuplicateKey as exc:
+                raise RecipeError([Problem(key, f"{where}: the key {exc.name!r} appears twice",
+                                           hint="give each key once per line")]) from None
             except json.JSONDecodeError as exc:
                 raise RecipeError([Problem(key, f"{where}: not valid JSON "
                                            f"({exc.msg} at column {exc.colno})",
@@ -227,6 +236,9 @@ def _triple(sample: Any, keys: PairKeys, key: str, path: str, where: str) -> Tri
     chosen = pick((keys.chosen,) if keys.chosen else ("chosen", "winner"), "data.chosen_key")
     rejected = pick((keys.rejected,) if keys.rejected else ("rejected", "loser"),
                     "data.rejected_key")
+    if isinstance(prompt, Mapping):
+        raise RecipeError([Problem(key, f"{path} {where}: the prompt is a mapping, not text",
+                                   got=prompt, hint="write the prompt as a JSON string")])
     for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         if not isinstance(value, str | Mapping):
             raise RecipeError([Problem(key, f"{path} {where}: the {name} is "

@@ -51,7 +51,8 @@ def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSour
             kind = "jsonl" if data.jsonl_path else "tar"
             return file_pairs(data.jsonl_path or data.tar_path, keys, kind=kind,
                               key=f"data.{kind}_path", split="train", **common,
-                              max_member_bytes=data.tar_member_max_bytes)
+                              max_member_bytes=data.tar_member_max_bytes,
+                              max_total_bytes=data.tar_max_bytes)
         return synthetic_pairs(data.synthetic_pairs or data.count, "train", **builtin,
                                key="data.synthetic_pairs", **common)
     v = data.validation

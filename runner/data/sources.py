@@ -36,7 +36,13 @@ from typing import Any
 import attrs
 
 from runner.data import arithmetic, contract
-from runner.data.columns import ColumnMap, column_map
+from runner.data.columns import (
+    ColumnMap,
+    check_value,
+    column_map,
+    prompt_problem,
+    reference_problem,
+)
 from runner.data.cursor import fingerprint_of
 from runner.data.files import load_hub, load_local
 from runner.data.membership import check_overlap, item_id, text_id
@@ -62,8 +68,10 @@ class PromptSource:
                  identity: dict[str, str], columns: ColumnMap, shuffle: bool,
                  items_fn: Callable[[Row], Any] | None = None, items_fn_path: str = "",
                  membership: Callable[[], tuple[str, ...]] | None = None,
-                 membership_from: str = "") -> None:
+                 membership_from: str = "",
+                 column_values: Callable[[str], list[Any]] | None = None) -> None:
         self._fetch, self._length = fetch, length
+        self._column_values = column_values
         self.kind, self.label, self.identity = kind, label, dict(identity)
         self.columns, self.shuffle = columns, shuffle
         self._items_fn, self.items_fn_path = items_fn, items_fn_path
@@ -90,6 +98,20 @@ class PromptSource:
             row = _apply_items_fn(self._items_fn, self.items_fn_path, row, i)
             where += " after data.items_fn"
         return self.columns.apply(row, where=where)
+
+    def check_rows(self) -> None:
+        """Check the prompt and reference of every row, not only the first: a null, missing or
+        malformed value is a RecipeError naming its row. Reads whole columns where the source
+        has them (a ``datasets`` table, no media decoded); other sources are checked item by
+        item as they are drawn."""
+        if self._column_values is None or self._items_fn is not None:
+            return
+        checks = [(self.columns.prompt, "data.prompt_column", prompt_problem)]
+        if self.columns.response:
+            checks.append((self.columns.response, "data.response_column", reference_problem))
+        for column, key, problem_of in checks:
+            for i, value in enumerate(self._column_values(column)):
+                check_value(problem_of(value), f"row {i} of {self.label}", column, key)
 
     def fingerprint_parts(self) -> dict[str, str]:
         return {**self.identity, "columns": self.columns.describe(),
@@ -160,8 +182,10 @@ def build_prompt_sources(data: DataConfig, algo_kind: str
 
 
 def check_columns(source: PromptSource) -> None:
-    """Map the first row; a missing column is a RecipeError naming it and the columns there."""
+    """Map the first row (a missing column is a RecipeError naming it and the columns there),
+    then check every row's prompt and reference where the source reads whole columns."""
     source.item(0)
+    source.check_rows()
 
 
 def _builtin(data: DataConfig, split: str, count: int, columns: ColumnMap, **common: Any
@@ -218,9 +242,13 @@ def _from_dataset(ds: Any, *, kind: str, label: str, identity: dict[str, str],
         values = ds.select(range(length))[columns.prompt]
         return tuple(text_id(value) for value in values)
 
+    def column_values(column: str) -> list[Any]:
+        return ds.select(range(length))[column] if column in ds.column_names else []
+
     return PromptSource(ds.__getitem__, length, kind=kind, label=label, identity=identity,
                         columns=columns, membership=membership,
-                        membership_from=f"a hash of its raw {columns.prompt!r} column", **common)
+                        membership_from=f"a hash of its raw {columns.prompt!r} column",
+                        column_values=column_values, **common)
 
 
 def _from_factory(dotted: str, kwargs: Mapping[str, Any], key: str, columns: ColumnMap, *,

@@ -6,7 +6,9 @@ kept (tarfile reads each header as one 512-byte read) and must be the zero block
 end of an archive; anything else refuses the archive, naming the offset and the last good
 member. Compressed archives (gzip, bzip2, xz) are decompressed as a stream; one member at a
 time is read into memory, at most ``max_member_bytes`` of it, and nothing is extracted to disk;
-a compressed stream is read to its end so that its checksum is verified too.
+a compressed stream is read to its end so that its checksum is verified too. The whole stream,
+decompressed, may hold at most ``max_total_bytes`` (``data.tar_max_bytes``): a small archive
+that expands to gigabytes (a tar bomb) is refused once it passes that, not read to its end.
 Members with absolute paths, ``..`` components, links or devices refuse the whole archive.
 """
 
@@ -22,6 +24,7 @@ import zlib
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
+from runner.data.files import DuplicateKey, unique_keys
 from runner.errors import Problem, RecipeError
 
 BLOCK = tarfile.BLOCKSIZE
@@ -30,18 +33,34 @@ _MAGIC = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lzma.o
 READ_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError)
 
 
-class _LastRead:
-    """A read-only stream that remembers what its last ``read`` returned."""
+class TooBig(Exception):
+    """The archive passed ``data.tar_max_bytes`` (decompressed)."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+
+class _LastRead:
+    """A read-only stream that remembers what its last ``read`` returned, and refuses to go
+    past ``limit`` bytes of (decompressed) stream: a seek forward over a skipped member of a
+    compressed archive decompresses everything up to its target, so the target is checked
+    before the seek."""
+
+    def __init__(self, raw: BinaryIO, limit: int) -> None:
         self._raw = raw
         self.last = b""
+        self.limit = limit
 
     def read(self, size: int = -1) -> bytes:
+        position = self._raw.tell()
+        if size < 0 or position + size > self.limit:
+            size = max(0, self.limit - position) + 1  # one byte more tells "too big"
         self.last = self._raw.read(size)
+        if position + len(self.last) > self.limit:
+            raise TooBig
         return self.last
 
     def seek(self, pos: int, whence: int = 0) -> int:
+        target = pos if whence == 0 else self._raw.tell() + pos if whence == 1 else None
+        if target is not None and target > self.limit:
+            raise TooBig
         return self._raw.seek(pos, whence)
 
     def tell(self) -> int:
@@ -57,10 +76,21 @@ def _open_stream(file: Path) -> BinaryIO:
     return file.open("rb")
 
 
-def read_tar_samples(file: Path, key: str, max_member_bytes: int) -> list[tuple[str, Any]]:
+def read_tar_samples(file: Path, key: str, max_member_bytes: int,
+                     max_total_bytes: int = 2 * 2**30) -> list[tuple[str, Any]]:
     """``(where, parsed JSON)`` of every regular ``.json`` member, in member-name order."""
+    try:
+        return _read_samples(file, key, max_member_bytes, max_total_bytes)
+    except TooBig:
+        raise _refuse(key, file, f"decompresses to more than data.tar_max_bytes "
+                      f"({max_total_bytes:,} bytes)", hint="raise data.tar_max_bytes if the "
+                      "archive is meant to be that big") from None
+
+
+def _read_samples(file: Path, key: str, max_member_bytes: int, max_total_bytes: int
+                  ) -> list[tuple[str, Any]]:
     stream = _open_stream(file)
-    tracked = _LastRead(stream)
+    tracked = _LastRead(stream, max_total_bytes)
     try:
         archive = tarfile.open(fileobj=tracked, mode="r:")  # type: ignore[call-overload]
     except READ_ERRORS as exc:
@@ -84,11 +114,11 @@ def read_tar_samples(file: Path, key: str, max_member_bytes: int) -> list[tuple[
             last = member.name
         _check_end(tracked.last, archive.offset, last, key, file)
         if not isinstance(stream, io.BufferedReader):  # a decompressing stream
-            _drain(stream, key, file)
+            _drain(tracked, key, file)
     return sorted(samples, key=lambda s: s[0])
 
 
-def _drain(stream: BinaryIO, key: str, file: Path) -> None:
+def _drain(stream: _LastRead, key: str, file: Path) -> None:
     """Read a compressed stream to its end, so its own checksum and length are verified."""
     try:
         while stream.read(1 << 20):
@@ -119,7 +149,10 @@ def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, key: str, fi
 
 def _parse(data: bytes, name: str, key: str, file: Path) -> Any:
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"), object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise _refuse(key, file, f"member {name!r}: the key {exc.name!r} appears twice",
+                      hint="give each key once per sample", refused=False) from None
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise _refuse(key, file, f"member {name!r} line {line}: not valid UTF-8 ({exc.reason})",

@@ -370,6 +370,7 @@ MAX_ARITHMETIC_POOL = 1_000_000  # (max_operand - min_operand + 1)**2 x len(oper
 MAX_STEPS = 1_000_000_000  # run.max_steps and every "every N steps" key
 MAX_PER_STEP = 1_048_576  # per-step sizes: prompts, samples, pairs, epochs, minibatches, tokens
 MAX_TAR_MEMBER_BYTES = 1 << 34  # data.tar_member_max_bytes (16 GiB)
+MAX_TAR_BYTES = 1 << 40  # data.tar_max_bytes (1 TiB)
 
 _ITEM_KEYS = ("data.count", "data.validation.size", "data.synthetic_pairs")
 _STEP_KEYS = ("run.max_steps", "train.warmup_steps", "train.eval_every", "checkpoint.every_steps",
@@ -409,4 +410,7 @@ def check_limits(r: Recipe) -> list[Problem]:
     if not 1 <= size <= MAX_TAR_MEMBER_BYTES:
         p.append(Problem("data.tar_member_max_bytes", f"must be in [1, {MAX_TAR_MEMBER_BYTES:,}]",
                          got=size))
+    if not 1 <= d.tar_max_bytes <= MAX_TAR_BYTES:
+        p.append(Problem("data.tar_max_bytes", f"must be in [1, {MAX_TAR_BYTES:,}]",
+                         got=d.tar_max_bytes))
     return p

@@ -54,6 +54,8 @@ def resolved_document(recipe: Recipe, overrides: Sequence[str] = (), source: str
 def write_resolved(recipe: Recipe, path: Path, overrides: Sequence[str] = (), source: str = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(tomli_w.dumps(resolved_document(recipe, overrides, source)), encoding="utf-8")
+    tmp.unlink(missing_ok=True)  # a link planted there is removed, never written through
+    with open(tmp, "x", encoding="utf-8") as handle:
+        handle.write(tomli_w.dumps(resolved_document(recipe, overrides, source)))
     tmp.replace(path)
     return path

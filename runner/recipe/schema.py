@@ -113,6 +113,11 @@ class DataConfig:
     tar_member_max_bytes: int = key(
         64 * 2**20, "DPO tar archives: most bytes read from one .json member; larger is refused."
     )
+    tar_max_bytes: int = key(
+        2 * 2**30, "DPO tar archives: most bytes of the whole archive once decompressed (every "
+        "member, read or skipped, and what follows the end marker); a larger archive is "
+        "refused as soon as it passes this, however small it is compressed."
+    )
     synthetic_pairs: int = key(0, "DPO only: number of built-in arithmetic preference pairs.")
     chosen_key: str = key("", "DPO: key of the preferred answer; empty accepts chosen or winner.")
     rejected_key: str = key("", "DPO: key of the rejected answer; empty accepts rejected or loser.")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from runner.errors import Problem, RecipeError
+from runner.errors import Problem, RecipeError, RewardFailure
 from runner.extensions import load_callable
 from runner.recipe.schema import RewardConfig
 from runner.rewards.builtin import (
@@ -19,7 +19,7 @@ from runner.rewards.builtin import (
     format_reward,
     math_verify_reward,
 )
-from runner.rewards.calls import RewardFn, call_all
+from runner.rewards.calls import FLOAT32_MAX, RewardFn, call_all
 from runner.types import ObsBundle
 
 __all__ = ["BUILTIN_REWARDS", "RewardSet", "arithmetic_exact", "build_rewards", "format_reward",
@@ -45,6 +45,11 @@ class RewardSet:
         for name, values, weight in zip(self.names, per_function, self.weights, strict=True):
             parts[f"reward/{name}"] = sum(values) / max(1, len(values))
             total = [t + weight * v for t, v in zip(total, values, strict=True)]
+        bad = next((i for i, t in enumerate(total) if not abs(t) <= FLOAT32_MAX), None)
+        if bad is not None:
+            raise RewardFailure(step, [("the weighted total (reward.weights)", bad,
+                                        f"is {total[bad]:g} at item {bad}, not a finite float32; "
+                                        "lower reward.weights or the rewards' scale")])
         return total, parts
 
 

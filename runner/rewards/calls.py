@@ -16,6 +16,8 @@ item, so the position is then the last one.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -132,9 +134,36 @@ def _check_values(result: Any, n: int) -> list[float] | tuple[int | None, str]:
         return None, f"returned {len(values)} values for {n} completions"
     out = []
     for index, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != value or \
-                value in (float("inf"), float("-inf")):
-            return index, (f"returned {value!r} at index {index}; rewards must be finite "
-                           "numbers")
+        why = _not_a_reward(value)
+        if why:
+            return index, f"returned {_shown(value)} at index {index}: {why}"
         out.append(float(value))
     return out
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: rewards train as float32
+
+
+def _not_a_reward(value: Any) -> str:
+    """Why ``value`` cannot be a reward, or "" when it is a real number (of any numeric type:
+    Python, numpy, ...) that stays finite as a float32."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        kind = "a boolean" if isinstance(value, bool) else f"a {type(value).__name__}"
+        return f"{kind} is not a number; return int or float values"
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return "it cannot be converted to a float"
+    if math.isnan(number):
+        return "NaN is not a reward; return a finite number"
+    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+        return ("it is infinite as a float32 (the training dtype of rewards; the largest finite "
+                f"value is {FLOAT32_MAX:.4g}); scale the reward down")
+    return ""
+
+
+def _shown(value: Any) -> str:
+    from runner.errors import show_value
+
+    return f"{show_value(value)} ({type(value).__module__}.{type(value).__qualname__})" \
+        if type(value).__module__ not in ("builtins",) else show_value(value)

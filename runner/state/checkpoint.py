@@ -20,7 +20,8 @@ A crash at any point leaves earlier checkpoints untouched; a half-written one st
 ``.tmp-`` name that resume ignores and the next save removes. A write that fails (a full disk,
 a read-only folder) removes its temporary folder and raises ``RuntimeFailure`` naming the step
 and the path. Resume verifies the newest checkpoint against its manifest and falls back to the
-newest intact one, saying which it skipped and why.
+newest intact one, saying which it skipped and why; one whose files are whole but do not parse
+(or whose state.json names another step than its folder) is passed over the same way.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from runner.errors import RuntimeFailure
@@ -258,8 +259,11 @@ def _point_latest(root: Path, name: str) -> None:
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    complete = complete_checkpoints(root)
-    for old in complete[:-keep_last]:
+    """Remove all but the newest ``keep_last`` checkpoints. Only folders whose name agrees with
+    the step their state.json records count: a renamed or copied folder (``step-000099`` holding
+    step 2) is neither counted nor removed, so it cannot push real checkpoints out."""
+    real = [p for p in complete_checkpoints(root) if integrity.recorded_step(p) == checkpoint_step(p)]
+    for old in real[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -268,15 +272,17 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for p in integrity.step_folders(root) if (p / COMPLETE).is_file()]
 
 
-def latest_checkpoint(root: Path, on_skip: Callable[[str], None] | None = None) -> Path | None:
+def latest_checkpoint(root: Path, on_skip: Callable[[str], None] | None = None,
+                      check: Callable[[Path], str] | None = None) -> Path | None:
     """The newest intact checkpoint: the folder named by ``latest`` when it verifies, else the
     newest complete one that does. None when there is no complete checkpoint at all.
+    ``check(folder)`` may add a reason to pass over a folder that verifies ("" to take it).
 
     Each newer checkpoint passed over is reported through ``on_skip`` (default: a warning on
     the ``runner.state.checkpoint`` logger). When complete checkpoints exist but none is
     intact, raises ``RuntimeFailure`` rather than letting the run start over silently.
     """
-    found, skipped, total = integrity.find_intact(root, LATEST, COMPLETE)
+    found, skipped, total = integrity.find_intact(root, LATEST, COMPLETE, check)
     for skip in skipped:
         (on_skip or _log.warning)(skip.message())
     if found is None and total:
@@ -285,6 +291,23 @@ def latest_checkpoint(root: Path, on_skip: Callable[[str], None] | None = None) 
                              "set checkpoint.resume = 'never' or choose another run.output_dir "
                              "to start over")
     return found
+
+
+def load_latest(root: Path, on_skip: Callable[[str], None] | None = None
+                ) -> LoadedCheckpoint | None:
+    """The newest checkpoint that is intact and loads: one that verifies but does not parse is
+    reported (``cannot load checkpoint ...: what``) and passed over like a damaged one."""
+    loaded: dict[Path, LoadedCheckpoint] = {}
+
+    def loads(folder: Path) -> str:
+        try:
+            loaded[folder] = load_checkpoint(folder)
+        except CheckpointUnreadable as exc:
+            return exc.what
+        return ""
+
+    path = latest_checkpoint(root, on_skip, check=loads)
+    return loaded[path] if path is not None else None
 
 
 @attrs.frozen
@@ -326,19 +349,92 @@ def _load_optimizer(path: Path, prefix: str) -> dict[str, Any]:
                                 load_file(path / f"{prefix}.safetensors"))
 
 
+class CheckpointUnreadable(RuntimeFailure):
+    """A checkpoint whose files are whole (they match their manifest, or it predates manifests)
+    but do not parse as a checkpoint: ``what`` says which file and why."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path, self.what = path, what
+        super().__init__("resume", None, f"cannot load checkpoint {path}: {what}")
+
+
+# What parsing a file that is whole but wrong raises (json, safetensors, torch, numpy, random).
+_PARSE_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError,
+                 OverflowError, RuntimeError, SafetensorError)
+
+
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
-    """The checkpoint at ``path``; a file that cannot be read raises ``RuntimeFailure``."""
+    """The checkpoint at ``path``, every part parsed and checked (state.json's fields, every
+    rank's RNG state, the optimizer, the headers of the weight files); anything that does not
+    parse raises ``CheckpointUnreadable``."""
+    current = "state.json"
     try:
-        return _load_checkpoint(path)
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
-        raise RuntimeFailure("resume", None, f"cannot load checkpoint {path}: "
-                             f"{type(exc).__name__}: {exc}") from exc
+        raw = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        rng, state = _state(path, raw)
+        current = "optimizer.safetensors / optimizer.json"
+        optimizer_state = _load_optimizer(path, "optimizer")
+        current = "rng.safetensors"
+        rng_tensors = load_file(path / "rng.safetensors")
+        current = "the RNG states (state.json 'rng', rng.safetensors)"
+        _check_rng(rng, rng_tensors)
+        current = "metrics.jsonl"
+        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()
+                if line]
+        if not all(isinstance(row, dict) for row in rows):
+            raise ValueError("a row is not a JSON object")
+        current = "the weight files"
+        for weights in sorted(path.glob("model/*.safetensors")) + sorted(
+                path.glob("extra_models/*/*.safetensors")):
+            current = weights.relative_to(path).as_posix()
+            with safe_open(weights, "pt") as handle:
+                list(handle.keys())
+        for config in sorted(path.glob("model/*.json")):
+            current = config.relative_to(path).as_posix()
+            json.loads(config.read_text(encoding="utf-8"))
+    except CheckpointUnreadable:
+        raise
+    except _PARSE_ERRORS as exc:
+        raise CheckpointUnreadable(path, f"{current}: {type(exc).__name__}: {exc}") from exc
+    return LoadedCheckpoint(path, state, rng, rng_tensors, optimizer_state, rows)
 
 
-def _load_checkpoint(path: Path) -> LoadedCheckpoint:
-    raw = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    rng = raw.pop("rng")
+def _state(path: Path, raw: Any) -> tuple[Any, TrainingState]:
+    """The RNG part and the TrainingState of a parsed state.json, its fields checked."""
+    if not isinstance(raw, dict):
+        raise CheckpointUnreadable(path, f"state.json holds a {type(raw).__name__}, not an object")
+    raw = dict(raw)
+    rng = raw.pop("rng", None)
     state = TrainingState(**raw)
-    optimizer_state = _load_optimizer(path, "optimizer")
-    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line]
-    return LoadedCheckpoint(path, state, rng, load_file(path / "rng.safetensors"), optimizer_state, rows)
+    wrong = [name for name, value, kinds in (
+        ("step", state.step, int), ("world_size", state.world_size, int),
+        ("cursor", state.cursor, dict | None), ("scheduler", state.scheduler, dict),
+        ("extra", state.extra, dict), ("items_per_step", state.items_per_step, int | None))
+        if isinstance(value, bool) or not isinstance(value, kinds)]
+    if wrong:
+        name = wrong[0]
+        raise CheckpointUnreadable(path, f"state.json: {name!r} is "
+                                   f"{json.dumps(getattr(state, name))[:40]}, not of the type "
+                                   "a checkpoint records")
+    if state.step < 0 or state.world_size < 1:
+        raise CheckpointUnreadable(path, f"state.json: step {state.step} / world_size "
+                                   f"{state.world_size} out of range")
+    if integrity.STEP_NAME.fullmatch(path.name) and checkpoint_step(path) != state.step:
+        raise CheckpointUnreadable(path, f"its state.json records step {state.step} but the "
+                                   f"folder is named {path.name} (renamed or copied?)")
+    if not isinstance(rng, list | dict):
+        raise CheckpointUnreadable(path, "state.json: 'rng' is missing or not a list")
+    return rng, state
+
+
+def _check_rng(rng: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Apply every saved RNG state to fresh generators: what would fail on restore fails here,
+    before anything of the run is set up (and the process's own generators are untouched)."""
+    for entry in [rng] if isinstance(rng, dict) else rng:
+        version, internal, gauss = entry["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = entry["numpy"]
+        np.random.RandomState().set_state((kind, np.array(keys, dtype=np.uint32), pos,
+                                           has_gauss, cached))
+    for name, tensor in tensors.items():
+        if name.split(".")[0] == "torch":
+            torch.Generator().set_state(tensor)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,16 @@ def written_before_manifests(folder: Path) -> bool:
     return isinstance(state, dict) and "step" in state and "world_size" not in state
 
 
+def recorded_step(folder: Path) -> int | None:
+    """The step a checkpoint's state.json records, or None when it has none that is readable."""
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    step = state.get("step") if isinstance(state, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def verify(folder: Path) -> str:
     """Why ``folder`` is not an intact checkpoint, or "" when every file matches its manifest
     (or it was written by a version before manifests, which resume takes unverified)."""
@@ -105,8 +116,11 @@ class Skipped:
 
     path: Path
     reason: str
+    unloadable: bool = False  # whole files that do not parse (the ``check`` of find_intact)
 
     def message(self) -> str:
+        if self.unloadable:
+            return f"cannot load checkpoint {self.path}: {self.reason}; skipping it"
         return f"skipping checkpoint {self.path}: {self.reason}"
 
 
@@ -128,12 +142,15 @@ def read_pointer(root: Path, pointer: str) -> Path | None:
     return root / text if STEP_NAME.fullmatch(text) else None
 
 
-def find_intact(root: Path, pointer: str, complete: str) -> tuple[Path | None, list[Skipped], int]:
+def find_intact(root: Path, pointer: str, complete: str,
+                check: Callable[[Path], str] | None = None
+                ) -> tuple[Path | None, list[Skipped], int]:
     """The newest intact checkpoint (the pointer's first), the newer ones skipped, and how many
     complete checkpoints exist in all.
 
     A folder without the ``complete`` marker is an interrupted write or deletion: it is skipped
-    (and reported when newer than the one chosen) but does not count as a checkpoint.
+    (and reported when newer than the one chosen) but does not count as a checkpoint. A folder
+    that verifies is taken unless ``check(folder)`` gives a reason not to.
     """
     folders = step_folders(root)
     named = read_pointer(root, pointer)
@@ -146,7 +163,8 @@ def find_intact(root: Path, pointer: str, complete: str) -> tuple[Path | None, l
                                            "deletion)"))
             continue
         why = verify(folder)
+        unloadable = not why and check is not None and bool(why := check(folder))
         if not why:
             return folder, skipped, total
-        skipped.append(Skipped(folder, why))
+        skipped.append(Skipped(folder, why, unloadable))
     return None, skipped, total

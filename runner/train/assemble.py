@@ -35,11 +35,11 @@ from runner.state.checkpoint import (
     LoadedCheckpoint,
     TrainingState,
     capture_rng,
-    latest_checkpoint,
-    load_checkpoint,
+    load_latest,
     restore_rng,
     save_checkpoint,
 )
+from runner.state.run_folder import RunLock
 from runner.train.handshake import handshake, model_files_hash
 from runner.train.policy import scheduler_state
 from runner.train.roles import (
@@ -111,6 +111,7 @@ class RunContext:
     roles: Roles = attrs.field(factory=Roles)
     stop_poll: Callable[[], bool] | None = None  # the launcher asks for a stop (Ray actors)
     actors: RoleProvider | None = None  # roles served outside this rank (Ray role actors)
+    lock: RunLock | None = None  # rank 0's lock on the run folder, held until close()
 
     def frozen(self, role: str, path: Path, pad_free: bool = False) -> FrozenScorer:
         """The frozen model of ``role`` ("reference" or "teacher") loaded from ``path``, scoring
@@ -161,6 +162,8 @@ class RunContext:
         self.metrics.close()
         if self.rollout is not None:
             self.rollout.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable]) -> Path:
@@ -181,11 +184,11 @@ def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[st
 
 
 def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedCheckpoint | None:
-    """The newest intact checkpoint (damaged newer ones are skipped, saying why)."""
+    """The newest intact checkpoint that loads (damaged or unparsable newer ones are skipped,
+    saying why)."""
     if recipe.checkpoint.resume == "never":
         return None
-    path = latest_checkpoint(plan.checkpoint_dir, on_skip=reporter.message)
-    return load_checkpoint(path) if path is not None else None
+    return load_latest(plan.checkpoint_dir, on_skip=reporter.message)
 
 
 def refuse_pickled(ckpt: LoadedCheckpoint) -> None:
@@ -293,6 +296,9 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
 
     seed_everything(recipe.run.seed, recipe.run.deterministic)
     step = _Steps()
+    # The writer locks the run folder before reading its checkpoints: a second run on the same
+    # folder stops here, before it reads or writes anything there.
+    lock = step("output", lambda: RunLock.acquire(plan.output_dir)) if ctx.is_main else None
     ckpt = step("checkpoint", lambda: find_resume(recipe, plan, reporter))
     if ckpt is not None:
         step("checkpoint", lambda: check_world_change(recipe, plan, ckpt))
@@ -363,7 +369,7 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
         reporter.message(f"held-out evaluation: {reason}")
     run = RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
                      parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
-                     has_held_out, precision, stop_poll=stop, actors=actors)
+                     has_held_out, precision, stop_poll=stop, actors=actors, lock=lock)
     run.roles = build_roles(run)
     # A rollout actor, and any engine under LoRA (a checkpoint holds adapters only), starts from
     # the base model.

@@ -8,6 +8,7 @@ process (``RoleProvider``: the launcher's role actors) without the loops changin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from runner.errors import NonFiniteUpdate
 from runner.packers.base import DataPacker, PolicyBatch
 from runner.recipe.schema import Recipe
 from runner.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
@@ -100,21 +102,38 @@ def optimizer_step(trainables: Sequence[Trainable], micro_losses: Sequence[Calla
     for t in trainables:
         t.optimizer.zero_grad(set_to_none=True)
     acc = trainables[0].accelerator
+    losses_finite = True
     for i, loss_fn in enumerate(micro_losses):
+        loss = loss_fn()
+        losses_finite = losses_finite and bool(torch.isfinite(loss.detach()).all())
         if i < len(micro_losses) - 1:
             with acc.no_sync(trainables[0].model):
                 if len(trainables) > 1:
                     with _no_sync_all(acc, trainables[1:]):
-                        acc.backward(loss_fn())
+                        acc.backward(loss)
                 else:
-                    acc.backward(loss_fn())
+                    acc.backward(loss)
         else:
-            acc.backward(loss_fn())
+            acc.backward(loss)
     norms = [float(acc.clip_grad_norm_(t.model.parameters(), max_grad_norm))
-             if max_grad_norm > 0 else float("nan") for t in trainables]
+             if max_grad_norm > 0 else _grad_norm(t) for t in trainables]
+    # Gradients are averaged over ranks by now, so every rank sees the same norms and stops
+    # together; the update (and any checkpoint of it) never happens.
+    if not losses_finite or not all(math.isfinite(n) for n in norms):
+        what = "the loss" if not losses_finite else "the gradient norm"
+        value = next((n for n in norms if not math.isfinite(n)), float("nan"))
+        raise NonFiniteUpdate(f"{what} is not finite (gradient norm {value:g}): the update was "
+                              "not applied and nothing of this step is checkpointed; earlier "
+                              "checkpoints are untouched")
     for t in trainables:
         t.optimizer.step()
-    return norms[0]
+    return norms[0] if max_grad_norm > 0 else float("nan")
+
+
+def _grad_norm(t: Trainable) -> float:
+    """The total 2-norm of the gradients (computed only to check they are finite)."""
+    grads = [p.grad for p in t.model.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
 
 class _no_sync_all:

@@ -3,7 +3,8 @@
 Keys under ``time/`` and ``perf/`` are wall-clock measurements; everything else is a pure
 function of the run's inputs, which is what the exact-resume tests compare.
 
-A write that fails (a full disk, a read-only folder) raises ``RuntimeFailure`` naming the
+The file is never written through a symbolic link. A write that fails (a full disk, a
+read-only folder, a link in its place) raises ``RuntimeFailure`` naming the
 writer's role, the step and the file.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import RuntimeFailure
+from runner.state.run_folder import no_follow
 
 TIMING_PREFIXES = ("time/", "perf/")
 WRITER_ROLE = "policy"  # rank 0 of the policy writes metrics (and checkpoints)
@@ -52,7 +54,7 @@ class MetricsLog:
         text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, mode, encoding="utf-8") as f:
+            with open(self.path, mode, encoding="utf-8", opener=no_follow) as f:
                 f.write(text)
         except OSError as exc:
             reason = exc.strerror or str(exc)

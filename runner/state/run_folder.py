@@ -1,0 +1,75 @@
+"""The run folder's guards: one run at a time per ``output_dir``, and no writes through links.
+
+``RunLock`` takes an exclusive ``fcntl.flock`` on ``<output_dir>/run.lock`` for as long as the
+run lives. The operating system drops the lock when the process ends, however it ends (a crash,
+SIGKILL), so a stale lock file never blocks the next run; the pid written into the file only
+serves the message. ``no_follow`` is an ``opener`` for ``open`` that refuses to write through a
+symbolic link, so a link planted at ``metrics.jsonl`` cannot redirect the run's writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+from typing import IO
+
+from runner.errors import Problem, RecipeError
+
+LOCK_NAME = "run.lock"
+
+
+def no_follow(path: str | os.PathLike[str], flags: int) -> int:
+    """``os.open`` with ``O_NOFOLLOW``; a link at ``path`` is an OSError saying so."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "it is a symbolic link, and the run never writes through "
+                          "one", os.fspath(path)) from None
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (created or truncated), never through a symbolic link."""
+    with open(path, "w", encoding="utf-8", opener=no_follow) as handle:
+        handle.write(text)
+
+
+class RunLock:
+    """An exclusive lock on a run folder, held until ``release`` (or the process ends)."""
+
+    def __init__(self, handle: IO[str], path: Path) -> None:
+        self._handle: IO[str] | None = handle
+        self.path = path
+
+    @classmethod
+    def acquire(cls, output_dir: Path) -> RunLock:
+        """Lock ``output_dir`` (created if needed); a RecipeError naming ``run.output_dir`` and
+        the holder's pid when another live run holds it."""
+        output_dir.mkdir(parents=True, exist_ok=True)
+        path = output_dir / LOCK_NAME
+        handle = open(path, "a+", encoding="utf-8", opener=no_follow)  # noqa: SIM115 - held
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            handle.seek(0)
+            holder = handle.read(32).strip()
+            handle.close()
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise RecipeError([Problem(
+                "run.output_dir", f"another run{who} is using {output_dir}: it holds {path}",
+                hint="wait for it to finish, stop it, or choose another run.output_dir")]) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        return cls(handle, path)
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()  # closing the descriptor drops the lock
+            self._handle = None

@@ -1,0 +1,706 @@
+"""Inputs a hostile file or a careless user gives: each is refused with one line that names the
+file and row (or the dotted path), never trained on, never a traceback or a hang.
+
+The cases are tables: a later round adds rows. Most call the reader or validator directly; the
+few that need a run use one step of tiny data.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runner.data.files import load_local
+from runner.data.preference import build_pair_source
+from runner.data.sources import build_prompt_sources
+from runner.errors import RecipeError
+from runner.recipe.schema import DataConfig, ValidationConfig
+
+OFF = ValidationConfig(enabled=False)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _one_line(exc: RecipeError, path: Path) -> str:
+    lines = exc.lines()
+    assert len(lines) == 1, lines
+    return lines[0].replace(str(path), "P")
+
+
+# --- data.path (GRPO, PPO, OPD): rows through datasets -----------------------------------------
+
+def _jsonl(*rows: object) -> bytes:
+    return b"".join(json.dumps(row).encode() + b"\n" for row in rows)
+
+
+GOOD = {"prompt": "1 + 1 =", "answer": "2"}
+FIX = " Fix or drop the row, or reshape rows with data.items_fn."
+
+PATH_CASES = {
+    # a key missing from a later row: datasets fills it with null (row 0 is fine)
+    "missing prompt in row 2": (
+        "p.jsonl", _jsonl(GOOD, GOOD, {"answer": "3"}),
+        "data.prompt_column: row 2 of P: column 'prompt' is null or missing." + FIX),
+    "null prompt": (
+        "p.jsonl", _jsonl(GOOD, {"prompt": None, "answer": "3"}),
+        "data.prompt_column: row 1 of P: column 'prompt' is null or missing." + FIX),
+    "dict prompt": (
+        "p.jsonl", _jsonl({"prompt": {"text": "hi"}, "answer": "3"}),
+        "data.prompt_column: row 0 of P: column 'prompt' is a mapping, not text or a list of "
+        "chat messages." + FIX),
+    "list prompt of strings": (
+        "p.jsonl", _jsonl({"prompt": ["a", "b"], "answer": "3"}),
+        "data.prompt_column: row 0 of P: column 'prompt' is a list whose element 0 is not a chat "
+        "message (a mapping with a text 'role' and a 'content')." + FIX),
+    "null answer": (
+        "p.jsonl", _jsonl(GOOD, GOOD, GOOD, {"prompt": "x", "answer": None}),
+        "data.response_column: row 3 of P: column 'answer' is null or missing (the reward would "
+        "compare against nothing)." + FIX),
+    "csv cut inside a quoted field": (
+        "p.csv", b'prompt,answer\n1 + 1 =,2\n2 + 2 =,"4',
+        "data.path: P line 3: not valid CSV (unexpected end of data). Close every quoted field."),
+    "csv cut inside the last row": (
+        "p.csv", b"prompt,answer\n1 + 1 =,2\n2 + 2 =,1",
+        "data.path: P line 3: the last row does not end with a line break, so the file may be "
+        "cut inside it. End the file with a line break if it is complete."),
+    "ragged csv: more fields than the header": (
+        "p.csv", b"prompt,answer\n1 + 1 =,2,extra,more\n2 + 2 =,4\n",
+        "data.path: P line 2: the row has 4 fields where the header has 2. Give every row one "
+        "field per header column (quote fields that hold commas)."),
+    "ragged csv: fewer fields": (
+        "p.csv", b"prompt,answer\n1 + 1 =,2\n2 + 2 =\n",
+        "data.path: P line 3: the row has 1 fields where the header has 2. Give every row one "
+        "field per header column (quote fields that hold commas)."),
+    "jsonl with a key twice": (
+        "p.jsonl", b'{"prompt": "a", "prompt": "b", "answer": "1"}\n',
+        None),  # datasets refuses it (its own words)
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATH_CASES))
+def test_data_path_refuses(tmp_path, home, name):
+    filename, content, expected = PATH_CASES[name]
+    path = tmp_path / filename
+    path.write_bytes(content)
+    data = DataConfig(path=str(path), prompt_column="prompt", response_column="answer",
+                      validation=OFF)
+    with pytest.raises(RecipeError) as info:
+        build_prompt_sources(data, "grpo")
+    line = _one_line(info.value, path)
+    if expected is None:
+        assert line.startswith("data.path: ") and "twice" in line, line
+    else:
+        assert line == expected
+
+
+@pytest.mark.parametrize("filename,content", [
+    ("p.csv", b"\xef\xbb\xbfprompt,answer\n1 + 1 =,2\n"),
+    ("p.jsonl", b"\xef\xbb\xbf" + _jsonl(GOOD)),
+])
+def test_data_path_reads_a_bom_as_nothing(tmp_path, home, filename, content):
+    path = tmp_path / filename
+    path.write_bytes(content)
+    ds, _ = load_local(str(path), "train", key="data.path", split_key="data.split")
+    assert ds.column_names == ["prompt", "answer"]
+    assert [row["prompt"] for row in ds] == ["1 + 1 ="]
+
+
+def test_chat_message_prompts_are_accepted(tmp_path, home):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(_jsonl({"prompt": [{"role": "user", "content": "1 + 1 ="}], "answer": "2"}))
+    data = DataConfig(path=str(path), prompt_column="prompt", response_column="answer",
+                      validation=OFF)
+    train, _ = build_prompt_sources(data, "grpo")
+    assert train.item(0).prompt == [{"role": "user", "content": "1 + 1 ="}]
+
+
+# --- DPO jsonl ----------------------------------------------------------------------------------
+
+PAIR = {"prompt": "p", "chosen": "good", "rejected": "bad"}
+
+PAIR_CASES = {
+    "a key twice": (
+        b'{"prompt": "p", "chosen": "good", "chosen": "bad", "rejected": "bad"}\n',
+        "data.jsonl_path: P line 1: the key 'chosen' appears twice. Give each key once per line."),
+    "dict prompt": (
+        _jsonl(PAIR, {**PAIR, "prompt": {"text": "p"}}),
+        "data.jsonl_path: P line 2: the prompt is a mapping, not text (got {'text': 'p'}). Write "
+        "the prompt as a JSON string."),
+    "null prompt": (
+        _jsonl({**PAIR, "prompt": None}),
+        "data.jsonl_path: P line 1: the prompt is null, not text (got None). Write the prompt as "
+        "a JSON string."),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAIR_CASES))
+def test_dpo_jsonl_refuses(tmp_path, name):
+    content, expected = PAIR_CASES[name]
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(RecipeError) as info:
+        build_pair_source(DataConfig(jsonl_path=str(path), validation=OFF))
+    assert _one_line(info.value, path) == expected
+
+
+def test_dpo_jsonl_reads_a_bom_as_nothing(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + _jsonl(PAIR, PAIR))
+    source = build_pair_source(DataConfig(jsonl_path=str(path), validation=OFF))
+    assert len(source) == 2 and source.pair(0).prompt == "p"
+
+
+# --- rewards ------------------------------------------------------------------------------------
+
+def _reward_outcome(value: object) -> list[float] | str:
+    from runner.errors import RewardFailure
+    from runner.rewards import RewardSet
+
+    rewards = RewardSet(("judge",), (lambda completions, items: [value] * len(completions),),
+                        (1.0,))
+    try:
+        return rewards.score(["a", "b"], [None, None], step=3)[0]
+    except RewardFailure as exc:
+        return str(exc)
+
+
+def _np(name: str, value: object) -> object:
+    import numpy as np
+
+    return getattr(np, name)(value)
+
+
+REWARD_CASES = {
+    "1e39 (inf as a float32)": (1e39, "reward at step 3: judge returned 1e+39 at index 0: it is "
+                                "infinite as a float32 (the training dtype of rewards; the "
+                                "largest finite value is 3.403e+38); scale the reward down"),
+    "-1e308": (-1e308, "reward at step 3: judge returned -1e+308 at index 0: it is infinite as a "
+               "float32 (the training dtype of rewards; the largest finite value is 3.403e+38); "
+               "scale the reward down"),
+    "nan": (float("nan"), "reward at step 3: judge returned nan at index 0: NaN is not a reward; "
+            "return a finite number"),
+    "a string": ("1.0", "reward at step 3: judge returned '1.0' at index 0: a str is not a "
+                 "number; return int or float values"),
+    "a boolean": (True, "reward at step 3: judge returned True at index 0: a boolean is not a "
+                  "number; return int or float values"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REWARD_CASES))
+def test_rewards_that_cannot_train_are_refused(name):
+    value, expected = REWARD_CASES[name]
+    assert _reward_outcome(value) == expected
+
+
+@pytest.mark.parametrize("value", [_np("float32", 1.0), _np("float64", 1.0), _np("int64", 1),
+                                   _np("float16", 1.0), 1, 1.0])
+def test_rewards_of_any_real_number_type_are_accepted(value):
+    assert _reward_outcome(value) == [1.0, 1.0]
+
+
+def test_a_weighted_total_beyond_float32_is_refused():
+    from runner.errors import RewardFailure
+    from runner.rewards import RewardSet
+
+    def one(completions, items):
+        return [3e38] * len(completions)
+
+    rewards = RewardSet(("a", "b"), (one, one), (1.0, 1.0))
+    with pytest.raises(RewardFailure) as info:
+        rewards.score(["x"], [None], step=2)
+    assert str(info.value) == ("reward at step 2: the weighted total (reward.weights) is 6e+38 at "
+                               "item 0, not a finite float32; lower reward.weights or the "
+                               "rewards' scale")
+
+
+# --- a step whose loss or gradient is not finite ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trainable():
+    import torch
+    from accelerate import Accelerator
+
+    from runner.recipe.schema import Recipe
+    from runner.train.roles import prepare_trainable
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    return prepare_trainable(Accelerator(cpu=True), model, Recipe())
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+def test_a_non_finite_loss_never_reaches_the_optimizer(trainable, max_grad_norm, poison):
+    import torch
+
+    from runner.errors import NonFiniteUpdate
+    from runner.train.roles import optimizer_step
+
+    before = {k: v.clone() for k, v in trainable.model.state_dict().items()}
+    steps = int(trainable.optimizer.state_dict()["state"].get(0, {}).get("step", 0))
+
+    def loss() -> torch.Tensor:
+        out = trainable.model(torch.ones(2, 3)).sum()
+        return out * float(poison)
+
+    with pytest.raises(NonFiniteUpdate) as info:
+        optimizer_step([trainable], [loss], max_grad_norm)
+    assert str(info.value).startswith("policy: the loss is not finite (gradient norm ")
+    after = trainable.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert int(trainable.optimizer.state_dict()["state"].get(0, {}).get("step", 0)) == steps
+
+
+def test_the_loop_names_the_step_and_writes_no_checkpoint():
+    from types import SimpleNamespace
+
+    import attrs
+
+    from runner.errors import NonFiniteUpdate
+    from runner.recipe.schema import Recipe
+    from runner.train.loop import run_loop
+
+    saved, written = [], []
+
+    def one_step(step: int) -> dict:
+        if step == 3:
+            raise NonFiniteUpdate("the gradient norm is not finite")
+        return {"loss": 1.0}
+
+    recipe = Recipe()
+    run = SimpleNamespace(
+        recipe=recipe, metrics=SimpleNamespace(write=written.append), start_step=0,
+        reporter=SimpleNamespace(start=lambda *a: None, step=lambda *a: None,
+                                 message=lambda *a: None),
+        stop_poll=None, comm=SimpleNamespace(any=lambda flag: flag), save=saved.append)
+    run.recipe = attrs.evolve(recipe, checkpoint=attrs.evolve(recipe.checkpoint, every_steps=1))
+    with pytest.raises(NonFiniteUpdate) as info:
+        run_loop(run, one_step, None)
+    assert str(info.value) == "policy at step 3: the gradient norm is not finite"
+    assert saved == [1, 2] and [row["step"] for row in written] == [1, 2]
+
+
+# --- the run folder: one run at a time, no writes through links --------------------------------
+
+def test_a_second_run_on_the_same_folder_is_refused(tmp_path):
+    from runner.state.run_folder import RunLock
+
+    first = RunLock.acquire(tmp_path / "run")
+    with pytest.raises(RecipeError) as info:
+        RunLock.acquire(tmp_path / "run")
+    assert info.value.lines() == [
+        f"run.output_dir: another run (pid {__import__('os').getpid()}) is using "
+        f"{tmp_path / 'run'}: it holds {tmp_path / 'run' / 'run.lock'}. Wait for it to finish, "
+        "stop it, or choose another run.output_dir."]
+    first.release()
+    RunLock.acquire(tmp_path / "run").release()
+
+
+def test_a_killed_run_leaves_no_stuck_lock(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from runner.state.run_folder import RunLock
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from runner.state.run_folder import RunLock; lock = RunLock.acquire(Path(sys.argv[1])); "
+         "print('locked', flush=True); time.sleep(60)", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RecipeError, match=f"another run \\(pid {holder.pid}\\)"):
+            RunLock.acquire(tmp_path / "run")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+    RunLock.acquire(tmp_path / "run").release()  # the lock file stays; the lock does not
+
+
+def test_the_run_refuses_a_locked_folder_before_reading_it(run_cli, tmp_path):
+    from runner.state.run_folder import RunLock
+
+    lock = RunLock.acquire(tmp_path / "run")
+    try:
+        rc, out, err = run_cli("--plain", "recipes/grpo-arith.toml",
+                               f"run.output_dir={tmp_path / 'run'}", "run.max_steps=1",
+                               "data.validation.enabled=false")
+    finally:
+        lock.release()
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        f"run.output_dir: another run (pid {__import__('os').getpid()}) is using "
+        f"{tmp_path / 'run'}: it holds {tmp_path / 'run' / 'run.lock'}. Wait for it to finish, "
+        "stop it, or choose another run.output_dir."]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["run.lock"]
+
+
+@pytest.mark.parametrize("rows", [[], [{"step": 1}]])
+def test_metrics_are_never_written_through_a_link(tmp_path, rows):
+    from runner.errors import RuntimeFailure
+    from runner.ui.metrics import MetricsLog
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    (tmp_path / "metrics.jsonl").symlink_to(target)
+    with pytest.raises(RuntimeFailure) as info:
+        MetricsLog(tmp_path / "metrics.jsonl", rows=rows)
+    assert "it is a symbolic link, and the run never writes through one [errno 40]" in str(
+        info.value)
+    assert target.read_text() == "keep me"
+
+
+def test_the_resolved_recipe_replaces_a_link_instead_of_following_it(tmp_path):
+    from runner.recipe.resolved import write_resolved
+    from runner.recipe.schema import Recipe
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    for name in ("recipe.resolved.toml", "recipe.resolved.tmp"):
+        (tmp_path / name).symlink_to(target)
+    write_resolved(Recipe(), tmp_path / "recipe.resolved.toml")
+    assert target.read_text() == "keep me"
+    assert not (tmp_path / "recipe.resolved.toml").is_symlink()
+
+
+# --- checkpoints whose files are whole but do not parse -----------------------------------------
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from runner.state.checkpoint import TrainingState, save_checkpoint
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg)
+    root = tmp_path_factory.mktemp("ckpts") / "checkpoints"
+    for step in (1, 2):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        save_checkpoint(root, step, model=model, tokenizer=None, optimizer=opt,
+                        state=TrainingState(step=step, cursor=None,
+                                            scheduler={"last_epoch": step}),
+                        metrics_rows=[{"step": s} for s in range(1, step + 1)], keep_last=5)
+    return root
+
+
+def _edit_json(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def _header_length(path: Path, length: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(length.to_bytes(8, "little") + data[8:])
+
+
+def _garble_header(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[8:16] = b"{garble!"
+    path.write_bytes(bytes(data))
+
+
+CKPT_FAULTS = {
+    "garbled safetensors header": (
+        lambda f: _garble_header(f / "model" / "model.safetensors"),
+        "model/model.safetensors: SafetensorError: Error while deserializing header: "),
+    "header length 2**40": (
+        lambda f: _header_length(f / "model" / "model.safetensors", 2**40),
+        "model/model.safetensors: SafetensorError: Error while deserializing header: header "
+        "too large"),
+    "wrong python RNG state": (
+        lambda f: _edit_json(f / "state.json", lambda d: d["rng"][0]["python"].__setitem__(
+            1, [1, 2, 3])),
+        "the RNG states (state.json 'rng', rng.safetensors): ValueError: state vector is the "
+        "wrong size"),
+    "wrong torch RNG state": (
+        lambda f: __import__("safetensors.torch").torch.save_file(
+            {"torch.0": __import__("torch").zeros(10, dtype=__import__("torch").uint8)},
+            f / "rng.safetensors"),
+        "the RNG states (state.json 'rng', rng.safetensors): RuntimeError: Expected a "
+        "CPUGeneratorImplState of size "),
+    'step "four"': (
+        lambda f: _edit_json(f / "state.json", lambda d: d.__setitem__("step", "four")),
+        "state.json: 'step' is \"four\", not of the type a checkpoint records"),
+    "state.json step disagrees with the folder name": (
+        lambda f: _edit_json(f / "state.json", lambda d: d.__setitem__("step", 7)),
+        "its state.json records step 7 but the folder is named step-000002 (renamed or "
+        "copied?)"),
+    "optimizer state that is not a table": (
+        lambda f: _edit_json(f / "optimizer.json", lambda d: d.__setitem__("state", [1])),
+        "optimizer.safetensors / optimizer.json: AttributeError: "),
+}
+
+
+def _damage(root: Path, name: str, pre_manifest: bool) -> Path:
+    from runner.state.checkpoint import COMPLETE
+    from runner.state.integrity import MANIFEST, write_manifest
+
+    folder = root / "step-000002"
+    CKPT_FAULTS[name][0](folder)
+    if pre_manifest:  # what versions before manifests wrote: no manifest, no world_size
+        (folder / MANIFEST).unlink()
+        _edit_json(folder / "state.json", lambda d: [d.pop(k) for k in ("world_size",
+                                                                       "items_per_step")])
+    else:  # the files match their manifest: only parsing can tell
+        write_manifest(folder, 2, skip=(COMPLETE,))
+    return folder
+
+
+@pytest.mark.parametrize("pre_manifest", [False, True], ids=["manifest", "pre-manifest"])
+@pytest.mark.parametrize("name", sorted(CKPT_FAULTS))
+def test_a_checkpoint_that_does_not_parse_falls_back(two_checkpoints, tmp_path, name,
+                                                     pre_manifest):
+    import shutil
+
+    from runner.state.checkpoint import load_latest
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(two_checkpoints, root)
+    folder = _damage(root, name, pre_manifest)
+    said: list[str] = []
+    loaded = load_latest(root, on_skip=said.append)
+    assert loaded is not None and loaded.path == root / "step-000001"
+    assert loaded.state.step == 1
+    assert len(said) == 1, said
+    prefix = f"cannot load checkpoint {folder}: {CKPT_FAULTS[name][1]}"
+    assert said[0].startswith(prefix) and said[0].endswith("; skipping it"), said[0]
+
+
+def test_no_checkpoint_that_parses_is_one_error(two_checkpoints, tmp_path):
+    import shutil
+
+    from runner.errors import RuntimeFailure
+    from runner.state.checkpoint import load_latest
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(two_checkpoints, root)
+    for step in (1, 2):
+        _edit_json(root / f"step-00000{step}" / "state.json",
+                   lambda d: d.__setitem__("step", "four"))
+        from runner.state.checkpoint import COMPLETE
+        from runner.state.integrity import write_manifest
+
+        write_manifest(root / f"step-00000{step}", step, skip=(COMPLETE,))
+    with pytest.raises(RuntimeFailure) as info:
+        load_latest(root, on_skip=lambda line: None)
+    assert str(info.value).startswith(f"resume: no intact checkpoint in {root} (step-000002: "
+                                      "state.json: 'step' is \"four\"")
+
+
+@pytest.mark.parametrize("how", ["copied", "renamed"])
+def test_a_folder_named_for_another_step_is_skipped_and_never_pruned(two_checkpoints, tmp_path,
+                                                                    how):
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from runner.state.checkpoint import TrainingState, load_latest, save_checkpoint
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(two_checkpoints, root)
+    (shutil.copytree if how == "copied" else shutil.move)(root / "step-000002",
+                                                           root / "step-000099")
+    (root / "latest").write_text("step-000099")
+    said: list[str] = []
+    loaded = load_latest(root, on_skip=said.append)
+    expect = "step-000002" if how == "copied" else "step-000001"
+    assert loaded.path == root / expect
+    assert said == [f"cannot load checkpoint {root / 'step-000099'}: its state.json records step "
+                    "2 but the folder is named step-000099 (renamed or copied?); skipping it"]
+    cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg)
+    for step in (3, 4):
+        save_checkpoint(root, step, model=model, tokenizer=None,
+                        optimizer=torch.optim.AdamW(model.parameters()),
+                        state=TrainingState(step=step, cursor=None, scheduler={}),
+                        metrics_rows=[], keep_last=2)
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000003", "step-000004",
+                                                           "step-000099"]
+
+
+# --- media: decompression bombs, paths that are not regular files -------------------------------
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` pixels and holds none (its header is enough
+    for a decoder to allocate them)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + \
+        chunk(b"IEND", b"")
+
+
+def _decode_image(value: object) -> str:
+    import threading
+
+    from runner.data.media import decode_media
+    from runner.types import MediaOrigin, ObsBundle
+
+    item = ObsBundle("q", images=(value,), origin=MediaOrigin("row 3 of shapes.jsonl", "image"))
+    outcome: list[str] = []
+
+    def decode() -> None:
+        try:
+            decode_media(item)
+            outcome.append("decoded")
+        except RecipeError as exc:
+            outcome.extend(exc.lines())
+
+    thread = threading.Thread(target=decode, daemon=True)  # a hang fails the test, not the suite
+    thread.start()
+    thread.join(20)
+    assert outcome, "decoding did not finish within 20 s"
+    return outcome[0] if len(outcome) == 1 else repr(outcome)
+
+
+def test_a_decompression_bomb_png_is_refused_from_its_header():
+    where = "data.image_column: row 3 of shapes.jsonl: column 'image', image 0: "
+    fix = " Fix or drop the row, or map it with data.items_fn."
+    assert _decode_image(_png_header(30000, 30000)) == (
+        where + "the image has 900,000,000 pixels, more than the limit of 67,108,864 "
+        "(8192 x 8192); it is refused before decoding." + fix)
+    assert _decode_image(_png_header(9000, 9000)) == (  # under PIL's own limit, over ours
+        where + "the image has 9000 x 9000 pixels, more than the limit of 67,108,864 "
+        "(8192 x 8192); it is refused before decoding." + fix)
+
+
+def test_an_image_path_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    import os
+
+    fifo = tmp_path / "picture.png"
+    os.mkfifo(fifo)
+    assert _decode_image(str(fifo)) == (
+        f"data.image_column: row 3 of shapes.jsonl: column 'image', image 0: {fifo} is a FIFO "
+        "(named pipe), not a regular file. Fix or drop the row, or map it with data.items_fn.")
+
+
+def test_a_video_path_that_is_a_fifo_is_refused(tmp_path):
+    import os
+
+    from runner.data.media import MediaError, load_video
+
+    fifo = tmp_path / "clip.mp4"
+    os.mkfifo(fifo)
+    with pytest.raises(MediaError, match="is a FIFO \\(named pipe\\), not a regular file"):
+        load_video(str(fifo))
+
+
+# --- tar bombs ----------------------------------------------------------------------------------
+
+def _tar(members: dict[str, bytes], tail: bytes = b"") -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buf.getvalue() + tail
+
+
+SAMPLE = json.dumps(PAIR).encode()
+BOMBS = {  # 8 MiB of zeros (a few KB compressed) against a cap of 1 MiB
+    "a skipped member": {"a.json": SAMPLE, "zeros.bin": bytes(8 << 20)},
+    "a member past the cap": {"a.json": SAMPLE, "b.json": b" " * (2 << 20) + SAMPLE},
+    "zeros after the end marker": {"a.json": SAMPLE},
+}
+
+
+@pytest.mark.parametrize("compress", ["bz2", "gz", "xz"])
+@pytest.mark.parametrize("name", sorted(BOMBS))
+def test_a_tar_bomb_is_refused_at_the_total_cap(tmp_path, name, compress):
+    import bz2
+    import gzip
+    import lzma
+
+    from runner.data.pairs import PairKeys, file_pairs
+
+    tail = bytes(8 << 20) if name == "zeros after the end marker" else b""
+    raw = _tar(BOMBS[name], tail)
+    pack = {"bz2": bz2.compress, "gz": gzip.compress, "xz": lzma.compress}[compress]
+    packed = pack(raw)
+    assert len(packed) < 64 << 10
+    path = tmp_path / f"bomb.tar.{compress}"
+    path.write_bytes(packed)
+    with pytest.raises(RecipeError) as info:
+        file_pairs(str(path), PairKeys(), kind="tar", key="data.tar_path", shuffle=False,
+                   split="train", max_total_bytes=1 << 20, max_member_bytes=4 << 20)
+    assert _one_line(info.value, path) == (
+        "data.tar_path: P decompresses to more than data.tar_max_bytes (1,048,576 bytes); the "
+        "archive is refused. Raise data.tar_max_bytes if the archive is meant to be that big.")
+    small = tmp_path / f"ok.tar.{compress}"
+    small.write_bytes(pack(_tar({"a.json": SAMPLE})))
+    assert len(file_pairs(str(small), PairKeys(), kind="tar", key="data.tar_path", shuffle=False,
+                          split="train", max_total_bytes=1 << 20)) == 1
+
+
+def test_tar_max_bytes_reaches_the_reader(tmp_path):
+    path = tmp_path / "a.tar"
+    path.write_bytes(_tar({"a.json": SAMPLE}))
+    with pytest.raises(RecipeError, match="more than data.tar_max_bytes \\(1,000 bytes\\)"):
+        build_pair_source(DataConfig(tar_path=str(path), tar_max_bytes=1000, validation=OFF))
+
+
+# --- a second SIGTERM stops a run as a second Ctrl-C does ---------------------------------------
+
+STUCK_STEP = """
+import signal, sys, time
+from runner.train.loop import StopRequests
+from runner.ui import SilentReporter
+try:
+    with StopRequests(SilentReporter()):
+        if sys.argv[1] == "stuck":  # the step is inside one native call that does not return
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        print("in the step", flush=True)
+        time.sleep(60)
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("step,signals", [("stuck", ("SIGTERM", "SIGTERM")),
+                                          ("stuck", ("SIGINT", "SIGTERM")),
+                                          ("responsive", ("SIGTERM", "SIGTERM"))])
+def test_a_second_stop_signal_ends_the_run(step, signals):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_STEP, step], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    try:
+        assert proc.stdout.readline().strip() == "in the step"
+        started = time.monotonic()
+        for name in signals:
+            proc.send_signal(getattr(signal, name))
+            time.sleep(0.3)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert time.monotonic() - started < 15
+    assert err.splitlines()[-1].startswith("interrupted") and "Traceback" not in err, err
