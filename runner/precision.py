@@ -21,17 +21,22 @@ _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @cache
-def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
-    """The bf16 matrix instruction sets this CPU reports (empty when none, or unknown)."""
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The feature flags this CPU reports (empty when unknown)."""
     try:
         text = Path(cpuinfo).read_text(errors="replace")
     except OSError:
-        return ()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            flags = set(line.split(":", 1)[-1].split())
-            return tuple(f for f in _CPU_BF16_FLAGS if f in flags)
-    return ()
+            return frozenset(line.split(":", 1)[-1].split())
+    return frozenset()
+
+
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The bf16 matrix instruction sets this CPU reports (empty when none, or unknown)."""
+    flags = cpu_flags(cpuinfo)
+    return tuple(f for f in _CPU_BF16_FLAGS if f in flags)
 
 
 @attrs.frozen

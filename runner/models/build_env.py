@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import platform
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -78,20 +77,16 @@ def warm_up_loop(model: torch.nn.Module, batch_of_step: Callable[[int], dict[str
     return losses
 
 
-def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
+def cpu_description() -> str:
     """The machine and the vector extensions that decide its float kernels, e.g.
     ``x86_64, AVX2, no AVX-512`` or ``x86_64, AVX-512, AVX-512 BF16``."""
-    flags: set[str] = set()
-    with contextlib.suppress(OSError):
-        for line in Path(cpuinfo).read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[-1].split())
-                break
+    from runner.precision import cpu_bf16_flags, cpu_flags
+
+    flags = cpu_flags()
     parts = [platform.machine() or "unknown"]
     if "avx512f" in flags:
-        parts.append("AVX-512")
-        parts += [name for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX"))
-                  if flag in flags]
+        names = {"avx512_bf16": "AVX-512 BF16", "amx_bf16": "AMX"}
+        parts += ["AVX-512", *(names[f] for f in cpu_bf16_flags())]
     elif "avx2" in flags:
         parts += ["AVX2", "no AVX-512"]
     return ", ".join(parts)

@@ -20,8 +20,8 @@ from runner.models.builtin import BUILTINS, INFO, SHIPPED, SHIPPED_ROOT, build_i
 
 
 def _compare(name: str, shipped: Path, built: Path) -> bool:
-    old = json.loads((shipped / INFO).read_text(encoding="utf-8")).get("files", {}) if (
-        shipped / INFO).is_file() else {}
+    info = shipped / INFO
+    old = json.loads(info.read_text(encoding="utf-8")).get("files", {}) if info.is_file() else {}
     new = file_hashes(built)
     same = old == new
     for file in sorted(set(old) | set(new)):
