@@ -704,3 +704,180 @@ def test_a_second_stop_signal_ends_the_run(step, signals):
     assert proc.returncode == 130, err
     assert time.monotonic() - started < 15
     assert err.splitlines()[-1].startswith("interrupted") and "Traceback" not in err, err
+
+
+# --- a full disk names the file being written ---------------------------------------------------
+
+class _FullDisk:
+    """A file opened on a full disk: opening works, writing fails as the OS fails it (ENOSPC,
+    no file named)."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+
+    def write(self, text: str) -> int:
+        import errno
+        import os
+
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.close()
+
+
+def _full_disk_open(monkeypatch, module: str) -> None:
+    """``open`` in ``module`` gives files whose writes fail with ENOSPC."""
+    import builtins
+
+    monkeypatch.setattr(f"{module}.open", lambda *a, **k: _FullDisk(builtins.open(*a, **k)),
+                        raising=False)
+
+
+NO_SPACE = "No space left on device [errno 28]"
+
+
+def test_a_full_disk_names_the_resolved_recipe(tmp_path, monkeypatch):
+    from runner.errors import RuntimeFailure
+    from runner.recipe.resolved import write_resolved
+    from runner.recipe.schema import Recipe
+
+    _full_disk_open(monkeypatch, "runner.recipe.resolved")
+    path = tmp_path / "run" / "recipe.resolved.toml"
+    with pytest.raises(RuntimeFailure) as info:
+        write_resolved(Recipe(), path)
+    assert str(info.value) == f"policy: cannot write the resolved recipe {path}: {NO_SPACE}"
+    assert list(path.parent.iterdir()) == []  # no temporary file left behind
+
+
+def test_a_full_disk_names_the_run_lock(tmp_path, monkeypatch):
+    from runner.errors import RuntimeFailure
+    from runner.state.run_folder import RunLock
+
+    _full_disk_open(monkeypatch, "runner.state.run_folder")
+    with pytest.raises(RuntimeFailure) as info:
+        RunLock.acquire(tmp_path / "run")
+    assert str(info.value) == (f"policy: cannot write the run lock {tmp_path / 'run' / 'run.lock'}"
+                               f": {NO_SPACE}")
+    monkeypatch.undo()
+    RunLock.acquire(tmp_path / "run").release()  # the failed attempt holds no lock
+
+
+def test_a_full_disk_names_the_metrics_file(tmp_path, monkeypatch):
+    from runner.errors import RuntimeFailure
+    from runner.ui.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    _full_disk_open(monkeypatch, "runner.ui.metrics")
+    with pytest.raises(RuntimeFailure) as info:
+        log.write({"step": 4})
+    assert str(info.value) == (f"policy at step 4: cannot write metrics to "
+                               f"{tmp_path / 'metrics.jsonl'}: {NO_SPACE}")
+
+
+@pytest.mark.parametrize("target,file", [("save_file", "optimizer.safetensors"),
+                                         ("open", "metrics.jsonl")])
+def test_a_full_disk_names_the_checkpoint_file(two_checkpoints, tmp_path, monkeypatch, target,
+                                               file):
+    import errno
+    import os
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from runner.errors import RuntimeFailure
+    from runner.state.checkpoint import TrainingState, save_checkpoint
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(two_checkpoints, root)
+    if target == "open":
+        _full_disk_open(monkeypatch, "runner.state.checkpoint")
+    else:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr("runner.state.checkpoint.save_file", full)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1))
+    with pytest.raises(RuntimeFailure) as info:
+        save_checkpoint(root, 3, model=model, tokenizer=None,
+                        optimizer=torch.optim.AdamW(model.parameters()),
+                        state=TrainingState(step=3, cursor=None, scheduler={}),
+                        metrics_rows=[{"step": 3}])
+    assert str(info.value) == (
+        f"policy at step 3: cannot write checkpoint {root / 'step-000003'} ({file}): {NO_SPACE}; "
+        "the partial checkpoint was removed and earlier checkpoints are untouched")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001", "step-000002"]
+
+
+def test_a_full_arrow_cache_is_not_blamed_on_the_data(tmp_path, home, monkeypatch):
+    import errno
+    import os
+
+    import datasets
+
+    from runner.errors import RuntimeFailure
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(_jsonl(GOOD))
+
+    def full(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:  # as datasets wraps it
+            raise RuntimeError("An error occurred while generating the dataset") from exc
+
+    monkeypatch.setattr(datasets, "load_dataset", full)
+    with pytest.raises(RuntimeFailure) as info:
+        load_local(str(path), "train", key="data.path", split_key="data.split")
+    assert str(info.value) == (
+        f"data: data.path: cannot write the Arrow copy of {path} under {home / 'datasets'}: "
+        f"{NO_SPACE}; free space there, or set POSTTRAIN_HOME to a folder on another disk")
+
+
+# --- step lines reach a pipe as they are printed ------------------------------------------------
+
+LATE_LINE = """
+import sys, time
+import runner.cli, runner.launch.worker as worker
+def dispatch(*args):
+    print("step 1/2", file=sys.stdout)  # no flush: only line buffering sends it now
+    time.sleep(60)
+    return 0
+if sys.argv[1] == "cli":
+    runner.cli._dispatch = dispatch
+    runner.cli.main(["recipes/grpo-arith.toml"])
+else:
+    worker.guarded = lambda run, prefix: dispatch()
+    worker.main(["payload.json"])
+"""
+
+
+@pytest.mark.parametrize("entry", ["cli", "worker"])
+def test_stdout_is_line_buffered_into_a_pipe(entry, repo):
+    import os
+    import selectors
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()  # the default buffering of a pipe
+           if k not in ("POSTTRAIN_DRIVER_PID", "PYTHONUNBUFFERED")}
+    proc = subprocess.Popen([sys.executable, "-c", LATE_LINE, entry], stdout=subprocess.PIPE,
+                            cwd=repo, env={**env, "PYTHONPATH": str(repo)})
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(timeout=30)
+        assert ready, "no line arrived within 30 s"
+        assert proc.stdout.readline() == b"step 1/2\n"
+        assert proc.poll() is None  # it arrived while the process still ran
+    finally:
+        proc.kill()
+        proc.wait(30)

@@ -8,7 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from runner.errors import RunnerError
-from runner.launch.entry import enter_rank, guarded, launcher_prefix, rank_plan
+from runner.launch.entry import (
+    enter_rank,
+    guarded,
+    launcher_prefix,
+    line_buffered_stdout,
+    rank_plan,
+)
 from runner.launch.payload import Payload
 from runner.launch.rank import die_with_driver, leave, run_rank
 from runner.ranks.context import RankContext
@@ -16,6 +22,7 @@ from runner.ranks.context import RankContext
 
 def main(argv: Sequence[str]) -> int:
     """Run the rank that the environment names on the payload file ``argv[0]``; the exit code."""
+    line_buffered_stdout()
     die_with_driver()
 
     def run() -> int:
