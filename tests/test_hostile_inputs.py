@@ -881,3 +881,62 @@ def test_stdout_is_line_buffered_into_a_pipe(entry, repo):
     finally:
         proc.kill()
         proc.wait(30)
+
+
+# --- the first things a user meets: overrides of a factory, library chatter ---------------------
+
+def test_an_overridden_factory_is_told_its_kwargs_came_from_the_recipe(run_cli):
+    rc, out, err = run_cli("--validate", "recipes/grpo-vl.toml",
+                           "data.factory=examples.posttrain_extensions.build_prompt_dataset")
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        "recipes/grpo-vl.toml: data.factory: examples.posttrain_extensions.build_prompt_dataset: "
+        "cannot be called with these arguments: got an unexpected keyword argument 'split'. Its "
+        "signature is build_prompt_dataset(count: 'int' = 100) -> 'AdditionPrompts'. "
+        "data.factory_kwargs = {'split': 'train', 'count': 1000} came from the recipe (written "
+        "for its own data.factory), not from the command line: replace the whole table on the "
+        "command line too, data.factory_kwargs={...} with the new factory's arguments, or "
+        "data.factory_kwargs={} for none."]
+    rc, out, err = run_cli("--validate", "recipes/grpo-vl.toml",  # the table replaced: it binds
+                           "data.factory=examples.posttrain_extensions.build_prompt_dataset",
+                           "data.factory_kwargs={count = 10}")
+    assert rc == 0 and err == "", out + err
+
+
+def test_a_dpo_factory_over_the_built_in_pairs_says_how_to_turn_them_off(run_cli):
+    rc, out, err = run_cli("--validate-manifest", "recipes/dpo-arith.toml",
+                           "data.factory=examples.posttrain_extensions.build_preference_dataset")
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        "command line: data.factory: a DPO factory cannot be combined with data.synthetic_pairs "
+        "(got {'data.factory': 'examples.posttrain_extensions.build_preference_dataset'}). Use "
+        "either the factory or one built-in preference source; to train on the factory, turn "
+        "the built-in source off: data.synthetic_pairs=0 on the command line (or remove it from "
+        "the recipe)."]
+    rc, out, err = run_cli("--validate-manifest", "recipes/dpo-arith.toml",
+                           "data.factory=examples.posttrain_extensions.build_preference_dataset",
+                           "data.synthetic_pairs=0")
+    assert rc == 0, out + err
+
+
+def test_datasets_prints_nothing_before_the_one_line_error(tmp_path, repo):
+    """No "Generating train split" bar, no "Failed to load JSON" log: stderr holds only the
+    runner's line (the quiet settings are the runner's, not the environment's)."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(_jsonl(GOOD) + b'{"prompt": "2 + 2 =", "answer": \n')
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_DATASETS_", "DATASETS_", "TQDM_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner.cli", "--dry-run", "--plain", "recipes/grpo-arith.toml",
+         f"data.path={path}", "data.validation.enabled=false"], cwd=repo, capture_output=True,
+        text=True, timeout=300,
+        env={**env, "PYTHONPATH": str(repo), "POSTTRAIN_HOME": str(tmp_path / "home"),
+             "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"data.path: {path} line 2: not valid JSON (Expecting value at column 33). Write one "
+        "JSON object per line."]
