@@ -940,3 +940,168 @@ def test_datasets_prints_nothing_before_the_one_line_error(tmp_path, repo):
     assert proc.stderr.splitlines() == [
         f"data.path: {path} line 2: not valid JSON (Expecting value at column 33). Write one "
         "JSON object per line."]
+
+
+# --- prompts longer than the engine holds (rollout.max_model_len) -------------------------------
+
+def test_max_model_len_must_leave_room_for_the_completion(run_cli):
+    rc, out, err = run_cli("--validate-manifest", "recipes/grpo-arith.toml",
+                           "rollout.max_model_len=6")
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        "command line: rollout.max_model_len: must be 0 (derived) or more than the most new "
+        "tokens of a completion (6) (got 6)."]
+
+
+def test_max_model_len_beyond_the_models_context_is_refused(run_cli):
+    rc, out, err = run_cli("--dry-run", "--plain", "recipes/grpo-arith.toml",
+                           "rollout.max_model_len=300")
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        "rollout.max_model_len: is longer than the model's context (256, max_position_embeddings "
+        "of its config.json) (got 300). Set at most 256, or 0 to derive it."]
+
+
+def test_a_derived_max_model_len_covers_the_longest_prompt_within_the_context():
+    from runner.models import resolve_model_path
+    from runner.recipe.schema import Recipe
+    from runner.rollout.lengths import derived_limit
+
+    path = resolve_model_path("builtin:tiny-arith")  # max_position_embeddings 256
+    recipe = Recipe()  # max_new_tokens 16
+    assert derived_limit(recipe, path, [10, 50]).max_model_len == 128  # 66 rounded up to 64s
+    assert derived_limit(recipe, path, [48]).max_model_len == 64
+    assert derived_limit(recipe, path, []).max_model_len == 64
+    capped = derived_limit(recipe, path, [250])
+    assert (capped.max_model_len, capped.why) == (256, "the model's context")
+
+
+@pytest.mark.parametrize("engine,expected", [("hf", "256 (the model's context)"),
+                                             ("vllm", "64 (rollout.max_model_len derived")])
+def test_the_dry_run_shows_the_engines_max_model_len(run_cli, engine, expected, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    rc, out, err = run_cli("--dry-run", "--plain", "recipes/grpo-arith.toml",
+                           f"rollout.engine={engine}")
+    assert rc == 0, out + err
+    row = next(line for line in out.splitlines() if "rollout max_model_len" in line)
+    assert expected in row, row
+
+
+def _long_prompt_file(tmp_path: Path, prompt: str) -> Path:
+    path = tmp_path / "long.jsonl"
+    path.write_bytes(_jsonl(GOOD, {"prompt": prompt, "answer": "3"}, GOOD))
+    return path
+
+
+LONG_ARGS = ("data.prompt_column=prompt", "data.response_column=answer",
+             "data.validation.enabled=false", "rollout.max_model_len=32")  # 26 prompt tokens
+
+
+def test_a_prompt_too_long_in_characters_is_refused_before_tokenising(run_cli, tmp_path,
+                                                                      monkeypatch):
+    from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
+
+    def never(self, item):
+        raise AssertionError(f"a {len(item.prompt)}-character prompt was rendered")
+
+    path = _long_prompt_file(tmp_path, "1 + " * 100)  # 400 characters
+    real = DecoderOnlyLLMDataPacker.get_rollout_input
+    monkeypatch.setattr(DecoderOnlyLLMDataPacker, "get_rollout_input",
+                        lambda self, item: never(self, item) if len(str(item.prompt)) > 300
+                        else real(self, item))
+    rc, out, err = run_cli("--dry-run", "--plain", "recipes/grpo-arith.toml", f"data.path={path}",
+                           *LONG_ARGS)
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        f"data.prompt_column: row 1 of {path}: column 'prompt' is 400 characters long, more "
+        "than the 338 that 26 tokens can spell (13 characters per token at most; max_model_len "
+        "32 (rollout.max_model_len) less 6 new tokens); it is refused before tokenising. Shorten "
+        "or drop the row, or reshape rows with data.items_fn; or raise rollout.max_model_len."]
+
+
+def test_a_prompt_too_long_in_tokens_is_refused_before_the_run(run_cli, tmp_path):
+    import re
+
+    path = _long_prompt_file(tmp_path, "1 + " * 20)  # 80 characters, more than 26 tokens
+    rc, out, err = run_cli("--plain", "recipes/grpo-arith.toml", f"data.path={path}",
+                           f"run.output_dir={tmp_path / 'run'}", "run.max_steps=1", *LONG_ARGS)
+    assert rc == 2, out + err
+    assert len(err.splitlines()) == 1, err
+    assert re.fullmatch(
+        f"data.prompt_column: row 1 of {re.escape(str(path))}: column 'prompt' is \\d+ tokens "
+        "long, more than the 26 a prompt may have \\(max_model_len 32 \\(rollout.max_model_len\\) "
+        "less 6 new tokens\\). Shorten or drop the row, or reshape rows with data.items_fn; or "
+        "raise rollout.max_model_len.", err.strip()), err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+class _NoPacker:
+    """A packer that must not be asked to render: the prompt is refused before."""
+
+    def __init__(self, ids: int = 0) -> None:
+        self.ids = ids
+
+    def get_rollout_input(self, item):
+        if not self.ids:
+            raise AssertionError("rendered a prompt that should have been refused")
+        return item.prompt
+
+    def engine_prompt(self, rollout_input):
+        from runner.packers.base import EnginePrompt
+
+        return EnginePrompt(tuple(range(self.ids)))
+
+
+@pytest.mark.parametrize("ids,chars,expected", [
+    (0, 200, "is 200 characters long, more than the 112 that 56 tokens can spell (2 characters "
+     "per token at most; max_model_len 64 (rollout.max_model_len) less 8 new tokens); it is "
+     "refused before tokenising"),
+    (57, 40, "is 57 tokens long, more than the 56 a prompt may have (max_model_len 64 "
+     "(rollout.max_model_len) less 8 new tokens)"),
+])
+def test_a_drawn_prompt_that_does_not_fit_is_refused_naming_its_row(ids, chars, expected):
+    from runner.rollout.base import SamplingConfig
+    from runner.rollout.lengths import PromptLimit
+    from runner.train.roles import Rollout
+    from runner.types import MediaOrigin, ObsBundle
+
+    class Engine:
+        def generate(self, *args):
+            raise AssertionError("the engine got a prompt that does not fit")
+
+    item = ObsBundle("x" * chars, origin=MediaOrigin("row 7 of build_rows()", prompt_column="q"))
+    rollout = Rollout(Engine(), _NoPacker(ids), PromptLimit(64, "rollout.max_model_len", 2))
+    with pytest.raises(RecipeError) as info:
+        rollout.generate([item], SamplingConfig(n=2, max_new_tokens=8))
+    assert info.value.lines() == [
+        f"data.prompt_column: row 7 of build_rows(): column 'q' {expected}. Shorten or drop the "
+        "row, or reshape rows with data.items_fn; or raise rollout.max_model_len."]
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_the_engines_get_max_model_len(engine, monkeypatch):
+    import attrs
+
+    from runner.models import resolve_model_path
+    from runner.recipe.schema import Recipe
+    from runner.rollout.factory import make_engine
+
+    recipe = Recipe()
+    recipe = attrs.evolve(recipe, rollout=attrs.evolve(recipe.rollout, engine=engine))
+    path = resolve_model_path("builtin:tiny-arith")
+    if engine == "vllm":
+        import runner.rollout.vllm as vllm_engine
+
+        got = {}
+        monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kw: got.update(kw) or got)
+        make_engine(recipe, path, dtype="float32", max_model_len=96)
+        assert got["max_model_len"] == 96
+        return
+    from runner.errors import RunnerError
+    from runner.rollout.base import SamplingConfig
+
+    hf = make_engine(recipe, path, dtype="float32", max_model_len=20)
+    assert hf.max_model_len == 20
+    with pytest.raises(RunnerError, match="prompt 0 has 15 tokens; with 6 new tokens it exceeds "
+                       "the hf engine's max_model_len \\(20\\)"):
+        hf.generate([list(range(1, 16))], SamplingConfig(n=1, max_new_tokens=6))
