@@ -1105,3 +1105,83 @@ def test_the_engines_get_max_model_len(engine, monkeypatch):
     with pytest.raises(RunnerError, match="prompt 0 has 15 tokens; with 6 new tokens it exceeds "
                        "the hf engine's max_model_len \\(20\\)"):
         hf.generate([list(range(1, 16))], SamplingConfig(n=1, max_new_tokens=6))
+
+
+# --- a rank that dies or stops: one line from the driver, tracebacks in the run folder ----------
+
+def test_a_rank_error_none_of_the_projects_goes_to_a_file_not_the_terminal(tmp_path, capsys):
+    from runner.launch.worker import EXIT_TRACEBACK, logged, traceback_path
+
+    def broken() -> int:
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")
+
+    path = traceback_path(tmp_path / "run", 0)
+    assert logged(broken, path) == EXIT_TRACEBACK
+    assert capsys.readouterr() == ("", "")
+    text = path.read_text()
+    assert text.startswith("Traceback") and text.rstrip().endswith(
+        "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:4242")
+    with pytest.raises(RecipeError):  # the project's own errors are rendered as before
+        logged(lambda: (_ for _ in ()).throw(RecipeError([])), path)
+
+
+def _fake_ranks(tmp_path: Path, rank0_exits_after: float):
+    import subprocess
+    import sys
+
+    from runner.launch.torchrun import _Ranks
+    from runner.launch.worker import traceback_path
+
+    logs = tmp_path / "run" / "logs"
+    ranks = _Ranks([], logs, timeout_s=20)
+    trace = traceback_path(logs.parent, 0)
+    trace.parent.mkdir(parents=True)
+    trace.write_text("Traceback (most recent call last):\n  ...\nRuntimeError: [gloo] Timed out "
+                     "waiting 20000ms for recv operation to complete\n")
+    code = f"import sys, time; time.sleep({rank0_exits_after}); sys.exit(3)"
+    for argv in ([sys.executable, "-c", code], [sys.executable, "-c", "import time; "
+                                                "time.sleep(60)"]):
+        ranks.procs.append(subprocess.Popen(argv, start_new_session=True))
+    return ranks, trace
+
+
+RESUME = "The latest complete checkpoint is intact: run the same command again to resume"
+
+
+def test_a_stopped_rank_is_named_not_the_rank_that_waited_for_it(tmp_path):
+    import os
+    import signal
+
+    from runner.errors import RunnerError
+
+    ranks, trace = _fake_ranks(tmp_path, 0.5)
+    os.kill(ranks.procs[1].pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RunnerError) as info:
+            ranks.watch()
+    finally:
+        ranks.kill()
+    assert str(info.value) == (
+        f"rank 1 (pid {ranks.procs[1].pid}) stopped answering (its process is stopped, e.g. by "
+        "SIGSTOP): rank 0 waited for it in a collective for up to launch.collective_timeout_s = "
+        "20 s, then failed with RuntimeError: [gloo] Timed out waiting 20000ms for recv "
+        f"operation to complete (traceback: {trace}); the ranks were stopped. {RESUME}")
+
+
+def test_a_dead_rank_is_named_and_the_survivors_tracebacks_are_in_files(tmp_path):
+    import os
+    import signal
+
+    from runner.errors import RunnerError
+
+    ranks, trace = _fake_ranks(tmp_path, 1.0)
+    os.kill(ranks.procs[1].pid, signal.SIGKILL)
+    try:
+        with pytest.raises(RunnerError) as info:
+            ranks.watch()
+    finally:
+        ranks.kill()
+    assert ranks.procs[0].returncode == 3  # it failed on its own within the grace period
+    assert str(info.value) == (
+        f"rank 1 (pid {ranks.procs[1].pid}) was killed by SIGKILL; the other ranks were stopped "
+        f"(their tracebacks: {trace}). {RESUME}")
