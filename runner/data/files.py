@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import hashlib
 import json
 import os
@@ -124,8 +125,34 @@ def load_local(path: str, split: str, *, key: str, split_key: str) -> tuple[Any,
             raise _unreadable(key, path, files, exc) from exc
         except Exception as exc:  # noqa: BLE001 - datasets raises many kinds on a bad file
             _remove_new(cache, before)
+            full = _storage_error(exc)
+            if full:
+                from runner.errors import RuntimeFailure
+
+                raise RuntimeFailure("data", None, f"{key}: cannot write the Arrow copy of "
+                                     f"{path} under {cache}: {full}; free space there, or set "
+                                     "POSTTRAIN_HOME to a folder on another disk") from exc
             raise _unreadable(key, path, files, exc) from exc
     return ds, {"path": path, "file_size": str(size), "content_sha256": sha, "split": split}
+
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # the cache, not the data, failed
+
+
+def _storage_error(exc: BaseException | None) -> str:
+    """``"<reason> [errno N]"`` of a full-disk (quota, read-only) OSError in ``exc``'s chain, or
+    "": datasets wraps it in errors of its own, and Arrow's carries the errno only in its text."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            if exc.errno in STORAGE_ERRNOS:
+                return f"{exc.strerror or exc} [errno {exc.errno}]"
+            for code in STORAGE_ERRNOS:
+                if os.strerror(code) in str(exc):
+                    return f"{os.strerror(code)} [errno {code}]"
+        exc = exc.__cause__ or exc.__context__
+    return ""
 
 
 def arrow_cache_dir() -> Path:

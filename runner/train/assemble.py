@@ -31,6 +31,7 @@ from runner.recipe.plan import RunPlan
 from runner.recipe.resolved import write_resolved
 from runner.recipe.schema import Recipe
 from runner.rewards import RewardSet, build_rewards
+from runner.rollout.lengths import PromptLimit
 from runner.state.checkpoint import (
     LoadedCheckpoint,
     TrainingState,
@@ -266,6 +267,22 @@ def _stream(recipe: Recipe, ctx: RankContext, opened: tuple[Any, Any, Any],
     return stream, [val.item(int(i)) for i in shard(np.arange(len(val)), ctx.rank, ctx.world_size)]
 
 
+def _prompt_limit(recipe: Recipe, base: Path, packer: Any, tokenizer: Any,
+                  opened: tuple[Any, Any, Any] | None, val_items: list[Any], *, remote: bool
+                  ) -> PromptLimit:
+    """The engine's ``max_model_len`` and the check of every prompt that can be checked before
+    the run (``runner.rollout.lengths.run_limit``). A Ray rollout actor sizes its engine
+    without the prompts, so ranks that use one measure none."""
+    from runner.rollout.lengths import run_limit
+
+    if recipe.algo.kind == "dpo" or opened is None:  # DPO generates for its held-out pairs only
+        return run_limit(recipe, base, packer, tokenizer, [], val_items, measure=not remote)
+    train, val, _ = opened
+    held_out = [val.item(i) for i in range(len(val))] if val is not None else []  # every rank's
+    return run_limit(recipe, base, packer, tokenizer, [s for s in (train, val) if s is not None],
+                     held_out, measure=not remote)
+
+
 class _Steps:
     """Runs the build in named roles, remembering the first that failed (and how)."""
 
@@ -339,6 +356,12 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
         val_items = [_pair_item(p) for p in data.validation_pairs()]
     engine_packer = (step("rollout", lambda: build_packer(base, model_type, factory, **options))
                      if generates else None)
+    # Every rank checks every prompt it can before the run (and measures them for a derived
+    # vllm max_model_len), before the handshake: a refused prompt stops every rank at once.
+    remote = bool(actors is not None and actors.rollout)
+    limit = (step("rollout", lambda: _prompt_limit(recipe, base, engine_packer, tokenizer,
+                                                   opened, val_items, remote=remote))
+             if generates else None)
     fingerprint = data.cursor.fingerprint if data is not None else ""
     hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, base)))
               if ctx.world_size > 1 else {})
@@ -354,11 +377,11 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
                                pad_free=recipe.train.padding_free and getattr(packer, "can_pack", False),
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
-    remote = bool(actors is not None and actors.rollout)
     engine = ((actors.rollout_engine(ctx) if remote and actors is not None
-               else make_engine(recipe, model_dir, dtype=precision.engine_dtype))
+               else make_engine(recipe, model_dir, dtype=precision.engine_dtype,
+                                max_model_len=limit.max_model_len if limit else None))
               if generates else None)
-    rollout = Rollout(engine, engine_packer) if generates else None
+    rollout = Rollout(engine, engine_packer, limit) if generates else None
     metrics = MetricsLog(plan.metrics_path if ctx.is_main else None,
                          ckpt.metrics_rows if ckpt else [],
                          plan.output_dir / "tensorboard" if recipe.logging.tensorboard and ctx.is_main
