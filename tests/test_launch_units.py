@@ -156,6 +156,42 @@ def test_ray_local_ranks_and_runtime_env(monkeypatch):
     assert env["env_vars"]["PYTHONPATH"] == "/src"
 
 
+def test_a_driver_without_a_ray_token_is_told_where_the_token_goes(monkeypatch, tmp_path):
+    """A cluster with token authentication (Ray's default) refuses a driver that has no token;
+    the one line says so and where the token goes. (Joining with a token: tests/test_ray.py.)"""
+    import socket
+
+    ray = pytest.importorskip("ray")
+    from runner.launch import ray_backend
+    from runner.recipe import load_recipe
+
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
+
+    def refused(*args, **kwargs):
+        raise ConnectionError("Failed to connect to Ray cluster")
+
+    monkeypatch.setattr(ray, "init", refused)
+    with socket.socket() as listening:  # the probe finds something there
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        recipe = load_recipe("recipes/grpo-arith.toml", [
+            "launch.backend=ray", "launch.num_processes=2", f"launch.ray_address={address}"])
+        with pytest.raises(RunnerError) as err:
+            ray_backend._init_ray(recipe)
+        assert str(err.value) == (
+            f"launch.ray_address: cannot join the Ray cluster at '{address}': Failed to connect "
+            "to Ray cluster. No Ray token was found here: a cluster with token authentication "
+            "(Ray's default) refuses such a driver; copy its token (`ray get-auth-token` on its "
+            "head) to ~/.ray/auth_token, or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN")
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user turned authentication off
+        with pytest.raises(RunnerError) as err:
+            ray_backend._init_ray(recipe)
+        assert str(err.value).endswith("Failed to connect to Ray cluster")
+
+
 def test_stop_requests_poll_the_launcher_once_requested():
     from runner.train.loop import StopRequests
     from runner.ui import SilentReporter

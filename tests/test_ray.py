@@ -1,9 +1,12 @@
 """``launch.backend = "ray"`` on CPU: the rank program as Ray actors, then the rollout engine in
 actors of its own.
 
-One Ray cluster (``ray start --head --node-ip-address 127.0.0.1``) serves the module through
-``launch.ray_address``; one run starts its own local cluster instead. Every run is the CLI in a
-subprocess with one intra-op thread, like the torchrun runs it is compared with.
+One Ray cluster (``ray start --head --node-ip-address 127.0.0.1``) with Ray's default token
+authentication serves the module through ``launch.ray_address``: the runs find its token as a
+user's driver would (``RAY_AUTH_TOKEN_PATH`` here, ~/.ray/auth_token on a user's machine), with
+``RAY_AUTH_MODE`` unset. One run starts its own local cluster instead, with
+``RAY_AUTH_MODE=disabled``, the other mode. Every run is the CLI in a subprocess with one
+intra-op thread, like the torchrun runs it is compared with.
 
 - Ray colocated, 2 ranks, is bitwise equal to torchrun with 2 ranks: GRPO with the example
   extension module's packer subclass, on the existing cluster; DPO on the example's dataset
@@ -17,12 +20,14 @@ subprocess with one intra-op thread, like the torchrun runs it is compared with.
 - killing the rollout actor ends the run with exit 1 naming it and the step; a Ctrl-C of the
   rerun stops after an agreed step with a checkpoint; the next rerun ends exactly like the
   uninterrupted torchrun run (so a separate run resumed twice is bitwise a torchrun run);
-- vLLM in a rollout actor stays in sync with the policy (``vllm`` marker).
+- vLLM in a rollout actor stays in sync with the policy, and so does each torchrun rank's own
+  vLLM engine in the colocated run it is compared with (``vllm`` marker).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -70,14 +75,26 @@ SEPARATE = ("launch.placement=separate",)
 RAY_TMP = Path(tempfile.gettempdir()) / f"ptr-ray-runs-{os.getpid()}"  # the runs' session folders
 
 
-def ray_env() -> dict[str, str]:
-    """The test environment, without Ray's token file (auth off), usage reports or a cluster
-    address inherited from the shell; Ray's session folders of the local clusters the runs start
-    go to a folder of this module (removed at its end)."""
-    env = {**_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_TMPDIR": str(RAY_TMP)}
-    env.pop("RAY_ADDRESS", None)
+def ray_env(token: Path | None = None) -> dict[str, str]:
+    """The test environment, without usage reports or a cluster address or token inherited
+    from the shell; Ray's session folders of the local clusters the runs start go to a folder
+    of this module (removed at its end).
+
+    With ``token``: Ray's default, token authentication, with that token file (what
+    ``ray start`` leaves in ~/.ray/auth_token, kept out of the home folder here); ``RAY_AUTH_MODE``
+    is not set, as on a user's machine. Without: ``RAY_AUTH_MODE=disabled``, the other mode.
+    """
+    env = {**_env(), "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(RAY_TMP)}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
+    if token is None:
+        env["RAY_AUTH_MODE"] = "disabled"
+    else:
+        env["RAY_AUTH_TOKEN_PATH"] = str(token)
     return env
+
+
+TOKEN: Path | None = None  # the module cluster's token file, once it is started
 
 
 def ray_cli(recipe: str, out: Path, address: str, *overrides: str) -> list[str]:
@@ -85,15 +102,21 @@ def ray_cli(recipe: str, out: Path, address: str, *overrides: str) -> list[str]:
             "launch.num_processes=2", f"launch.ray_address={address}", *overrides]
 
 
+def _env_for(address: str) -> dict[str, str]:
+    """A run on the module's cluster sends its token; one that starts its own local cluster
+    (no address) runs with authentication off."""
+    return ray_env(TOKEN if address and TOKEN is not None else None)
+
+
 def run_ray(recipe: str, out: Path, address: str, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(ray_cli(recipe, out, address, *overrides), cwd=REPO,
-                          capture_output=True, text=True, timeout=240, env=ray_env())
+                          capture_output=True, text=True, timeout=240, env=_env_for(address))
 
 
 def start_ray(recipe: str, out: Path, address: str, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(ray_cli(recipe, out, address, *overrides), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=ray_env(), start_new_session=True)
+                            env=_env_for(address), start_new_session=True)
 
 
 def _free_port() -> int:
@@ -124,11 +147,13 @@ class Cluster:
     def __init__(self) -> None:
         self.temp = tempfile.mkdtemp(prefix="ptr-ray-")  # short: Ray's unix socket paths
         self.address = f"127.0.0.1:{_free_port()}"
+        self.token = Path(self.temp) / "auth_token"  # token authentication: Ray's default
+        self.token.write_text(secrets.token_hex(32))
         ray = Path(sys.executable).with_name("ray")
         cmd = [str(ray), "start", "--head", "--node-ip-address", "127.0.0.1",
                "--port", self.address.split(":")[1], "--num-cpus", "4", "--num-gpus", "0",
                "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", self.temp]
-        env = {**ray_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # a one-node cluster
+        env = {**ray_env(self.token), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # one node
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.group = proc.pid
@@ -165,10 +190,13 @@ def ray_tmp():
 
 @pytest.fixture(scope="module")
 def cluster():
+    global TOKEN
     c = Cluster()
+    TOKEN = c.token
     try:
         yield c
     finally:
+        TOKEN = None
         c.stop()
 
 
@@ -317,6 +345,10 @@ def test_separate_vllm_rollout_actor_stays_in_sync_on_loopback(cluster, tmp_path
     colocated = tmp_path / "colocated"
     done = run_ranks(GRPO, colocated, 2, *GRPO_SMALL, "rollout.engine=vllm", "run.max_steps=3")
     assert done.returncode == 0, done.stdout + done.stderr
+    # Each torchrun rank's own engine is in sync with its policy after every step too.
+    gaps = [r["rollout/logprob_gap"] for r in deterministic_rows(colocated)
+            if "rollout/logprob_gap" in r]
+    assert len(gaps) == 3 and max(gaps) < 1e-5, gaps
     ours, theirs = ([r for r in deterministic_rows(out) if "reward/mean" in r]
                     for out in (tmp_path, colocated))
     assert len(ours) == len(theirs) == 3

@@ -7,10 +7,14 @@ data to checkpoint.
 - resuming on another world size continues the same items; a changed global batch is refused;
 - a dead rank ends the job quickly, naming it, and the rerun resumes exactly;
 - an external launcher's environment gives the same run as the built-in launcher.
+
+vLLM on two ranks (each rank its own engine, in sync after every step) is checked in
+test_ray.py, as the colocated run that Ray's separate rollout actor is compared with.
 """
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 
@@ -40,7 +44,7 @@ from tests.resume_helpers import (
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 GRPO = "recipes/grpo-arith.toml"
-N = 4
+N = 6
 SMALL = ("algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatches=2",
          "rollout.max_new_tokens=4", "data.validation.size=8", "train.eval_every=2",
          "checkpoint.every_steps=1", "checkpoint.keep_last=5", "logging.sample_every=0",
@@ -95,63 +99,59 @@ def test_two_ranks_reproduce_bitwise(two_ranks, tmp_path):
     assert len(item_ids(tmp_path)) == N and all(len(ids) == 4 for ids in item_ids(tmp_path))
 
 
-def test_two_ranks_stop_and_resume(two_ranks, tmp_path):
-    assert run_ranks(GRPO, tmp_path, 2, "run.max_steps=2", *SMALL).returncode == 0
-    done = run_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
-    assert done.returncode == 0, done.stderr
-    assert "resuming" in done.stdout
-    assert_same_run(tmp_path, two_ranks, N, FILES)
+def test_two_ranks_stopped_killed_and_interrupted_resume_exactly(two_ranks, tmp_path):
+    """One run folder through every way a 2-rank job ends early, each rerun resuming where the
+    last stopped, the last ending bitwise like the straight run:
 
-
-def test_two_ranks_sigkill_of_the_job_and_ctrl_c(two_ranks, tmp_path):
-    proc = start_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
-    wait_for_checkpoint(proc, tmp_path, 1)
+    1. it stops at ``run.max_steps=2`` (exit 0; an evaluation step, as in the straight run);
+    2. the rerun's listeners are on 127.0.0.1 only; after checkpoint 3 rank 1 is SIGKILLed: the
+       job ends within 30 s naming it in one line (the survivor's broken-collective traceback
+       goes to the run folder, not the terminal);
+    3. the next rerun's whole job (driver and ranks) is SIGKILLed after checkpoint 4;
+    4. the next is Ctrl-C'd once step 5 is logged: exit 130 after an agreed step, with a
+       checkpoint;
+    5. the last finishes.
+    """
     import os
 
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and (through it) every rank
-    proc.wait(timeout=30)
-    time.sleep(0.5)
-    proc = start_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL, "checkpoint.every_steps=100")
-    wait_for_step(proc, tmp_path, 3)
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-    assert proc.wait(timeout=120) == 130, proc.stdout.read()
-    done = run_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
-    assert done.returncode == 0, done.stderr
-    assert_same_run(tmp_path, two_ranks, N, FILES)
+    assert run_ranks(GRPO, tmp_path, 2, "run.max_steps=2", *SMALL).returncode == 0
 
-
-def test_dead_rank_ends_the_job_and_the_rerun_is_exact(two_ranks, tmp_path):
     proc = start_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
-    wait_for_checkpoint(proc, tmp_path, 2)
+    wait_for_step(proc, tmp_path, 3)
+    addresses = listeners_of(descendants(proc.pid))
+    assert addresses, "no listener seen while the ranks ran"
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+    wait_for_checkpoint(proc, tmp_path, 3)
     ranks = sorted(descendants(proc.pid) - {proc.pid})
     assert len(ranks) == 2, ranks
     killed_at = time.monotonic()
-    import os
-
     os.kill(ranks[1], signal.SIGKILL)
     code = proc.wait(timeout=60)
     output = proc.stdout.read()
-    assert code == 1 and time.monotonic() - killed_at < 30
-    # One line, the driver's: the survivor's broken collective (a gloo traceback of dozens of
-    # lines) is in the run folder, not on the terminal.
+    assert code == 1 and time.monotonic() - killed_at < 30, output
+    assert "resuming" in output  # from step 2
     assert "Traceback" not in output, output
     last = output.strip().splitlines()[-1]
     assert last.startswith(f"error: rank 1 (pid {ranks[1]}) was killed by SIGKILL; the other "
                            "ranks were stopped"), output
     for trace in (tmp_path / "logs").glob("rank-*.traceback.txt"):
         assert trace.name == "rank-0.traceback.txt" and "Traceback" in trace.read_text()
+
+    proc = start_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
+    wait_for_checkpoint(proc, tmp_path, 4)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and (through it) every rank
+    proc.wait(timeout=30)
+    time.sleep(0.5)
+
+    proc = start_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL, "checkpoint.every_steps=100")
+    wait_for_step(proc, tmp_path, 5)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    assert proc.wait(timeout=120) == 130, proc.stdout.read()
+
     done = run_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
     assert done.returncode == 0, done.stderr
+    assert "resuming" in done.stdout
     assert_same_run(tmp_path, two_ranks, N, FILES)
-
-
-def test_listeners_are_on_loopback_only(tmp_path):
-    proc = start_ranks(GRPO, tmp_path, 2, "run.max_steps=3", *SMALL)
-    wait_for_step(proc, tmp_path, 1)
-    addresses = listeners_of(descendants(proc.pid))
-    proc.wait(timeout=120)
-    assert addresses, "no listener seen while the ranks ran"
-    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
 
 
 def test_external_launcher_gives_the_same_run(two_ranks, tmp_path):
@@ -179,19 +179,34 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+# Padded batches: padding-free layouts share prompts within each rank's micro-batches, which
+# differ with the world size, and RMSNorm computes in float32 whatever the model's dtype, so a
+# shared prompt's summed gradient rounds at float32's level (tests/test_accumulation.py).
+F64 = (*COMMON, "model.dtype=float64", "train.padding_free=false")
+
+
+@pytest.fixture(scope="module")
+def float64_runs(tmp_path_factory):
+    """``algo -> {world: run folder}``: 3 float64 steps on 1 and on 2 ranks, run on first use
+    (GRPO's also serve the tests that resume on another world size)."""
+    made: dict[str, dict[int, object]] = {}
+
+    def runs(algo: str) -> dict[int, object]:
+        if algo not in made:
+            recipe, extra = ALGOS[algo]
+            root = tmp_path_factory.mktemp(f"f64-{algo}")
+            for world in (1, 2):
+                done = run_ranks(recipe, root / f"w{world}", world, *F64, *extra)
+                assert done.returncode == 0, done.stdout + done.stderr
+            made[algo] = {world: root / f"w{world}" for world in (1, 2)}
+        return made[algo]
+
+    return runs
+
+
 @pytest.mark.parametrize("algo", sorted(ALGOS))
-def test_one_rank_and_two_ranks_agree_in_float64(algo, tmp_path):
-    # Padded batches: padding-free layouts share prompts within each rank's micro-batches, which
-    # differ with the world size, and RMSNorm computes in float32 whatever the model's dtype, so
-    # a shared prompt's summed gradient rounds at float32's level (tests/test_accumulation.py).
-    recipe, extra = ALGOS[algo]
-    runs = {}
-    for world in (1, 2):
-        out = tmp_path / f"w{world}"
-        done = run_ranks(recipe, out, world, *COMMON, *extra, "model.dtype=float64",
-                         "train.padding_free=false")
-        assert done.returncode == 0, done.stdout + done.stderr
-        runs[world] = out
+def test_one_rank_and_two_ranks_agree_in_float64(algo, float64_runs):
+    runs = float64_runs(algo)
     assert item_ids(runs[1]) == item_ids(runs[2]) and len(item_ids(runs[1])) == 3
     one, two = final_weights(runs[1], 3), final_weights(runs[2], 3)
     assert one.keys() == two.keys()
@@ -220,40 +235,26 @@ def test_first_step_agrees_in_float32(tmp_path):
 # --- another world size ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
-def test_resume_on_another_world_size_continues_the_items(first, second, tmp_path):
-    """In float64, so that "within float tolerance" can be tight."""
-    f64 = "model.dtype=float64"
-    straight = tmp_path / "straight"
-    assert run_ranks(GRPO, straight, first, f"run.max_steps={N}", *SMALL, f64).returncode == 0
-    out = tmp_path / "moved"
-    assert run_ranks(GRPO, out, first, "run.max_steps=2", *SMALL, f64).returncode == 0
-    done = run_ranks(GRPO, out, second, f"run.max_steps={N}", *SMALL, f64)
+def test_resume_on_another_world_size_continues_the_items(first, second, float64_runs, tmp_path):
+    """In float64, so that "within float tolerance" can be tight: 2 steps on ``first`` ranks,
+    the third on ``second``, against the straight run on ``first``."""
+    recipe, extra = ALGOS["grpo"]
+    straight = float64_runs("grpo")[first]
+    assert run_ranks(recipe, tmp_path, first, *F64, *extra, "run.max_steps=2").returncode == 0
+    done = run_ranks(recipe, tmp_path, second, *F64, *extra)
     assert done.returncode == 0, done.stderr
     assert "resuming" in done.stdout
-    assert item_ids(out) == item_ids(straight)
-    one, two = final_weights(out, N), final_weights(straight, N)
+    assert item_ids(tmp_path) == item_ids(straight)
+    one, two = final_weights(tmp_path, 3), final_weights(straight, 3)
     assert max(_rel(one[k], two[k]) for k in one if two[k].norm() > 0) < 1e-10
 
 
-def test_resume_with_another_batch_and_world_is_refused(tmp_path):
-    assert run_ranks(GRPO, tmp_path, 2, "run.max_steps=1", *SMALL).returncode == 0
-    done = run_ranks(GRPO, tmp_path, 1, "run.max_steps=2", *SMALL, "algo.prompts_per_step=2")
+def test_resume_with_another_batch_and_world_is_refused(two_ranks, tmp_path):
+    shutil.copytree(two_ranks, tmp_path, dirs_exist_ok=True)  # a 2-rank run's folder
+    done = run_ranks(GRPO, tmp_path, 1, f"run.max_steps={N + 1}", *SMALL,
+                     "algo.prompts_per_step=2")
     assert done.returncode == 2
     assert "launch.num_processes" in done.stderr and "algo.prompts_per_step" in done.stderr
-
-
-@pytest.mark.vllm
-def test_vllm_on_two_ranks_keeps_each_engine_in_sync(tmp_path):
-    """Each rank builds its own vLLM engine; after every weight sync, the engine's logprobs of
-    the tokens it samples equal its policy's (``rollout/logprob_gap``, the largest difference
-    over both ranks' tokens) while the weights move."""
-    done = run_ranks(GRPO, tmp_path, 2, "run.max_steps=3", *SMALL, "rollout.engine=vllm")
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [r for r in deterministic_rows(tmp_path) if "rollout/logprob_gap" in r]
-    assert len(rows) == 3
-    assert all(r["rollout/logprob_gap"] < 1e-5 for r in rows), rows
-    first, last = final_weights(tmp_path, 1), final_weights(tmp_path, 3)
-    assert any(not torch.equal(first[k], last[k]) for k in first)
 
 
 def test_a_rank_that_cannot_build_stops_every_rank_naming_it(tmp_path):

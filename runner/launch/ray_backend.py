@@ -161,6 +161,7 @@ def _init_ray(recipe: Recipe) -> Any:
     """Join ``launch.ray_address``, or start a local cluster on 127.0.0.1 sized from the recipe."""
     launch = recipe.launch
     local = not launch.ray_address
+    with_token = False
     # Ray would replace a loopback address by the host's other one.
     loopback = local or launch.ray_address.rsplit(":", 1)[0] in (LOOPBACK, "localhost")
     for name, value in {**DRIVER_ENV, **(LOCAL_CLUSTER_ENV if loopback else {})}.items():
@@ -176,6 +177,7 @@ def _init_ray(recipe: Recipe) -> Any:
 
     if not local:
         _probe(launch.ray_address, min(10.0, launch.collective_timeout_s))
+        with_token = _use_cluster_token()
     options: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
     if local:
         actors = _role_actors(recipe)
@@ -185,10 +187,40 @@ def _init_ray(recipe: Recipe) -> Any:
                        include_dashboard=False, _node_ip_address=LOOPBACK)
     try:
         ray.init(address=launch.ray_address or None, **options)
-    except ConnectionError as exc:
+    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
+        hint = ""
+        if not local and not with_token and os.environ.get("RAY_AUTH_MODE") != "disabled":
+            hint = (". No Ray token was found here: a cluster with token authentication (Ray's "
+                    "default) refuses such a driver; copy its token (`ray get-auth-token` on "
+                    "its head) to ~/.ray/auth_token, or set RAY_AUTH_TOKEN_PATH or "
+                    "RAY_AUTH_TOKEN")
         raise RunnerError(f"launch.ray_address: cannot join the Ray cluster at "
-                          f"{launch.ray_address!r}: {exc}") from None
+                          f"{launch.ray_address!r}: {exc}{hint}") from None
     return ray
+
+
+def _use_cluster_token() -> bool:
+    """Joining a cluster by its address, send the token when there is one (Ray's default
+    since 2.60: ``ray start`` turns token authentication on and writes ~/.ray/auth_token).
+    Ray's own client does this only for ``ray`` commands; ``ray.init(address=...)`` would
+    connect without it and be refused. An explicit ``RAY_AUTH_MODE`` is left as it is.
+    True when the driver sends a token."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None:
+        return mode.lower() == "token"
+    import logging
+
+    try:
+        from ray._private.authentication import authentication_token_setup as setup
+    except ImportError:  # a Ray without token authentication
+        return False
+    log = logging.getLogger(setup.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)  # not Ray's "token authentication is enabled" notice
+    try:
+        return setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        log.setLevel(level)
 
 
 def _role_actors(recipe: Recipe) -> int:
