@@ -1,8 +1,8 @@
 """Exact resume for PPO, OPD and DPO: stopped and killed runs end where the straight run ends.
 
 One structure for the three algorithms (GRPO has its own file, test_resume_grpo.py): a straight
-run of N steps, then (a) k steps, stop, resume to N and (b) SIGKILLs at seeded random points,
-some while a checkpoint is being written, then resume to N. Every metrics.jsonl value that is not
+run of N steps, then in another folder K steps and a stop, SIGKILLs of the reruns at seeded
+random points (some while a checkpoint is being written), and a last rerun to N. Every metrics.jsonl value that is not
 a timing, the final weights and optimizer state (for PPO also the critic and its optimizer) and
 the final state.json must equal the straight run's bitwise.
 """
@@ -23,7 +23,7 @@ from tests.resume_helpers import (
 
 pytestmark = pytest.mark.slow
 
-N = 4  # steps of every run
+N = 5  # steps of every run
 K = 2  # where the stopped run stops
 COMMON = ("data.validation.size=8", "train.eval_every=2", "checkpoint.every_steps=1",
           "checkpoint.keep_last=3", "logging.sample_every=0")
@@ -58,27 +58,22 @@ def straight(request, tmp_path_factory):
     return case, out
 
 
-def test_stop_and_resume(straight, tmp_path):
+def test_stop_then_sigkills_then_resume(straight, tmp_path):
+    """A run stops at step K; its reruns are SIGKILLed at seeded random points (some while a
+    checkpoint is written); the last rerun ends bitwise like the straight run."""
     case, reference = straight
     first = run_cli(case.recipe, tmp_path, f"run.max_steps={K}", *case.overrides)
     assert first.returncode == 0, first.stdout + first.stderr
-    second = run_cli(case.recipe, tmp_path, f"run.max_steps={N}", *case.overrides)
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert f"(step {K})" in second.stdout and "resuming" in second.stdout
-    assert_same_run(tmp_path, reference, N, case.files)
-
-
-def test_sigkill_at_random_points_then_resume(straight, tmp_path):
-    case, reference = straight
     where = kill_at_random_points(case.recipe, tmp_path, N, case.overrides,
                                   random.Random(case.seed), kills=2)
     done = run_cli(case.recipe, tmp_path, f"run.max_steps={N}", *case.overrides)
     assert done.returncode == 0, done.stdout + done.stderr
     assert where, "no kill happened"
+    assert "resuming" in done.stdout
     try:
         assert_same_run(tmp_path, reference, N, case.files)
     except AssertionError as exc:
-        raise AssertionError(f"after kills at {where}: {exc}") from exc
+        raise AssertionError(f"after a stop at step {K} and kills at {where}: {exc}") from exc
 
 
 def test_checkpoints_hold_what_is_compared(straight):
