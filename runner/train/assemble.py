@@ -11,14 +11,12 @@ run folder (resolved recipe, metrics, checkpoints) and shows progress.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
-import torch
 
 from runner.data.cursor import DataCursor, check_resume
 from runner.errors import Problem, RecipeError, RunnerError, RuntimeFailure
@@ -51,27 +49,9 @@ from runner.train.roles import (
     disable_dropout,
     prepare_trainable,
 )
+from runner.train.seeds import seed_everything
 from runner.train.teacher import Teacher
 from runner.ui import MetricsLog, Reporter
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def step_seed(seed: int, step: int, salt: int = 0) -> int:
-    """A seed for (run seed, step, purpose): the same whether or not the run was resumed."""
-    return (seed * 1_000_003 + step * 9_176 + salt) % 2**31
-
-
-def item_seed(seed: int, step: int, position: int) -> int:
-    """The sampling seed of the item at global batch position ``position`` of ``step``: the
-    same whatever the number of ranks."""
-    return (step_seed(seed, step) * 1_000_033 + position * 7_777) % 2**63
 
 
 @attrs.define
@@ -166,7 +146,8 @@ class RunContext:
             self.lock.release()
 
 
-def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable]) -> Path:
+def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable]
+                     ) -> Path:
     cursor = run.data.cursor
     state = TrainingState(
         step=step,
@@ -350,8 +331,8 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
         raise RunnerError(f"Accelerate sees {accelerator.num_processes} process(es) but this is "
                           f"rank {ctx.rank} of {ctx.world_size}: the launcher did not set RANK, "
                           "WORLD_SIZE and LOCAL_RANK")
-    policy = prepare_trainable(accelerator, model, recipe,
-                               pad_free=recipe.train.padding_free and getattr(packer, "can_pack", False),
+    pad_free = recipe.train.padding_free and getattr(packer, "can_pack", False)
+    policy = prepare_trainable(accelerator, model, recipe, pad_free=pad_free,
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
     remote = bool(actors is not None and actors.rollout)
@@ -359,10 +340,10 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
                else make_engine(recipe, model_dir, dtype=precision.engine_dtype))
               if generates else None)
     rollout = Rollout(engine, engine_packer) if generates else None
+    tensorboard = recipe.logging.tensorboard and ctx.is_main
     metrics = MetricsLog(plan.metrics_path if ctx.is_main else None,
                          ckpt.metrics_rows if ckpt else [],
-                         plan.output_dir / "tensorboard" if recipe.logging.tensorboard and ctx.is_main
-                         else None)
+                         plan.output_dir / "tensorboard" if tensorboard else None)
     has_held_out = bool(opened and opened[1] is not None) or dpo_held_out
     reason = held_out_reason(recipe.data, recipe.algo.kind)
     if reason:

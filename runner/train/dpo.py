@@ -35,9 +35,8 @@ from runner.ranks.collective import interleave
 from runner.recipe.schema import DPOConfig
 from runner.rewards import RewardSet
 from runner.train.assemble import RunContext
-from runner.train.batches import Minibatch, reduce_history, train_minibatch
+from runner.train.batches import Minibatch, reduce_history, split_even, train_minibatch
 from runner.train.loop import run_loop
-from runner.train.policy import split_even
 from runner.train.roles import FrozenScorer
 from runner.train.rollouts import evaluate
 from runner.types import ObsBundle

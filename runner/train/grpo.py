@@ -28,7 +28,7 @@ from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, group_adva
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import GRPOConfig
 from runner.rewards import RewardSet
-from runner.train.assemble import RunContext, step_seed
+from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
     Minibatch,
@@ -49,6 +49,7 @@ from runner.train.rollouts import (
     step_metrics,
 )
 from runner.train.rollouts import score as reward_trajectory
+from runner.train.seeds import step_seed
 
 
 def run(run: RunContext) -> dict[str, Any]:

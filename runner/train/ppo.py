@@ -34,7 +34,7 @@ from runner.packers.base import PolicyBatch
 from runner.ranks.collective import Collective
 from runner.recipe.schema import PPOConfig
 from runner.rewards import RewardSet
-from runner.train.assemble import RunContext, step_seed
+from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
     Minibatch,
@@ -51,6 +51,7 @@ from runner.train.policy import completion_grid
 from runner.train.roles import Trainable
 from runner.train.rollouts import Trajectory, evaluate, sample, step_metrics
 from runner.train.rollouts import score as reward_trajectory
+from runner.train.seeds import step_seed
 
 
 def run(run: RunContext) -> dict[str, Any]:

@@ -13,9 +13,10 @@ from runner.ranks.collective import interleave
 from runner.recipe.schema import RolloutConfig
 from runner.rewards import RewardSet
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig
-from runner.train.assemble import RunContext, item_seed
+from runner.train.assemble import RunContext
 from runner.train.batches import rank_mean
 from runner.train.roles import Rollout
+from runner.train.seeds import item_seed
 from runner.types import ObsBundle
 
 
