@@ -30,7 +30,7 @@ import torch
 
 from runner.algorithms.dpo import DPOLossInputs, dpo_loss
 from runner.data.pairs import PreferencePair
-from runner.packers.base import PolicyBatch, RLPolicyInput
+from runner.packers.base import DataPacker, PolicyBatch, RLPolicyInput
 from runner.ranks.collective import interleave
 from runner.recipe.schema import DPOConfig
 from runner.rewards import RewardSet
@@ -52,7 +52,7 @@ class DPORun:
     cache: dict[str, tuple[float, float]]  # pair id -> reference (chosen, rejected) logprobs
 
     @property
-    def packer(self) -> Any:
+    def packer(self) -> DataPacker:
         return self.run.policy_packer
 
     @property
@@ -72,7 +72,7 @@ def completion_tokens(inputs: Sequence[RLPolicyInput], device: Any) -> torch.Ten
     return torch.tensor([float(sum(x.loss_mask)) for x in inputs], device=device)
 
 
-def _pack(packer: Any, pairs: Sequence[Any]) -> list[RLPolicyInput]:
+def _pack(packer: DataPacker, pairs: Sequence[PreferencePair]) -> list[RLPolicyInput]:
     """[chosen_0 .. chosen_n, rejected_0 .. rejected_n]: one concatenated batch."""
     both = [packer.get_preference_input(ObsBundle(p.prompt, id=p.id), p.chosen, p.rejected)
             for p in pairs]
@@ -119,7 +119,7 @@ def pair_loss_inputs(run: DPORun, model: Any, pairs: Sequence[Any]) -> DPOLossIn
 def precompute(run: DPORun, reporter: Reporter) -> None:
     """Reference logprobs of every training and held-out pair, once (they never change)."""
     env = run.run.data
-    pairs = [env.train.pair(i) for i in range(len(env.train))] + env.validation_pairs()
+    pairs = env.training_pairs() + env.validation_pairs()
     reporter.message(f"precomputing reference logprobs for {len(pairs)} pairs")
     for chunk in split_even(len(pairs), max(1, len(pairs) // 64)):
         part = pairs[chunk]
