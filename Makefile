@@ -4,6 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-done
 PYTEST_ARGS ?=
+# The tests run on two workers, one test file per worker at a time (pytest-xdist).
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint schema models bench clean
 
@@ -33,7 +35,7 @@ demo: setup
 	$(BIN)/posttrain-run recipes/grpo-arith.toml
 
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check runner tests examples benchmarks

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 from runner import __version__
 from runner.errors import Problem, RecipeError, safe_line
-from runner.launch.entry import EXIT_OK, guarded, importable, launcher_prefix
+from runner.launch.entry import (
+    EXIT_OK,
+    guarded,
+    importable,
+    launcher_prefix,
+    line_buffered_stdout,
+)
 
 if TYPE_CHECKING:
     from runner.ranks.context import RankContext
@@ -45,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    line_buffered_stdout()
     args = build_parser().parse_args(argv)
     importable(os.getcwd())
     prefix = launcher_prefix()

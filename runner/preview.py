@@ -38,11 +38,14 @@ def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:
 
 
 def packing_rows(recipe: Recipe) -> list[tuple[str, str]]:
-    """Build the model folder and the student's packer; pack the first training item."""
+    """Build the model folder and the student's packer; check every prompt's length as a run
+    does before it trains (``runner.rollout.lengths.run_limit``); pack the first training
+    item."""
     from runner.data.preference import DatasetPreferenceEnv
-    from runner.data.sources import build_prompt_source
-    from runner.models import read_model_type, resolve_model_path
+    from runner.data.sources import build_prompt_sources
+    from runner.models import load_tokenizer, read_model_type, resolve_model_path
     from runner.packers import build_packer
+    from runner.rollout.lengths import run_limit
     from runner.types import ObsBundle
 
     path = resolve_model_path(recipe.model.path)
@@ -61,8 +64,19 @@ def packing_rows(recipe: Recipe) -> list[tuple[str, str]]:
                  ("rejected sequence", repr(packer.decode(rejected.input_ids, skip_special_tokens=False))),
                  ("tokens (chosen)", str(len(chosen.input_ids)))]
         return rows
-    item = build_prompt_source(recipe.data, recipe.algo.kind).item(0)
-    rows += packer.describe_rollout_input(packer.get_rollout_input(item))
+    train, val = build_prompt_sources(recipe.data, recipe.algo.kind)
+    held_out = [val.item(i) for i in range(len(val))] if val is not None else []
+    tokenizer = load_tokenizer(path, trust_remote_code=recipe.model.trust_remote_code)
+    limit = run_limit(recipe, path, packer, tokenizer, [s for s in (train, val) if s is not None],
+                      held_out)  # every prompt it can check, before one is packed
+    item, max_new = train.item(0), recipe.rollout.max_new_tokens
+    limit.check_item(item, max_new)
+    rollout_input = packer.get_rollout_input(item)
+    limit.check_tokens(len(packer.engine_prompt(rollout_input).full_ids), max_new,
+                       item.origin.where, item.origin.prompt_column)
+    rows += packer.describe_rollout_input(rollout_input)
+    rows.append(("rollout max_model_len", f"{limit.max_model_len or 'the engine default'} "
+                 f"({limit.why})"))
     if recipe.algo.kind == "opd":
         teacher = resolve_model_path(recipe.algo.teacher_path)
         rows.append(("teacher", f"{recipe.algo.teacher_path} -> {teacher} ({recipe.algo.mode})"))

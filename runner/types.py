@@ -9,12 +9,13 @@ import attrs
 
 @attrs.frozen
 class MediaOrigin:
-    """Where an item came from, for errors about its media: the row (e.g. "row 3 of ...") and
-    the source's image and video column names."""
+    """Where an item came from, for errors about its media or its prompt: the row (e.g. "row 3
+    of ...") and the source's image, video and prompt column names."""
 
     where: str = ""
     image_column: str = ""
     video_column: str = ""
+    prompt_column: str = ""
 
 
 @attrs.frozen

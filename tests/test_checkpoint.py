@@ -108,7 +108,8 @@ def test_failure_while_writing_leaves_earlier_checkpoint(tmp_path, model, monkey
 
     monkeypatch.setattr("runner.state.checkpoint.save_file", explode)
     with pytest.raises(RuntimeFailure, match=r"^policy at step 2: cannot write checkpoint .*"
-                       r"step-000002: OSError: disk full; the partial checkpoint was removed"):
+                       r"step-000002 \(optimizer.safetensors\): OSError: disk full; the "
+                       r"partial checkpoint was removed"):
         _save(tmp_path, 2, model, opt)
     after = {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()}
     assert before == after

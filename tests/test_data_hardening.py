@@ -198,7 +198,8 @@ def test_path_malformed_line_uses_editor_numbers_and_leaves_no_cache(tmp_path, h
                                  "at column 15). Write one JSON object per line.")
     cache = arrow_cache_dir()
     assert cache == home / "datasets"
-    assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()]
+    left = [p for p in cache.rglob("*") if p.is_file()] if cache.exists() else []
+    assert left in ([], [cache / ".posttrain-readers.lock"]), left  # the readers' lock stays
 
 
 def test_path_arrow_cache_goes_under_the_project_home(tmp_path, home):
@@ -207,6 +208,33 @@ def test_path_arrow_cache_goes_under_the_project_home(tmp_path, home):
     ds, _ = load_local(str(path), "train", key="data.path", split_key="data.split")
     assert [row["prompt"] for row in ds] == ["a", "b"]
     assert list((home / "datasets").rglob("*.arrow"))
+
+
+def test_a_failed_read_leaves_another_reads_files_alone(tmp_path, home):
+    """Reads of the cache take turns across processes (ranks of a run, a second run): a read
+    waits while another writes, and a failed read's cleanup removes its own leftovers only,
+    never what the other read wrote."""
+    import fcntl
+    import threading
+
+    cache = arrow_cache_dir()
+    cache.mkdir(parents=True)
+    other = open(cache / ".posttrain-readers.lock", "a")
+    fcntl.flock(other, fcntl.LOCK_EX)  # the other read, under way
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a"}\n\n{"prompt": "b"\n{"prompt": "c"}\n')
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.append(_load_error(bad)))
+    reader.start()
+    reader.join(timeout=3)
+    assert reader.is_alive() and not errors  # it waits for the other read
+    (cache / "other-read.arrow").write_bytes(b"the other read's file")
+    fcntl.flock(other, fcntl.LOCK_UN)
+    other.close()
+    reader.join(timeout=30)
+    assert not reader.is_alive() and errors and "not valid JSON" in errors[0], errors
+    left = sorted(p.name for p in cache.rglob("*") if p.is_file())
+    assert left == [".posttrain-readers.lock", "other-read.arrow"], left
 
 
 # --- through the CLI ----------------------------------------------------------------------------

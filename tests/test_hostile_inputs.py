@@ -704,3 +704,484 @@ def test_a_second_stop_signal_ends_the_run(step, signals):
     assert proc.returncode == 130, err
     assert time.monotonic() - started < 15
     assert err.splitlines()[-1].startswith("interrupted") and "Traceback" not in err, err
+
+
+# --- a full disk names the file being written ---------------------------------------------------
+
+class _FullDisk:
+    """A file opened on a full disk: opening works, writing fails as the OS fails it (ENOSPC,
+    no file named)."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+
+    def write(self, text: str) -> int:
+        import errno
+        import os
+
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.close()
+
+
+def _full_disk_open(monkeypatch, module: str) -> None:
+    """``open`` in ``module`` gives files whose writes fail with ENOSPC."""
+    import builtins
+
+    monkeypatch.setattr(f"{module}.open", lambda *a, **k: _FullDisk(builtins.open(*a, **k)),
+                        raising=False)
+
+
+NO_SPACE = "No space left on device [errno 28]"
+
+
+def test_a_full_disk_names_the_resolved_recipe(tmp_path, monkeypatch):
+    from runner.errors import RuntimeFailure
+    from runner.recipe.resolved import write_resolved
+    from runner.recipe.schema import Recipe
+
+    _full_disk_open(monkeypatch, "runner.recipe.resolved")
+    path = tmp_path / "run" / "recipe.resolved.toml"
+    with pytest.raises(RuntimeFailure) as info:
+        write_resolved(Recipe(), path)
+    assert str(info.value) == f"policy: cannot write the resolved recipe {path}: {NO_SPACE}"
+    assert list(path.parent.iterdir()) == []  # no temporary file left behind
+
+
+def test_a_full_disk_names_the_run_lock(tmp_path, monkeypatch):
+    from runner.errors import RuntimeFailure
+    from runner.state.run_folder import RunLock
+
+    _full_disk_open(monkeypatch, "runner.state.run_folder")
+    with pytest.raises(RuntimeFailure) as info:
+        RunLock.acquire(tmp_path / "run")
+    assert str(info.value) == (f"policy: cannot write the run lock {tmp_path / 'run' / 'run.lock'}"
+                               f": {NO_SPACE}")
+    monkeypatch.undo()
+    RunLock.acquire(tmp_path / "run").release()  # the failed attempt holds no lock
+
+
+def test_a_full_disk_names_the_metrics_file(tmp_path, monkeypatch):
+    from runner.errors import RuntimeFailure
+    from runner.ui.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    _full_disk_open(monkeypatch, "runner.ui.metrics")
+    with pytest.raises(RuntimeFailure) as info:
+        log.write({"step": 4})
+    assert str(info.value) == (f"policy at step 4: cannot write metrics to "
+                               f"{tmp_path / 'metrics.jsonl'}: {NO_SPACE}")
+
+
+@pytest.mark.parametrize("target,file", [("save_file", "optimizer.safetensors"),
+                                         ("open", "metrics.jsonl")])
+def test_a_full_disk_names_the_checkpoint_file(two_checkpoints, tmp_path, monkeypatch, target,
+                                               file):
+    import errno
+    import os
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from runner.errors import RuntimeFailure
+    from runner.state.checkpoint import TrainingState, save_checkpoint
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(two_checkpoints, root)
+    if target == "open":
+        _full_disk_open(monkeypatch, "runner.state.checkpoint")
+    else:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr("runner.state.checkpoint.save_file", full)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1))
+    with pytest.raises(RuntimeFailure) as info:
+        save_checkpoint(root, 3, model=model, tokenizer=None,
+                        optimizer=torch.optim.AdamW(model.parameters()),
+                        state=TrainingState(step=3, cursor=None, scheduler={}),
+                        metrics_rows=[{"step": 3}])
+    assert str(info.value) == (
+        f"policy at step 3: cannot write checkpoint {root / 'step-000003'} ({file}): {NO_SPACE}; "
+        "the partial checkpoint was removed and earlier checkpoints are untouched")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001", "step-000002"]
+
+
+def test_a_full_arrow_cache_is_not_blamed_on_the_data(tmp_path, home, monkeypatch):
+    import errno
+    import os
+
+    import datasets
+
+    from runner.errors import RuntimeFailure
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(_jsonl(GOOD))
+
+    def full(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:  # as datasets wraps it
+            raise RuntimeError("An error occurred while generating the dataset") from exc
+
+    monkeypatch.setattr(datasets, "load_dataset", full)
+    with pytest.raises(RuntimeFailure) as info:
+        load_local(str(path), "train", key="data.path", split_key="data.split")
+    assert str(info.value) == (
+        f"data: data.path: cannot write the Arrow copy of {path} under {home / 'datasets'}: "
+        f"{NO_SPACE}; free space there, or set POSTTRAIN_HOME to a folder on another disk")
+
+
+# --- step lines reach a pipe as they are printed ------------------------------------------------
+
+LATE_LINE = """
+import sys, time
+import runner.cli, runner.launch.worker as worker
+def dispatch(*args):
+    print("step 1/2", file=sys.stdout)  # no flush: only line buffering sends it now
+    time.sleep(60)
+    return 0
+if sys.argv[1] == "cli":
+    runner.cli._dispatch = dispatch
+    runner.cli.main(["recipes/grpo-arith.toml"])
+else:
+    worker.guarded = lambda run, prefix: dispatch()
+    worker.main(["payload.json"])
+"""
+
+
+@pytest.mark.parametrize("entry", ["cli", "worker"])
+def test_stdout_is_line_buffered_into_a_pipe(entry, repo):
+    import os
+    import selectors
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()  # the default buffering of a pipe
+           if k not in ("POSTTRAIN_DRIVER_PID", "PYTHONUNBUFFERED")}
+    proc = subprocess.Popen([sys.executable, "-c", LATE_LINE, entry], stdout=subprocess.PIPE,
+                            cwd=repo, env={**env, "PYTHONPATH": str(repo)})
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(timeout=30)
+        assert ready, "no line arrived within 30 s"
+        assert proc.stdout.readline() == b"step 1/2\n"
+        assert proc.poll() is None  # it arrived while the process still ran
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+# --- the first things a user meets: overrides of a factory, library chatter ---------------------
+
+def test_an_overridden_factory_is_told_its_kwargs_came_from_the_recipe(run_cli):
+    rc, out, err = run_cli("--validate", "recipes/grpo-vl.toml",
+                           "data.factory=examples.posttrain_extensions.build_prompt_dataset")
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        "recipes/grpo-vl.toml: data.factory: examples.posttrain_extensions.build_prompt_dataset: "
+        "cannot be called with these arguments: got an unexpected keyword argument 'split'. Its "
+        "signature is build_prompt_dataset(count: 'int' = 100) -> 'AdditionPrompts'. "
+        "data.factory_kwargs = {'split': 'train', 'count': 1000} came from the recipe (written "
+        "for its own data.factory), not from the command line: replace the whole table on the "
+        "command line too, data.factory_kwargs={...} with the new factory's arguments, or "
+        "data.factory_kwargs={} for none."]
+    rc, out, err = run_cli("--validate", "recipes/grpo-vl.toml",  # the table replaced: it binds
+                           "data.factory=examples.posttrain_extensions.build_prompt_dataset",
+                           "data.factory_kwargs={count = 10}")
+    assert rc == 0 and err == "", out + err
+
+
+def test_a_dpo_factory_over_the_built_in_pairs_says_how_to_turn_them_off(run_cli):
+    rc, out, err = run_cli("--validate-manifest", "recipes/dpo-arith.toml",
+                           "data.factory=examples.posttrain_extensions.build_preference_dataset")
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        "command line: data.factory: a DPO factory cannot be combined with data.synthetic_pairs "
+        "(got {'data.factory': 'examples.posttrain_extensions.build_preference_dataset'}). Use "
+        "either the factory or one built-in preference source; to train on the factory, turn "
+        "the built-in source off: data.synthetic_pairs=0 on the command line (or remove it from "
+        "the recipe)."]
+    rc, out, err = run_cli("--validate-manifest", "recipes/dpo-arith.toml",
+                           "data.factory=examples.posttrain_extensions.build_preference_dataset",
+                           "data.synthetic_pairs=0")
+    assert rc == 0, out + err
+
+
+def test_datasets_prints_nothing_before_the_one_line_error(tmp_path, repo):
+    """No "Generating train split" bar, no "Failed to load JSON" log: stderr holds only the
+    runner's line (the quiet settings are the runner's, not the environment's)."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(_jsonl(GOOD) + b'{"prompt": "2 + 2 =", "answer": \n')
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_DATASETS_", "DATASETS_", "TQDM_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner.cli", "--dry-run", "--plain", "recipes/grpo-arith.toml",
+         f"data.path={path}", "data.validation.enabled=false"], cwd=repo, capture_output=True,
+        text=True, timeout=300,
+        env={**env, "PYTHONPATH": str(repo), "POSTTRAIN_HOME": str(tmp_path / "home"),
+             "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"data.path: {path} line 2: not valid JSON (Expecting value at column 33). Write one "
+        "JSON object per line."]
+
+
+# --- prompts longer than the engine holds (rollout.max_model_len) -------------------------------
+
+def test_max_model_len_must_leave_room_for_the_completion(run_cli):
+    rc, out, err = run_cli("--validate-manifest", "recipes/grpo-arith.toml",
+                           "rollout.max_model_len=6")
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        "command line: rollout.max_model_len: must be 0 (derived) or more than the most new "
+        "tokens of a completion (6) (got 6)."]
+
+
+def test_max_model_len_beyond_the_models_context_is_refused(run_cli):
+    rc, out, err = run_cli("--dry-run", "--plain", "recipes/grpo-arith.toml",
+                           "rollout.max_model_len=300")
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        "rollout.max_model_len: is longer than the model's context (256, max_position_embeddings "
+        "of its config.json) (got 300). Set at most 256, or 0 to derive it."]
+
+
+def test_a_derived_max_model_len_covers_the_longest_prompt_within_the_context():
+    from runner.models import resolve_model_path
+    from runner.recipe.schema import Recipe
+    from runner.rollout.lengths import derived_limit
+
+    path = resolve_model_path("builtin:tiny-arith")  # max_position_embeddings 256
+    recipe = Recipe()  # max_new_tokens 16
+    assert derived_limit(recipe, path, [10, 50]).max_model_len == 128  # 66 rounded up to 64s
+    assert derived_limit(recipe, path, [48]).max_model_len == 64
+    assert derived_limit(recipe, path, []).max_model_len == 64
+    capped = derived_limit(recipe, path, [250])
+    assert (capped.max_model_len, capped.why) == (256, "the model's context")
+
+
+@pytest.mark.parametrize("engine,expected", [("hf", "256 (the model's context)"),
+                                             ("vllm", "64 (rollout.max_model_len derived")])
+def test_the_dry_run_shows_the_engines_max_model_len(run_cli, engine, expected, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    rc, out, err = run_cli("--dry-run", "--plain", "recipes/grpo-arith.toml",
+                           f"rollout.engine={engine}")
+    assert rc == 0, out + err
+    row = next(line for line in out.splitlines() if "rollout max_model_len" in line)
+    assert expected in row, row
+
+
+def _long_prompt_file(tmp_path: Path, prompt: str) -> Path:
+    path = tmp_path / "long.jsonl"
+    path.write_bytes(_jsonl(GOOD, {"prompt": prompt, "answer": "3"}, GOOD))
+    return path
+
+
+LONG_ARGS = ("data.prompt_column=prompt", "data.response_column=answer",
+             "data.validation.enabled=false", "rollout.max_model_len=32")  # 26 prompt tokens
+
+
+def test_a_prompt_too_long_in_characters_is_refused_before_tokenising(run_cli, tmp_path,
+                                                                      monkeypatch):
+    from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
+
+    def never(self, item):
+        raise AssertionError(f"a {len(item.prompt)}-character prompt was rendered")
+
+    path = _long_prompt_file(tmp_path, "1 + " * 100)  # 400 characters
+    real = DecoderOnlyLLMDataPacker.get_rollout_input
+    monkeypatch.setattr(DecoderOnlyLLMDataPacker, "get_rollout_input",
+                        lambda self, item: never(self, item) if len(str(item.prompt)) > 300
+                        else real(self, item))
+    rc, out, err = run_cli("--dry-run", "--plain", "recipes/grpo-arith.toml", f"data.path={path}",
+                           *LONG_ARGS)
+    assert rc == 2, out + err
+    assert err.splitlines() == [
+        f"data.prompt_column: row 1 of {path}: column 'prompt' is 400 characters long, more "
+        "than the 338 that 26 tokens can spell (13 characters per token at most; max_model_len "
+        "32 (rollout.max_model_len) less 6 new tokens); it is refused before tokenising. Shorten "
+        "or drop the row, or reshape rows with data.items_fn; or raise rollout.max_model_len."]
+
+
+def test_a_prompt_too_long_in_tokens_is_refused_before_the_run(run_cli, tmp_path):
+    import re
+
+    path = _long_prompt_file(tmp_path, "1 + " * 20)  # 80 characters, more than 26 tokens
+    rc, out, err = run_cli("--plain", "recipes/grpo-arith.toml", f"data.path={path}",
+                           f"run.output_dir={tmp_path / 'run'}", "run.max_steps=1", *LONG_ARGS)
+    assert rc == 2, out + err
+    assert len(err.splitlines()) == 1, err
+    assert re.fullmatch(
+        f"data.prompt_column: row 1 of {re.escape(str(path))}: column 'prompt' is \\d+ tokens "
+        "long, more than the 26 a prompt may have \\(max_model_len 32 \\(rollout.max_model_len\\) "
+        "less 6 new tokens\\). Shorten or drop the row, or reshape rows with data.items_fn; or "
+        "raise rollout.max_model_len.", err.strip()), err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+class _NoPacker:
+    """A packer that must not be asked to render: the prompt is refused before."""
+
+    def __init__(self, ids: int = 0) -> None:
+        self.ids = ids
+
+    def get_rollout_input(self, item):
+        if not self.ids:
+            raise AssertionError("rendered a prompt that should have been refused")
+        return item.prompt
+
+    def engine_prompt(self, rollout_input):
+        from runner.packers.base import EnginePrompt
+
+        return EnginePrompt(tuple(range(self.ids)))
+
+
+@pytest.mark.parametrize("ids,chars,expected", [
+    (0, 200, "is 200 characters long, more than the 112 that 56 tokens can spell (2 characters "
+     "per token at most; max_model_len 64 (rollout.max_model_len) less 8 new tokens); it is "
+     "refused before tokenising"),
+    (57, 40, "is 57 tokens long, more than the 56 a prompt may have (max_model_len 64 "
+     "(rollout.max_model_len) less 8 new tokens)"),
+])
+def test_a_drawn_prompt_that_does_not_fit_is_refused_naming_its_row(ids, chars, expected):
+    from runner.rollout.base import SamplingConfig
+    from runner.rollout.lengths import PromptLimit
+    from runner.train.roles import Rollout
+    from runner.types import MediaOrigin, ObsBundle
+
+    class Engine:
+        def generate(self, *args):
+            raise AssertionError("the engine got a prompt that does not fit")
+
+    item = ObsBundle("x" * chars, origin=MediaOrigin("row 7 of build_rows()", prompt_column="q"))
+    rollout = Rollout(Engine(), _NoPacker(ids), PromptLimit(64, "rollout.max_model_len", 2))
+    with pytest.raises(RecipeError) as info:
+        rollout.generate([item], SamplingConfig(n=2, max_new_tokens=8))
+    assert info.value.lines() == [
+        f"data.prompt_column: row 7 of build_rows(): column 'q' {expected}. Shorten or drop the "
+        "row, or reshape rows with data.items_fn; or raise rollout.max_model_len."]
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_the_engines_get_max_model_len(engine, monkeypatch):
+    import attrs
+
+    from runner.models import resolve_model_path
+    from runner.recipe.schema import Recipe
+    from runner.rollout.factory import make_engine
+
+    recipe = Recipe()
+    recipe = attrs.evolve(recipe, rollout=attrs.evolve(recipe.rollout, engine=engine))
+    path = resolve_model_path("builtin:tiny-arith")
+    if engine == "vllm":
+        import runner.rollout.vllm as vllm_engine
+
+        got = {}
+        monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kw: got.update(kw) or got)
+        make_engine(recipe, path, dtype="float32", max_model_len=96)
+        assert got["max_model_len"] == 96
+        return
+    from runner.errors import RunnerError
+    from runner.rollout.base import SamplingConfig
+
+    hf = make_engine(recipe, path, dtype="float32", max_model_len=20)
+    assert hf.max_model_len == 20
+    with pytest.raises(RunnerError, match="prompt 0 has 15 tokens; with 6 new tokens it exceeds "
+                       "the hf engine's max_model_len \\(20\\)"):
+        hf.generate([list(range(1, 16))], SamplingConfig(n=1, max_new_tokens=6))
+
+
+# --- a rank that dies or stops: one line from the driver, tracebacks in the run folder ----------
+
+def test_a_rank_error_none_of_the_projects_goes_to_a_file_not_the_terminal(tmp_path, capsys):
+    from runner.launch.worker import EXIT_TRACEBACK, logged, traceback_path
+
+    def broken() -> int:
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")
+
+    path = traceback_path(tmp_path / "run", 0)
+    assert logged(broken, path) == EXIT_TRACEBACK
+    assert capsys.readouterr() == ("", "")
+    text = path.read_text()
+    assert text.startswith("Traceback") and text.rstrip().endswith(
+        "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:4242")
+    with pytest.raises(RecipeError):  # the project's own errors are rendered as before
+        logged(lambda: (_ for _ in ()).throw(RecipeError([])), path)
+
+
+def _fake_ranks(tmp_path: Path, rank0_exits_after: float):
+    import subprocess
+    import sys
+
+    from runner.launch.torchrun import _Ranks
+    from runner.launch.worker import traceback_path
+
+    logs = tmp_path / "run" / "logs"
+    ranks = _Ranks([], logs, timeout_s=20)
+    trace = traceback_path(logs.parent, 0)
+    trace.parent.mkdir(parents=True)
+    trace.write_text("Traceback (most recent call last):\n  ...\nRuntimeError: [gloo] Timed out "
+                     "waiting 20000ms for recv operation to complete\n")
+    code = f"import sys, time; time.sleep({rank0_exits_after}); sys.exit(3)"
+    for argv in ([sys.executable, "-c", code], [sys.executable, "-c", "import time; "
+                                                "time.sleep(60)"]):
+        ranks.procs.append(subprocess.Popen(argv, start_new_session=True))
+    return ranks, trace
+
+
+RESUME = "The latest complete checkpoint is intact: run the same command again to resume"
+
+
+def test_a_stopped_rank_is_named_not_the_rank_that_waited_for_it(tmp_path):
+    import os
+    import signal
+
+    from runner.errors import RunnerError
+
+    ranks, trace = _fake_ranks(tmp_path, 0.5)
+    os.kill(ranks.procs[1].pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RunnerError) as info:
+            ranks.watch()
+    finally:
+        ranks.kill()
+    assert str(info.value) == (
+        f"rank 1 (pid {ranks.procs[1].pid}) stopped answering (its process is stopped, e.g. by "
+        "SIGSTOP): rank 0 waited for it in a collective for up to launch.collective_timeout_s = "
+        "20 s, then failed with RuntimeError: [gloo] Timed out waiting 20000ms for recv "
+        f"operation to complete (traceback: {trace}); the ranks were stopped. {RESUME}")
+
+
+def test_a_dead_rank_is_named_and_the_survivors_tracebacks_are_in_files(tmp_path):
+    import os
+    import signal
+
+    from runner.errors import RunnerError
+
+    ranks, trace = _fake_ranks(tmp_path, 1.0)
+    os.kill(ranks.procs[1].pid, signal.SIGKILL)
+    try:
+        with pytest.raises(RunnerError) as info:
+            ranks.watch()
+    finally:
+        ranks.kill()
+    assert ranks.procs[0].returncode == 3  # it failed on its own within the grace period
+    assert str(info.value) == (
+        f"rank 1 (pid {ranks.procs[1].pid}) was killed by SIGKILL; the other ranks were stopped "
+        f"(their tracebacks: {trace}). {RESUME}")

@@ -55,7 +55,7 @@ class ColumnMap:
             videos=_as_tuple(get(self.video, "data.video_column")) if self.video else (),
             id=str(get(self.id, "data.id_column")) if self.id else "",
             metadata={name: get(name, "data.metadata_columns") for name in self.metadata},
-            origin=MediaOrigin(where, self.image, self.video),
+            origin=MediaOrigin(where, self.image, self.video, self.prompt),
         )
 
 

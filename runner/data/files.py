@@ -9,7 +9,8 @@ Text files (jsonl, json, csv) are checked first: invalid UTF-8 and a malformed j
 reported with the file and the line number an editor shows, an empty file is named as empty.
 ``datasets`` converts a local file to Arrow before reading it; that cache goes under the
 project's cache folder, ``<POSTTRAIN_HOME>/datasets`` (default
-``~/.cache/posttrain-runner/datasets``), and whatever a failed read left there is removed.
+``~/.cache/posttrain-runner/datasets``); one read of it runs at a time across processes, and
+whatever a failed read left there is removed.
 
 A hub name needs the network or the local ``datasets`` cache. Before asking the hub, the host is
 probed once with a short timeout; when it does not answer, only the cache is tried, so a run
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import hashlib
 import json
 import os
@@ -108,22 +110,49 @@ def load_local(path: str, split: str, *, key: str, split_key: str) -> tuple[Any,
     import datasets
 
     cache = arrow_cache_dir()
-    before = _entries(cache)
-    try:
-        if len(files) == 1 and Path(path).is_file():
-            ds = datasets.load_dataset(builder, data_files={split: str(files[0])}, split=split,
-                                       cache_dir=str(cache))
-        else:
-            ds = datasets.load_dataset(builder, data_dir=path, split=split, cache_dir=str(cache))
-    except ValueError as exc:
-        _remove_new(cache, before)
-        if "split" in str(exc).lower():
-            raise RecipeError([Problem(split_key, f"{path}: {exc}", got=split)]) from exc
-        raise _unreadable(key, path, files, exc) from exc
-    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds on a bad file
-        _remove_new(cache, before)
-        raise _unreadable(key, path, files, exc) from exc
+    with _cache_use(cache) as before:
+        try:
+            if len(files) == 1 and Path(path).is_file():
+                ds = datasets.load_dataset(builder, data_files={split: str(files[0])},
+                                           split=split, cache_dir=str(cache))
+            else:
+                ds = datasets.load_dataset(builder, data_dir=path, split=split,
+                                           cache_dir=str(cache))
+        except ValueError as exc:
+            _remove_new(cache, before)
+            if "split" in str(exc).lower():
+                raise RecipeError([Problem(split_key, f"{path}: {exc}", got=split)]) from exc
+            raise _unreadable(key, path, files, exc) from exc
+        except Exception as exc:  # noqa: BLE001 - datasets raises many kinds on a bad file
+            _remove_new(cache, before)
+            full = _storage_error(exc)
+            if full:
+                from runner.errors import RuntimeFailure
+
+                raise RuntimeFailure("data", None, f"{key}: cannot write the Arrow copy of "
+                                     f"{path} under {cache}: {full}; free space there, or set "
+                                     "POSTTRAIN_HOME to a folder on another disk") from exc
+            raise _unreadable(key, path, files, exc) from exc
     return ds, {"path": path, "file_size": str(size), "content_sha256": sha, "split": split}
+
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # the cache, not the data, failed
+
+
+def _storage_error(exc: BaseException | None) -> str:
+    """``"<reason> [errno N]"`` of a full-disk (quota, read-only) OSError in ``exc``'s chain, or
+    "": datasets wraps it in errors of its own, and Arrow's carries the errno only in its text."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            if exc.errno in STORAGE_ERRNOS:
+                return f"{exc.strerror or exc} [errno {exc.errno}]"
+            for code in STORAGE_ERRNOS:
+                if os.strerror(code) in str(exc):
+                    return f"{os.strerror(code)} [errno {code}]"
+        exc = exc.__cause__ or exc.__context__
+    return ""
 
 
 def arrow_cache_dir() -> Path:
@@ -137,8 +166,28 @@ def _entries(folder: Path) -> set[Path]:
     return set(folder.rglob("*")) if folder.is_dir() else set()
 
 
+_CACHE_LOCK = ".posttrain-readers.lock"
+
+
+@contextlib.contextmanager
+def _cache_use(folder: Path) -> Iterator[set[Path]]:
+    """One read of ``folder`` at a time across processes (ranks of a run, other runs), under a
+    lock the OS drops with a dead process; yields what the folder held before, so a failed
+    read removes its own leftovers only, never files another read is writing."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / _CACHE_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield _entries(folder)
+
+
 def _remove_new(folder: Path, before: set[Path]) -> None:
     """Remove what a failed read added to the cache (partial Arrow files, lock files)."""
+    _remove_entries(folder, before | {folder / _CACHE_LOCK})
+
+
+def _remove_entries(folder: Path, before: set[Path]) -> None:
     for entry in sorted(_entries(folder) - before, key=lambda p: len(p.parts)):
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)

@@ -113,6 +113,17 @@ class PromptSource:
             for i, value in enumerate(self._column_values(column)):
                 check_value(problem_of(value), f"row {i} of {self.label}", column, key)
 
+    def prompt_lengths(self) -> list[tuple[int, int]]:
+        """(row, characters of its prompt) for every row, where the source reads whole columns
+        (a ``datasets`` table, no items_fn): what the run checks before any prompt is
+        tokenised. Other sources give [] (their prompts are checked as they are drawn)."""
+        from runner.rollout.lengths import prompt_chars
+
+        if self._column_values is None or self._items_fn is not None:
+            return []
+        return [(i, prompt_chars(value))
+                for i, value in enumerate(self._column_values(self.columns.prompt))]
+
     def fingerprint_parts(self) -> dict[str, str]:
         return {**self.identity, "columns": self.columns.describe(),
                 "items_fn": self.items_fn_path, "shuffle": str(self.shuffle).lower(),

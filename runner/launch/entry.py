@@ -7,6 +7,7 @@ Ray's rank actors and Ray's role actors share.
 - ``enter_rank`` is what a process started for a run does first, once: change to the driver's
   working directory, make it importable, quiet the libraries, parse the payload's recipe again.
 - ``rank_plan`` is the plan of a rank in its launcher's world.
+- ``line_buffered_stdout`` is the first thing the CLI and a rank worker do.
 
 Imports no torch: the CLI imports this module at start.
 """
@@ -48,6 +49,19 @@ def guarded(run: Callable[[], int], prefix: str = "") -> int:
         print(safe_line(f"{prefix}error: driver: {exc.strerror or exc} [errno {exc.errno}]{where}"),
               file=sys.stderr)
         return EXIT_FAILURE
+
+
+def line_buffered_stdout() -> None:
+    """Send each line printed to stdout on at its end, also where stdout is a pipe or a file
+    (block-buffered there by default): step lines reach a log, a CI job or the launcher when
+    they happen, not when a buffer fills or the process exits."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is None:  # replaced by an object that is no text stream
+        return
+    try:
+        reconfigure(line_buffering=True)
+    except (ValueError, OSError):  # closed, or detached from its buffer
+        pass
 
 
 def error_prefix(ctx: RankContext | None) -> str:

@@ -38,7 +38,10 @@ class Payload:
         return cls(text, recipe_hash(recipe), source, tuple(overrides), cwd, plain)
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(attrs.asdict(self)), encoding="utf-8")
+        from runner.state.run_folder import writing
+
+        with writing("the ranks' payload", path, role="driver"):
+            path.write_text(json.dumps(attrs.asdict(self)), encoding="utf-8")
 
     @classmethod
     def read(cls, path: Path) -> Payload:

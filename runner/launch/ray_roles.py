@@ -56,10 +56,12 @@ class RolloutActor:
             from runner.models import resolve_model_path
             from runner.precision import resolve
             from runner.rollout.factory import make_engine
+            from runner.rollout.lengths import stated_limit
 
             recipe = enter_rank(self.payload)
-            self.engine = make_engine(recipe, resolve_model_path(recipe.model.path),
-                                      dtype=resolve(recipe).engine_dtype)
+            path = resolve_model_path(recipe.model.path)
+            self.engine = make_engine(recipe, path, dtype=resolve(recipe).engine_dtype,
+                                      max_model_len=stated_limit(recipe, path).max_model_len)
         return self.engine
 
     def generate(self, prompts: list[Any], sampling: Any, seeds: list[int] | None

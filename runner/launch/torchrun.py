@@ -10,7 +10,11 @@ with the environment torchrun would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_R
   overrides, the working directory) and builds its own objects from it;
 - the first Ctrl-C / SIGTERM is passed to every rank once (the ranks agree on a step to stop
   after and rank 0 checkpoints it); a second one kills them;
-- when a rank dies, the survivors are stopped within seconds and the driver exits 1 naming it.
+- when a rank dies, the survivors are stopped within seconds and the driver exits 1 naming it
+  in one line. A rank that fails with an error none of the project's (a collective broken by
+  the dead rank) prints nothing: its traceback is in ``<output_dir>/logs/``, and the line
+  names the file. A rank whose process is stopped (SIGSTOP) is named as the one that stopped
+  answering, not the rank whose collective timed out waiting for it.
 Workers die with the driver (PR_SET_PDEATHSIG), so a killed job leaves no orphans.
 """
 
@@ -79,12 +83,72 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-class _Ranks:
-    """The worker processes and what the driver does with them."""
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger): Linux's
+    ``/proc/PID/stat`` state T or t; False where that cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[-1].split()
+    return bool(fields) and fields[0] in ("T", "t")
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+
+def _last_line(path: Path) -> str:
+    lines = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+    return lines[-1].strip() if lines else "(empty)"
+
+
+class _Ranks:
+    """The worker processes and what the driver does with them. ``logs``: the run folder's
+    ``logs/``, where a rank writes the traceback of an error none of the project's;
+    ``timeout_s``: ``launch.collective_timeout_s``."""
+
+    def __init__(self, procs: list[subprocess.Popen], logs: Path | None = None,
+                 timeout_s: float = 0.0) -> None:
         self.procs = procs
         self.signals = 0
+        self.logs = logs
+        self.timeout_s = timeout_s
+        self.started = time.time()
+
+    def tracebacks(self) -> dict[int, Path]:
+        """The traceback files the ranks of this job wrote, by rank."""
+        from runner.launch.worker import traceback_path
+
+        if self.logs is None:
+            return {}
+        found = {}
+        for rank in range(len(self.procs)):
+            path = traceback_path(self.logs.parent, rank)
+            try:
+                if path.stat().st_mtime >= self.started - 1:
+                    found[rank] = path
+            except OSError:
+                continue
+        return found
+
+    def blame(self, rank: int, code: int, stopped: list[int]) -> str:
+        """The one line for a job that rank ``rank`` ended with ``code``; ``stopped``: the
+        ranks whose processes were stopped when it did."""
+        from runner.launch.worker import EXIT_TRACEBACK
+
+        logs = self.tracebacks()
+        why = (f"failed with {_last_line(logs[rank])} (traceback: {logs[rank]})"
+               if code == EXIT_TRACEBACK and rank in logs else _describe(code))
+        resume = ("The latest complete checkpoint is intact: run the same command again to "
+                  "resume")
+        culprits = [r for r in stopped if r != rank]
+        if culprits:
+            k = culprits[0]
+            return (f"rank {k} (pid {self.procs[k].pid}) stopped answering (its process is "
+                    f"stopped, e.g. by SIGSTOP): rank {rank} waited for it in a collective for "
+                    f"up to launch.collective_timeout_s = {self.timeout_s:g} s, then {why}; the "
+                    f"ranks were stopped. {resume}")
+        others = [str(p) for r, p in sorted(logs.items()) if r != rank]
+        seen = f" (their tracebacks: {', '.join(others)})" if others else ""
+        return (f"rank {rank} (pid {self.procs[rank].pid}) {why}; the other ranks were "
+                f"stopped{seen}. {resume}")
 
     def forward(self, signum: int, frame: object) -> None:
         self.signals += 1
@@ -116,15 +180,15 @@ class _Ranks:
                 return 130
             if failed:
                 rank, code = failed[0]
+                stopped = [r for r, p in enumerate(self.procs)
+                           if p.poll() is None and is_stopped(p.pid)]
                 deadline = time.monotonic() + GRACE_S
                 while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
                     time.sleep(POLL_S)
                 self.kill()
                 if code == 2 and all(p.returncode == 2 for p in self.procs):
                     return 2  # the same recipe error on every rank (already printed by each)
-                raise RunnerError(f"rank {rank} (pid {self.procs[rank].pid}) {_describe(code)}; "
-                                  f"the other ranks were stopped. The latest complete checkpoint "
-                                  f"is intact: run the same command again to resume")
+                raise RunnerError(self.blame(rank, code, stopped))
             if all(c is not None for c in codes):
                 return 130 if 130 in codes else 0
             time.sleep(POLL_S)
@@ -140,7 +204,8 @@ def launch_torchrun(payload: Payload, world: int, timeout_s: float) -> int:
         cmd = [sys.executable, "-m", "runner.launch.worker", str(path)]
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         procs: list[subprocess.Popen] = []
-        ranks = _Ranks(procs)
+        logs = Path(payload.cwd) / payload.recipe().run.output_dir / "logs"
+        ranks = _Ranks(procs, logs, timeout_s)
         try:
             for s in old:
                 signal.signal(s, ranks.forward)

@@ -9,9 +9,11 @@ imported: its dependencies (llama.cpp bindings) are deliberately not installed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from runner.errors import Problem, RecipeError
@@ -58,6 +60,22 @@ def available() -> bool:
     return importlib.util.find_spec("gguf") is not None
 
 
+@contextlib.contextmanager
+def _quiet_gguf_bar() -> Iterator[None]:
+    """transformers draws its GGUF de-quantizing bar with tqdm directly (not behind its own
+    progress switch): it would land on stderr ahead of the run's output."""
+    from functools import partial
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def convert(folder: Path) -> dict[str, object]:
     """Write the float32 model folder into ``folder``; returns build info."""
     source = gguf_path()
@@ -68,9 +86,10 @@ def convert(folder: Path) -> dict[str, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32
-    )
+    with _quiet_gguf_bar():
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32
+        )
     # The weights are already dequantised to float32: drop what marks the model as GGUF-quantised
     # (save_pretrained refuses a "quantized" model, and vLLM would look for a quantization).
     model.hf_quantizer = None

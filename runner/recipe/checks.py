@@ -222,6 +222,10 @@ def check_ranges(r: Recipe) -> list[Problem]:
     p += _range("rollout.top_p", r.rollout.top_p, 0 < r.rollout.top_p <= 1, "in (0, 1]")
     p += _range("rollout.top_k", r.rollout.top_k, r.rollout.top_k >= 0, ">= 0")
     p += _range("rollout.batch_size", r.rollout.batch_size, r.rollout.batch_size >= 1, ">= 1")
+    longest = max(r.rollout.max_new_tokens, r.eval.max_new_tokens)
+    p += _range("rollout.max_model_len", r.rollout.max_model_len,
+                r.rollout.max_model_len == 0 or r.rollout.max_model_len > longest,
+                f"0 (derived) or more than the most new tokens of a completion ({longest})")
     p += _range("rollout.gpu_memory_utilization", r.rollout.gpu_memory_utilization,
                 0 < r.rollout.gpu_memory_utilization <= 1, "in (0, 1]")
     p += _range("checkpoint.every_steps", r.checkpoint.every_steps, r.checkpoint.every_steps >= 1, ">= 1")
@@ -375,8 +379,8 @@ MAX_TAR_BYTES = 1 << 40  # data.tar_max_bytes (1 TiB)
 _ITEM_KEYS = ("data.count", "data.validation.size", "data.synthetic_pairs")
 _STEP_KEYS = ("run.max_steps", "train.warmup_steps", "train.eval_every", "checkpoint.every_steps",
               "checkpoint.keep_last", "logging.every_steps", "logging.sample_every")
-_PER_STEP_KEYS = ("train.grad_accum_steps", "rollout.max_new_tokens", "rollout.top_k",
-                  "rollout.batch_size", "algo.prompts_per_step", "algo.group_size",
+_PER_STEP_KEYS = ("train.grad_accum_steps", "rollout.max_new_tokens", "rollout.max_model_len",
+                  "rollout.top_k", "rollout.batch_size", "algo.prompts_per_step", "algo.group_size",
                   "algo.samples_per_prompt", "algo.pairs_per_step", "algo.ppo_epochs",
                   "algo.minibatches")
 

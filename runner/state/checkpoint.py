@@ -26,13 +26,14 @@ newest intact one, saying which it skipped and why; one whose files are whole bu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,8 @@ def optimizer_from_files(meta: dict[str, Any], tensors: dict[str, torch.Tensor])
 # --- save / load --------------------------------------------------------------------------------
 
 def _write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=1, sort_keys=True), encoding="utf-8")
+    with _file(path):
+        path.write_text(json.dumps(value, indent=1, sort_keys=True), encoding="utf-8")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -143,32 +145,58 @@ def _fsync_dir(path: Path) -> None:
 
 def _fail_cleanly(write: Callable[..., Path]) -> Callable[..., Path]:
     """A failed write (full disk, read-only folder) becomes one ``RuntimeFailure`` naming the
-    step and the path; the temporary folder (and pointer) of this process are removed first."""
+    step, the checkpoint and the file of it being written; the temporary folder (and pointer)
+    of this process are removed first."""
 
     @functools.wraps(write)
     def wrapper(root: Path, step: int, **parts: Any) -> Path:
         try:
             return write(root, step, **parts)
-        except (OSError, SafetensorError, RuntimeError) as exc:
-            for partial in (root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}",
-                            root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"):
+        except (OSError, SafetensorError, RuntimeError, _FileWriteError) as exc:
+            partial_dir = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
+            for partial in (partial_dir, root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"):
                 if partial.is_dir():
                     shutil.rmtree(partial, ignore_errors=True)
                 elif partial.exists():
                     partial.unlink(missing_ok=True)
+            error, file = exc, None
+            if isinstance(exc, _FileWriteError):
+                error, file = exc.error, exc.path
+            if isinstance(error, OSError) and error.filename:
+                file = Path(error.filename)  # the OS named the file: more precise
+            inside = file is not None and file.is_relative_to(partial_dir)
+            where = (f" ({file.relative_to(partial_dir) if inside else file})"
+                     if file is not None else "")
             raise RuntimeFailure(
-                WRITER_ROLE, step, f"cannot write checkpoint {root / step_dirname(step)}: "
-                f"{describe_write_error(exc)}; the partial checkpoint was removed and earlier "
-                "checkpoints are untouched") from exc
+                WRITER_ROLE, step, f"cannot write checkpoint {root / step_dirname(step)}{where}: "
+                f"{describe_write_error(error)}; the partial checkpoint was removed and "
+                "earlier checkpoints are untouched") from exc
 
     return wrapper
 
 
+class _FileWriteError(Exception):
+    """Writing ``path`` (inside the temporary checkpoint folder) failed with ``error``."""
+
+    def __init__(self, path: Path, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.path, self.error = path, error
+
+
+@contextlib.contextmanager
+def _file(path: Path) -> Iterator[None]:
+    """Name ``path`` in a write error raised inside: a full disk fails ``write`` or ``close``
+    with an OSError that names no file, and safetensors with its own error."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        raise _FileWriteError(path, exc) from exc
+
+
 def describe_write_error(exc: BaseException) -> str:
-    """One line for a failed write: the OS reason and the file when known."""
+    """One line for a failed write: the OS reason (the caller names the file), or the error."""
     if isinstance(exc, OSError) and exc.strerror:
-        where = f" ({exc.filename})" if exc.filename else ""
-        return f"{exc.strerror} [errno {exc.errno}]{where}"
+        return f"{exc.strerror} [errno {exc.errno}]"
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -196,29 +224,35 @@ def save_checkpoint(
     final = root / step_dirname(step)
     tmp = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
     tmp.mkdir()
-    model.save_pretrained(tmp / "model", safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp / "model")
+    with _file(tmp / "model"):
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "model")
     for name, module in (extra_modules or {}).items():
         (tmp / "extra_models" / name).mkdir(parents=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
-                  tmp / "extra_models" / name / "model.safetensors")
+        with _file(out := tmp / "extra_models" / name / "model.safetensors"):
+            save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
+                      out)
     for prefix, opt in [("optimizer", optimizer)] + [
             (f"optimizer-{name}", o) for name, o in (extra_optimizers or {}).items()]:
         opt_meta, opt_tensors = optimizer_to_files(opt)
-        save_file(opt_tensors, tmp / f"{prefix}.safetensors")
+        with _file(tmp / f"{prefix}.safetensors"):
+            save_file(opt_tensors, tmp / f"{prefix}.safetensors")
         _write_json(tmp / f"{prefix}.json", opt_meta)
     rngs = rng_per_rank or [capture_rng()]
     rng_tensors = {f"{kind}.{r}": _bytes_tensor(rng[kind]) for r, rng in enumerate(rngs)
                    for kind in ("torch", "cuda") if rng.get(kind) is not None}
-    save_file(rng_tensors, tmp / "rng.safetensors")
+    with _file(tmp / "rng.safetensors"):
+        save_file(rng_tensors, tmp / "rng.safetensors")
     _write_json(tmp / "state.json", {**attrs.asdict(state), "rng": [
         {"python": rng["python"], "numpy": rng["numpy"]} for rng in rngs]})
-    with open(tmp / "metrics.jsonl", "w", encoding="utf-8") as f:
+    with _file(tmp / "metrics.jsonl"), open(tmp / "metrics.jsonl", "w", encoding="utf-8") as f:
         for row in metrics_rows:
             f.write(json.dumps(row, sort_keys=True) + "\n")
-    integrity.write_manifest(tmp, step, skip=(COMPLETE,))
-    (tmp / COMPLETE).write_text(str(step))
+    with _file(tmp / integrity.MANIFEST):
+        integrity.write_manifest(tmp, step, skip=(COMPLETE,))
+    with _file(tmp / COMPLETE):
+        (tmp / COMPLETE).write_text(str(step))
     _fsync_dir(tmp)
     if final.exists():  # a checkpoint of this step from an earlier lineage: replace it
         shutil.rmtree(final)
@@ -253,8 +287,9 @@ def _alive(pid: int) -> bool:
 
 def _point_latest(root: Path, name: str) -> None:
     tmp = root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"
-    tmp.write_text(name)
-    os.replace(tmp, root / LATEST)
+    with _file(root / LATEST):
+        tmp.write_text(name)
+        os.replace(tmp, root / LATEST)
     _fsync_dir(root)
 
 

@@ -5,17 +5,23 @@ run lives. The operating system drops the lock when the process ends, however it
 SIGKILL), so a stale lock file never blocks the next run; the pid written into the file only
 serves the message. ``no_follow`` is an ``opener`` for ``open`` that refuses to write through a
 symbolic link, so a link planted at ``metrics.jsonl`` cannot redirect the run's writes.
+
+A write that fails (a full disk, a read-only folder, a quota) is an ``OSError`` that names no file
+when it comes from ``write`` or ``close`` ("No space left on device"): ``writing`` turns it into
+one ``RuntimeFailure`` naming the file being written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from runner.errors import Problem, RecipeError
+from runner.errors import Problem, RecipeError, RuntimeFailure
 
 LOCK_NAME = "run.lock"
 
@@ -35,6 +41,19 @@ def write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` (created or truncated), never through a symbolic link."""
     with open(path, "w", encoding="utf-8", opener=no_follow) as handle:
         handle.write(text)
+
+
+@contextlib.contextmanager
+def writing(what: str, path: Path, *, role: str = "policy", step: int | None = None
+            ) -> Iterator[None]:
+    """Turn an ``OSError`` inside the block into ``RuntimeFailure``: ``role at step N: cannot
+    write <what> <path>: <reason> [errno N]`` (the file the error names, when another)."""
+    try:
+        yield
+    except OSError as exc:
+        other = f" ({exc.filename})" if exc.filename and exc.filename != str(path) else ""
+        raise RuntimeFailure(role, step, f"cannot write {what} {path}: "
+                             f"{exc.strerror or exc} [errno {exc.errno}]{other}") from exc
 
 
 class RunLock:
@@ -63,10 +82,15 @@ class RunLock:
             raise RecipeError([Problem(
                 "run.output_dir", f"another run{who} is using {output_dir}: it holds {path}",
                 hint="wait for it to finish, stop it, or choose another run.output_dir")]) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
+        try:
+            with writing("the run lock", path):
+                handle.seek(0)
+                handle.truncate()
+                handle.write(f"{os.getpid()}\n")
+                handle.flush()
+        except RuntimeFailure:
+            handle.close()
+            raise
         return cls(handle, path)
 
     def release(self) -> None:

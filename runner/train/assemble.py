@@ -30,6 +30,7 @@ from runner.recipe.plan import RunPlan
 from runner.recipe.resolved import write_resolved
 from runner.recipe.schema import Recipe
 from runner.rewards import RewardSet, build_rewards
+from runner.rollout.lengths import PromptLimit
 from runner.state.checkpoint import (
     LoadedCheckpoint,
     TrainingState,
@@ -51,7 +52,7 @@ from runner.train.roles import (
     prepare_trainable,
 )
 from runner.train.seeds import seed_everything
-from runner.train.streams import OPEN
+from runner.train.streams import OPEN, OpenedData, Streamed
 from runner.train.teacher import Teacher
 from runner.types import ObsBundle
 from runner.ui import MetricsLog, Reporter
@@ -223,6 +224,17 @@ def make_accelerator(device: str, precision: Precision) -> Accelerator:
     return Accelerator(cpu=device == "cpu", mixed_precision=precision.train)
 
 
+def _prompt_limit(recipe: Recipe, base: Path, packer: DataPacker, tokenizer: Any,
+                  opened: OpenedData, streamed: Streamed, *, remote: bool) -> PromptLimit:
+    """The engine's ``max_model_len`` and the check of every prompt that can be checked before
+    the run (``runner.rollout.lengths.run_limit``). A Ray rollout actor sizes its engine
+    without the prompts, so ranks that use one measure none."""
+    from runner.rollout.lengths import run_limit
+
+    sources, held_out = opened.prompts_to_check(streamed)
+    return run_limit(recipe, base, packer, tokenizer, sources, held_out, measure=not remote)
+
+
 class _Steps:
     """Runs the build in named roles, remembering the first that failed (and how)."""
 
@@ -294,6 +306,12 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     generates = "rollout" in plan.roles
     engine_packer = (step("rollout", lambda: build_packer(base, model_type, factory, **options))
                      if generates else None)
+    # Every rank checks every prompt it can before the run (and measures them for a derived
+    # vllm max_model_len), before the handshake: a refused prompt stops every rank at once.
+    remote = bool(actors is not None and actors.rollout)
+    limit = (step("rollout", lambda: _prompt_limit(recipe, base, engine_packer, tokenizer,
+                                                   opened, streamed, remote=remote))
+             if generates else None)
     fingerprint = data.cursor.fingerprint if data is not None else ""
     hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, base)))
               if ctx.world_size > 1 else {})
@@ -309,11 +327,11 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     policy = prepare_trainable(accelerator, model, recipe, pad_free=pad_free,
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
-    remote = bool(actors is not None and actors.rollout)
     engine = ((actors.rollout_engine(ctx) if remote and actors is not None
-               else make_engine(recipe, model_dir, dtype=precision.engine_dtype))
+               else make_engine(recipe, model_dir, dtype=precision.engine_dtype,
+                                max_model_len=limit.max_model_len if limit else None))
               if generates else None)
-    rollout = Rollout(engine, engine_packer) if generates else None
+    rollout = Rollout(engine, engine_packer, limit) if generates else None
     tensorboard = recipe.logging.tensorboard and ctx.is_main
     metrics = MetricsLog(plan.metrics_path if ctx.is_main else None,
                          ckpt.metrics_rows if ckpt else [],

@@ -20,6 +20,7 @@ from runner.errors import NonFiniteUpdate
 from runner.packers.base import DataPacker, PolicyBatch
 from runner.recipe.schema import Recipe
 from runner.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
+from runner.rollout.lengths import PromptLimit
 from runner.train.policy import batch_logprobs, forward_logits, make_optimizer, make_scheduler
 from runner.types import ObsBundle
 
@@ -226,9 +227,11 @@ class Frozen:
 class Rollout:
     """The rollout role: the engine and the rollout-side packer that feeds it."""
 
-    def __init__(self, engine: RolloutEngine, packer: DataPacker) -> None:
+    def __init__(self, engine: RolloutEngine, packer: DataPacker,
+                 limit: PromptLimit | None = None) -> None:
         self.engine = engine
         self.packer = packer
+        self.limit = limit or PromptLimit(None, "no limit")
 
     @property
     def shared(self) -> bool:
@@ -237,8 +240,16 @@ class Rollout:
 
     def generate(self, items: Sequence[ObsBundle], sampling: SamplingConfig,
                  seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
-        prompts = [self.packer.engine_prompt(self.packer.get_rollout_input(item))
-                   for item in items]
+        """The engine's outputs for ``items``. A prompt that does not fit the engine's
+        ``max_model_len`` with ``sampling.max_new_tokens`` is refused naming its row: by its
+        characters before it is rendered, by its tokens after."""
+        prompts = []
+        for item in items:
+            self.limit.check_item(item, sampling.max_new_tokens)
+            prompt = self.packer.engine_prompt(self.packer.get_rollout_input(item))
+            self.limit.check_tokens(len(prompt.full_ids), sampling.max_new_tokens,
+                                    item.origin.where, item.origin.prompt_column)
+            prompts.append(prompt)
         return self.engine.generate(prompts, sampling, seeds)
 
     def update_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -39,6 +39,12 @@ class OpenedData(Protocol):
     def fingerprint_parts(self) -> dict[str, str]: ...
     def stream(self, recipe: Recipe, ctx: RankContext, cursor: DataCursor | None) -> Streamed: ...
 
+    def prompts_to_check(self, streamed: Streamed
+                         ) -> tuple[list[PromptSource], list[ObsBundle]]:
+        """What the engine's prompt-length check reads before the run: the sources whose every
+        row's characters it checks, and the held-out items whose tokens it measures."""
+        ...
+
 
 @attrs.frozen
 class OpenedPrompts:
@@ -60,6 +66,13 @@ class OpenedPrompts:
         mine = shard(np.arange(len(val)), ctx.rank, ctx.world_size)
         return Streamed(stream, [val.item(int(i)) for i in mine], True)
 
+    def prompts_to_check(self, streamed: Streamed
+                         ) -> tuple[list[PromptSource], list[ObsBundle]]:
+        """The training and held-out sources, and every rank's held-out items."""
+        val = self.held_out
+        sources = [self.train] if val is None else [self.train, val]
+        return sources, [val.item(i) for i in range(len(val))] if val is not None else []
+
 
 @attrs.frozen
 class OpenedPairs:
@@ -76,6 +89,12 @@ class OpenedPairs:
         env = self.env if cursor is None else self.env.resume_at(cursor)
         held_out = env.validation_pairs()
         return Streamed(env, [pair_item(p) for p in held_out], env.held_out is not None)
+
+    def prompts_to_check(self, streamed: Streamed
+                         ) -> tuple[list[PromptSource], list[ObsBundle]]:
+        """No prompt source (DPO generates for its held-out pairs only); this rank's held-out
+        pairs as prompts."""
+        return [], streamed.held_out_items
 
 
 def open_prompts(recipe: Recipe, ctx: RankContext) -> OpenedPrompts:
