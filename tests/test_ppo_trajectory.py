@@ -1,17 +1,15 @@
-"""PPO end to end with a custom source: the PPO-only columns (image, id, allowlisted metadata)
-reach the trajectory the reward sees, and each prompt is tokenised once, on the rollout side."""
+"""PPO with a custom source: the PPO-only columns (image, id, allowlisted metadata) reach the
+trajectory the reward sees, and each prompt is tokenised once, on the rollout side (one step,
+called directly on a run assembled in this process: ``tests/tiny_run.py``)."""
 
 from __future__ import annotations
 
 import importlib
-import json
-
-import pytest
 
 from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
 from runner.rewards.builtin import arithmetic_exact
-
-pytestmark = pytest.mark.slow
+from runner.train import ppo
+from tests.tiny_run import tiny_run
 
 SEEN: list = []  # the items the reward was called with
 
@@ -45,14 +43,13 @@ def recording_reward(completions, items):
 RECIPE = """
 [run]
 max_steps = 2
-output_dir = "{out}"
 
 [model]
 path = "builtin:tiny-arith"
 
 [data]
 factory = "tests.test_ppo_trajectory.ppo_rows"
-factory_kwargs = {{ count = 16 }}
+factory_kwargs = { count = 16 }
 prompt_column = "q"
 response_column = "a"
 image_column = "img"
@@ -75,7 +72,7 @@ functions = ["tests.test_ppo_trajectory.recording_reward"]
 """
 
 
-def test_ppo_columns_reach_the_trajectory_and_prompts_are_tokenised_once(tmp_path, run_cli, monkeypatch):
+def test_ppo_columns_reach_the_trajectory_and_prompts_are_tokenised_once(tmp_path, monkeypatch):
     encoded: list[int] = []
     original = DecoderOnlyLLMDataPacker.encode_rollout_input
 
@@ -89,11 +86,12 @@ def test_ppo_columns_reach_the_trajectory_and_prompts_are_tokenised_once(tmp_pat
     seen = importlib.import_module("tests.test_ppo_trajectory").SEEN
     seen.clear()
     recipe = tmp_path / "ppo.toml"
-    recipe.write_text(RECIPE.format(out=tmp_path / "run"))
-    rc, out, err = run_cli("--plain", str(recipe))
-    assert rc == 0, out + err
-    # 2 steps x 4 prompts x 2 samples, each completion with its own item.
-    assert len(seen) == 16
+    recipe.write_text(RECIPE)
+    with tiny_run(recipe, tmp_path) as run:
+        rewards, critic = run.roles.rewards, run.roles.critic
+        metrics = ppo.one_step(run, run.recipe.algo, rewards, critic, 1)
+    # 4 prompts x 2 samples, each completion with its own item.
+    assert len(seen) == 8
     ids = [item.id for item in seen]
     assert ids == [i for i in ids[::2] for _ in range(2)]  # both samples of a prompt share it
     for item in seen:
@@ -101,7 +99,7 @@ def test_ppo_columns_reach_the_trajectory_and_prompts_are_tokenised_once(tmp_pat
         assert item.prompt == f"What is {i} + {i}?" and item.reference == str(2 * i)
         assert item.images == (f"img-{i}.png",)
         assert item.metadata == {"lang": "en" if i % 2 else "fr"}  # "secret" is not allowlisted
-    # The rollout side tokenises each prompt once; policy, reference and critic reuse the ids.
-    assert len(encoded) == 2 * 4
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and all("value_loss" in r for r in rows)
+    # The rollout side tokenises each prompt once; policy, reference and critic reuse the ids
+    # through the whole step (scoring, the update and the weights' sync).
+    assert len(encoded) == 4
+    assert "value_loss" in metrics

@@ -204,6 +204,21 @@ def _check_cursor_fits(cursor: DataCursor, *, seed: int, fingerprint: str, lengt
             hint="pass the cursor through check_resume first; " + _MIGRATION_HINT)])
 
 
+class DataStream(Protocol):
+    """A rank's training data behind a cursor, whatever it yields: a checkpoint saves the
+    cursor, and the ranks compare its fingerprint before they train."""
+
+    @property
+    def cursor(self) -> DataCursor: ...
+
+
+class PromptData(DataStream, Protocol):
+    """The training data of GRPO, PPO and OPD (``PromptStream``): prompts with the index each
+    has in its source."""
+
+    def next_indexed(self, n: int) -> list[tuple[int, ObsBundle]]: ...
+
+
 class ItemSource(Protocol):
     """What PromptStream needs from a source (PromptSource is one)."""
 

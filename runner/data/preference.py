@@ -14,9 +14,11 @@ same cursor, and a resumed env continues exactly where the saved one would have.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-from runner.data.cursor import DataCursor, IndexStream
+from runner.data.cursor import DataCursor, DataStream, IndexStream
 from runner.data.membership import check_overlap
 from runner.data.order import shard
 from runner.data.pairs import (
@@ -30,7 +32,16 @@ from runner.data.pairs import (
 from runner.errors import Problem, RecipeError
 from runner.recipe.schema import DataConfig, Recipe
 
-__all__ = ["DatasetPreferenceEnv", "PreferencePair", "build_pair_source"]
+__all__ = ["DatasetPreferenceEnv", "PreferenceData", "PreferencePair", "build_pair_source"]
+
+
+class PreferenceData(DataStream, Protocol):
+    """DPO's training data (``DatasetPreferenceEnv``): this rank's pairs batch by batch, every
+    training pair (to score them all with the reference once) and this rank's held-out pairs."""
+
+    def next_batch(self, n: int) -> list[PreferencePair]: ...
+    def training_pairs(self) -> list[PreferencePair]: ...
+    def validation_pairs(self) -> list[PreferencePair]: ...
 
 
 def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSource:
@@ -119,6 +130,10 @@ class DatasetPreferenceEnv:
     def next_batch(self, n: int) -> list[PreferencePair]:
         """This rank's next ``n`` training pairs, crossing epoch boundaries as needed."""
         return [self.train.pair(int(i)) for i in self._stream.next_indices(n)]
+
+    def training_pairs(self) -> list[PreferencePair]:
+        """Every training pair in index order (not this rank's share: all of them)."""
+        return [self.train.pair(i) for i in range(len(self.train))]
 
     def validation_pairs(self) -> list[PreferencePair]:
         """One pass over the held-out set in index order: this rank's shard of it (so the ranks

@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
+from runner.train import dpo, grpo, opd, ppo
+from runner.train.assemble import RunContext, assemble
+from runner.train.loop import AgreedStop
+from runner.train.roles import RoleProvider
 from runner.ui import SilentReporter, make_reporter
 
-if TYPE_CHECKING:
-    from runner.train.roles import RoleProvider
-
-# algorithm kind -> module whose ``run(RunContext) -> dict`` is its loop
-LOOPS: dict[str, str] = {
-    "grpo": "runner.train.grpo",
-    "dpo": "runner.train.dpo",
-    "ppo": "runner.train.ppo",
-    "opd": "runner.train.opd",
+# algorithm kind -> its loop: runs the assembled run to its last step, returns {"step": ...}
+LOOPS: dict[str, Callable[[RunContext], dict[str, Any]]] = {
+    "grpo": grpo.run,
+    "dpo": dpo.run,
+    "ppo": ppo.run,
+    "opd": opd.run,
 }
 
 
@@ -29,11 +29,8 @@ def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collect
                overrides: Sequence[str], plain: bool, actors: RoleProvider | None = None,
                stop: Callable[[], bool] | None = None) -> int:
     """Run a validated recipe to the end on this rank; returns the exit code (0)."""
-    from runner.train.assemble import assemble
-    from runner.train.loop import AgreedStop
-
     started = time.monotonic()
-    loop = importlib.import_module(LOOPS[recipe.algo.kind]).run
+    loop = LOOPS[recipe.algo.kind]
     # Leaving the block by any path (an error, Ctrl-C) tears the live view down first.
     with make_reporter(plain) if ctx.is_main else SilentReporter() as reporter:
         run = assemble(recipe, plan, ctx, comm, reporter, source, overrides, actors=actors,

@@ -11,17 +11,16 @@ run folder (resolved recipe, metrics, checkpoints) and shows progress.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import numpy as np
-import torch
 
-from runner.data.cursor import DataCursor, check_resume
+from runner.data.cursor import DataCursor, PromptData, check_resume
+from runner.data.preference import PreferenceData
 from runner.errors import Problem, RecipeError, RunnerError, RuntimeFailure
+from runner.packers.base import DataPacker
 from runner.precision import Precision, device_type, resolve
 from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
@@ -52,27 +51,14 @@ from runner.train.roles import (
     disable_dropout,
     prepare_trainable,
 )
+from runner.train.seeds import seed_everything
+from runner.train.streams import OPEN, OpenedData, Streamed
 from runner.train.teacher import Teacher
+from runner.types import ObsBundle
 from runner.ui import MetricsLog, Reporter
 
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def step_seed(seed: int, step: int, salt: int = 0) -> int:
-    """A seed for (run seed, step, purpose): the same whether or not the run was resumed."""
-    return (seed * 1_000_003 + step * 9_176 + salt) % 2**31
-
-
-def item_seed(seed: int, step: int, position: int) -> int:
-    """The sampling seed of the item at global batch position ``position`` of ``step``: the
-    same whatever the number of ranks."""
-    return (step_seed(seed, step) * 1_000_033 + position * 7_777) % 2**63
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 @attrs.define
@@ -95,16 +81,16 @@ class RunContext:
     rank: RankContext
     comm: Collective
     reporter: Reporter
-    accelerator: Any
+    accelerator: Accelerator
     start_step: int
     ckpt: LoadedCheckpoint | None
-    data: Any  # runner.data.cursor.PromptStream, or DatasetPreferenceEnv for DPO
+    data: PromptData | PreferenceData  # the algorithm's kind (runner.train.streams.OPEN)
     parts: dict[str, str]
-    val_items: list[Any]  # this rank's shard of the held-out prompts
+    val_items: list[ObsBundle]  # this rank's shard of the held-out prompts
     model_path: Path  # the base model folder (tokenizer and packers come from it)
-    tokenizer: Any
+    tokenizer: Any  # the base model's tokenizer, or its processor (a vision-language model)
     policy: Trainable
-    policy_packer: Any
+    policy_packer: DataPacker
     rollout: Rollout | None
     metrics: MetricsLog
     has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
@@ -124,10 +110,10 @@ class RunContext:
                       bf16=self.precision.train == "bf16")
 
     @property
-    def rollout_packer(self) -> Any:
+    def rollout_packer(self) -> DataPacker:
         return self.rollout.packer if self.rollout else self.policy_packer
 
-    def build_packer(self) -> Any:
+    def build_packer(self) -> DataPacker:
         """A fresh packer from the student's factory (each role builds its own)."""
         from runner.models import read_model_type
         from runner.packers import build_packer
@@ -167,7 +153,8 @@ class RunContext:
             self.lock.release()
 
 
-def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable]) -> Path:
+def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable]
+                     ) -> Path:
     cursor = run.data.cursor
     state = TrainingState(
         step=step,
@@ -231,56 +218,21 @@ def resume_cursor(recipe: Recipe, ckpt: LoadedCheckpoint | None, parts_now: dict
                         seed=recipe.run.seed)
 
 
-def make_accelerator(device: str, precision: Precision) -> Any:
+def make_accelerator(device: str, precision: Precision) -> Accelerator:
     from accelerate import Accelerator
 
     return Accelerator(cpu=device == "cpu", mixed_precision=precision.train)
 
 
-def _open_data(recipe: Recipe, ctx: RankContext) -> tuple[Any, Any, dict[str, str]]:
-    """(training source or DPO env, held-out source or None, fingerprint parts)."""
-    if recipe.algo.kind == "dpo":
-        from runner.data.preference import DatasetPreferenceEnv
-
-        env = DatasetPreferenceEnv.from_recipe(recipe, rank=ctx.rank, world=ctx.world_size)
-        return env, None, env.fingerprint_parts()
-    from runner.data.sources import build_prompt_sources
-
-    train, val = build_prompt_sources(recipe.data, recipe.algo.kind)  # columns, overlap checked
-    return train, val, train.fingerprint_parts()
-
-
-def _stream(recipe: Recipe, ctx: RankContext, opened: tuple[Any, Any, Any],
-            cursor: DataCursor | None) -> tuple[Any, list[Any]]:
-    """This rank's data stream and its shard of the held-out prompts (DPO: the env, no items)."""
-    from runner.data.order import shard
-
-    train, val, _ = opened
-    if recipe.algo.kind == "dpo":
-        return (train if cursor is None else train.resume_at(cursor)), []
-    from runner.data.cursor import PromptStream
-
-    stream = PromptStream(train, recipe.run.seed, recipe.data.shuffle, rank=ctx.rank,
-                          world=ctx.world_size, cursor=cursor)
-    if val is None:
-        return stream, []
-    return stream, [val.item(int(i)) for i in shard(np.arange(len(val)), ctx.rank, ctx.world_size)]
-
-
-def _prompt_limit(recipe: Recipe, base: Path, packer: Any, tokenizer: Any,
-                  opened: tuple[Any, Any, Any] | None, val_items: list[Any], *, remote: bool
-                  ) -> PromptLimit:
+def _prompt_limit(recipe: Recipe, base: Path, packer: DataPacker, tokenizer: Any,
+                  opened: OpenedData, streamed: Streamed, *, remote: bool) -> PromptLimit:
     """The engine's ``max_model_len`` and the check of every prompt that can be checked before
     the run (``runner.rollout.lengths.run_limit``). A Ray rollout actor sizes its engine
     without the prompts, so ranks that use one measure none."""
     from runner.rollout.lengths import run_limit
 
-    if recipe.algo.kind == "dpo" or opened is None:  # DPO generates for its held-out pairs only
-        return run_limit(recipe, base, packer, tokenizer, [], val_items, measure=not remote)
-    train, val, _ = opened
-    held_out = [val.item(i) for i in range(len(val))] if val is not None else []  # every rank's
-    return run_limit(recipe, base, packer, tokenizer, [s for s in (train, val) if s is not None],
-                     held_out, measure=not remote)
+    sources, held_out = opened.prompts_to_check(streamed)
+    return run_limit(recipe, base, packer, tokenizer, sources, held_out, measure=not remote)
 
 
 class _Steps:
@@ -320,10 +272,11 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     if ckpt is not None:
         step("checkpoint", lambda: check_world_change(recipe, plan, ckpt))
         step("checkpoint", lambda: refuse_pickled(ckpt))
-    opened = step("data", lambda: _open_data(recipe, ctx))
-    parts = opened[2] if opened else {}
+    opened = step("data", lambda: OPEN[recipe.algo.kind](recipe, ctx))
+    parts = opened.fingerprint_parts() if opened else {}
     cursor = step("data", lambda: resume_cursor(recipe, ckpt, parts))  # before any model
-    data, val_items = step("data", lambda: _stream(recipe, ctx, opened, cursor)) or (None, [])
+    streamed = step("data", lambda: opened.stream(recipe, ctx, cursor))
+    data = streamed.data if streamed else None
     if ctx.is_main and step.failed is None:
         step("output", lambda: (plan.output_dir.mkdir(parents=True, exist_ok=True),
                                 write_resolved(recipe, plan.resolved_path, overrides, source)))
@@ -351,16 +304,13 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     options = {"trust_remote_code": trust, "dtype": dtype}
     packer = step("policy", lambda: build_packer(base, model_type, factory, **options))
     generates = "rollout" in plan.roles
-    dpo_held_out = recipe.algo.kind == "dpo" and generates
-    if dpo_held_out and data is not None:  # DPO evaluates by generation too: chosen = reference
-        val_items = [_pair_item(p) for p in data.validation_pairs()]
     engine_packer = (step("rollout", lambda: build_packer(base, model_type, factory, **options))
                      if generates else None)
     # Every rank checks every prompt it can before the run (and measures them for a derived
     # vllm max_model_len), before the handshake: a refused prompt stops every rank at once.
     remote = bool(actors is not None and actors.rollout)
     limit = (step("rollout", lambda: _prompt_limit(recipe, base, engine_packer, tokenizer,
-                                                   opened, val_items, remote=remote))
+                                                   opened, streamed, remote=remote))
              if generates else None)
     fingerprint = data.cursor.fingerprint if data is not None else ""
     hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, base)))
@@ -373,8 +323,8 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
         raise RunnerError(f"Accelerate sees {accelerator.num_processes} process(es) but this is "
                           f"rank {ctx.rank} of {ctx.world_size}: the launcher did not set RANK, "
                           "WORLD_SIZE and LOCAL_RANK")
-    policy = prepare_trainable(accelerator, model, recipe,
-                               pad_free=recipe.train.padding_free and getattr(packer, "can_pack", False),
+    pad_free = recipe.train.padding_free and getattr(packer, "can_pack", False)
+    policy = prepare_trainable(accelerator, model, recipe, pad_free=pad_free,
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
     engine = ((actors.rollout_engine(ctx) if remote and actors is not None
@@ -382,17 +332,18 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
                                 max_model_len=limit.max_model_len if limit else None))
               if generates else None)
     rollout = Rollout(engine, engine_packer, limit) if generates else None
+    tensorboard = recipe.logging.tensorboard and ctx.is_main
     metrics = MetricsLog(plan.metrics_path if ctx.is_main else None,
                          ckpt.metrics_rows if ckpt else [],
-                         plan.output_dir / "tensorboard" if recipe.logging.tensorboard and ctx.is_main
-                         else None)
-    has_held_out = bool(opened and opened[1] is not None) or dpo_held_out
+                         plan.output_dir / "tensorboard" if tensorboard else None)
     reason = held_out_reason(recipe.data, recipe.algo.kind)
     if reason:
         reporter.message(f"held-out evaluation: {reason}")
+    assert streamed is not None and data is not None  # the handshake raised otherwise
     run = RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
-                     parts, val_items, base, tokenizer, policy, packer, rollout, metrics,
-                     has_held_out, precision, stop_poll=stop, actors=actors, lock=lock)
+                     parts, streamed.held_out_items, base, tokenizer, policy, packer, rollout,
+                     metrics, streamed.has_held_out, precision, stop_poll=stop, actors=actors,
+                     lock=lock)
     run.roles = build_roles(run)
     # A rollout actor, and any engine under LoRA (a checkpoint holds adapters only), starts from
     # the base model.
@@ -447,14 +398,6 @@ def _codec(base: Path, trust: bool) -> Any:
 
         return AutoProcessor.from_pretrained(str(base), trust_remote_code=trust)
     return load_tokenizer(base, trust_remote_code=trust)
-
-
-def _pair_item(pair: Any) -> Any:
-    """A held-out preference pair as a prompt item whose reference is the chosen answer."""
-    from runner.types import ObsBundle
-
-    return ObsBundle(pair.prompt, reference=pair.chosen if isinstance(pair.chosen, str) else "",
-                     id=pair.id)
 
 
 def _with_adapters(model: Any, recipe: Recipe, ckpt: LoadedCheckpoint | None,

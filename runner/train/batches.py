@@ -19,7 +19,6 @@ import attrs
 import torch
 
 from runner.ranks.collective import Collective, interleave
-from runner.train.policy import split_even
 from runner.train.roles import Trainable, optimizer_step
 
 
@@ -59,6 +58,12 @@ def gather_rows(comm: Collective, layout: Layout, values: Sequence[Any]) -> list
     return interleave(comm.gather(list(values)), chunk=layout.chunk)
 
 
+def split_even(n: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices covering range(n), sizes differing by at most one."""
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
 @attrs.frozen
 class Minibatch:
     rows: list[int]  # this rank's local rows
@@ -70,7 +75,8 @@ def minibatches(layout: Layout, weights_global: Sequence[float], n_minibatches: 
                 generator_seed: int) -> list[Minibatch]:
     """The epoch's minibatches: a permutation of the global rows seeded by ``generator_seed``
     (the same on every rank), split into ``n_minibatches`` even parts."""
-    order = torch.randperm(layout.global_rows, generator=torch.Generator().manual_seed(generator_seed))
+    generator = torch.Generator().manual_seed(generator_seed)
+    order = torch.randperm(layout.global_rows, generator=generator)
     out = []
     for part in split_even(layout.global_rows, n_minibatches):
         rows_global = order[part]
@@ -80,7 +86,8 @@ def minibatches(layout: Layout, weights_global: Sequence[float], n_minibatches: 
     return out
 
 
-LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]  # metrics: floats or 0-d tensors
+# metrics: floats or 0-d tensors
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 
 # Like LossFn, with a third value the caller keeps (GRPO: the rows' detached logprobs).
@@ -135,7 +142,8 @@ def reduce_history(comm: Collective, history: Sequence[dict[str, float]]) -> dic
     keys = sorted({k for h in history for k in h})
     flat = comm.sum([h.get(k, 0.0) for h in history for k in keys])
     n = len(history)
-    return {k: sum(flat[i * len(keys) + j] for i in range(n)) / max(1, n) for j, k in enumerate(keys)}
+    return {k: sum(flat[i * len(keys) + j] for i in range(n)) / max(1, n)
+            for j, k in enumerate(keys)}
 
 
 def select_rows(batch: Any, idx: torch.Tensor) -> Any:

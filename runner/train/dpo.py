@@ -6,26 +6,37 @@ policy in one concatenated forward, and minimises the preference loss (a mean ov
 batch of pairs) against the reference's logprobs (computed per batch, or once for the whole
 dataset when ``precompute_reference = true``). Held-out: preference accuracy (implied reward
 of chosen > rejected; ties count half) and loss over the full set, each rank its shard.
+
+One step is three plain functions, each with explicit inputs and outputs:
+
+- ``produce``: this rank's share of the step's pairs from the data cursor;
+- ``score``: the pairs packed once (chosen and rejected behind one prompt encoding) and the
+  reference's summed logprobs of each answer (a ``ScoredPairs``);
+- ``consume``: one optimizer step over the global batch of pairs.
+
+DPO samples nothing, so its engine (built only for held-out generation) gets the policy's
+weights at evaluations, not after every step.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import attrs
 import torch
 
 from runner.algorithms.dpo import DPOLossInputs, dpo_loss
-from runner.packers.base import PolicyBatch, RLPolicyInput
+from runner.data.pairs import PreferencePair
+from runner.packers.base import DataPacker, PolicyBatch, RLPolicyInput
 from runner.ranks.collective import interleave
 from runner.recipe.schema import DPOConfig
 from runner.rewards import RewardSet
 from runner.train.assemble import RunContext
-from runner.train.batches import Minibatch, reduce_history, train_minibatch
+from runner.train.batches import Minibatch, reduce_history, split_even, train_minibatch
 from runner.train.loop import run_loop
-from runner.train.policy import split_even
 from runner.train.roles import FrozenScorer
 from runner.train.rollouts import evaluate
 from runner.types import ObsBundle
@@ -41,7 +52,7 @@ class DPORun:
     cache: dict[str, tuple[float, float]]  # pair id -> reference (chosen, rejected) logprobs
 
     @property
-    def packer(self) -> Any:
+    def packer(self) -> DataPacker:
         return self.run.policy_packer
 
     @property
@@ -61,20 +72,32 @@ def completion_tokens(inputs: Sequence[RLPolicyInput], device: Any) -> torch.Ten
     return torch.tensor([float(sum(x.loss_mask)) for x in inputs], device=device)
 
 
-def _pack(packer: Any, pairs: Sequence[Any]) -> list[RLPolicyInput]:
+def _pack(packer: DataPacker, pairs: Sequence[PreferencePair]) -> list[RLPolicyInput]:
     """[chosen_0 .. chosen_n, rejected_0 .. rejected_n]: one concatenated batch."""
     both = [packer.get_preference_input(ObsBundle(p.prompt, id=p.id), p.chosen, p.rejected)
             for p in pairs]
     return [c for c, _ in both] + [r for _, r in both]
 
 
-@torch.no_grad()
-def reference_logprobs(run: DPORun, pairs: Sequence[Any], batch: PolicyBatch
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    n = len(pairs)
+def cached_reference(run: DPORun, pairs: Sequence[Any]
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The precomputed reference logprobs (chosen, rejected) of ``pairs``, or None unless
+    every one of them is in the cache."""
     if run.algo.precompute_reference and all(p.id in run.cache for p in pairs):
         values = torch.tensor([run.cache[p.id] for p in pairs], device=run.device)
         return values[:, 0], values[:, 1]
+    return None
+
+
+@torch.no_grad()
+def reference_logprobs(run: DPORun, pairs: Sequence[Any], batch: PolicyBatch
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's summed logprobs (chosen, rejected) of ``pairs``, packed in ``batch``:
+    from the cache when they are all in it, else from a reference forward."""
+    cached = cached_reference(run, pairs)
+    if cached is not None:
+        return cached
+    n = len(pairs)
     lp = sequence_logprobs(run.reference, batch)
     return lp[:n], lp[n:]
 
@@ -89,37 +112,99 @@ def pair_loss_inputs(run: DPORun, model: Any, pairs: Sequence[Any]) -> DPOLossIn
     ref_c, ref_r = reference_logprobs(run, pairs, batch)
     lp = sequence_logprobs(model, batch)
     return DPOLossInputs(policy_chosen_B=lp[:n], policy_rejected_B=lp[n:], ref_chosen_B=ref_c,
-                         ref_rejected_B=ref_r, chosen_tokens_B=completion_tokens(inputs[:n], run.device))
+                         ref_rejected_B=ref_r,
+                         chosen_tokens_B=completion_tokens(inputs[:n], run.device))
 
 
 def precompute(run: DPORun, reporter: Reporter) -> None:
     """Reference logprobs of every training and held-out pair, once (they never change)."""
     env = run.run.data
-    pairs = [env.train.pair(i) for i in range(len(env.train))] + env.validation_pairs()
+    pairs = env.training_pairs() + env.validation_pairs()
     reporter.message(f"precomputing reference logprobs for {len(pairs)} pairs")
     for chunk in split_even(len(pairs), max(1, len(pairs) // 64)):
         part = pairs[chunk]
         batch = run.packer.collate(_pack(run.packer, part)).to(run.device)
         chosen, rejected = reference_logprobs(run, part, batch)
-        run.cache.update({p.id: (float(c), float(r)) for p, c, r in zip(part, chosen, rejected, strict=True)})
+        run.cache.update({p.id: (float(c), float(r))
+                          for p, c, r in zip(part, chosen, rejected, strict=True)})
+
+
+@attrs.frozen(eq=False)
+class ScoredPairs:
+    """A step's pairs, packed, with the reference's summed logprobs of each answer: [pairs]."""
+
+    pairs: tuple[PreferencePair, ...]  # this rank's
+    inputs: tuple[RLPolicyInput, ...]  # [chosen_0 .. chosen_n, rejected_0 .. rejected_n]
+    ref_chosen_B: torch.Tensor
+    ref_rejected_B: torch.Tensor
+
+    def rows(self, idx: torch.Tensor) -> list[RLPolicyInput]:
+        """The packed inputs of pairs ``idx``: their chosen answers, then their rejected ones."""
+        n, picked = len(self.pairs), idx.tolist()
+        return [self.inputs[i] for i in picked] + [self.inputs[n + i] for i in picked]
+
+
+def produce(run: DPORun) -> list[PreferencePair]:
+    """This rank's share of the step's ``pairs_per_step`` pairs; advances the data cursor."""
+    ctx = run.run
+    return ctx.data.next_batch(run.algo.pairs_per_step // ctx.rank.world_size)
+
+
+def micro_batches(run: DPORun, n: int) -> list[slice]:
+    """The pieces ``consume``'s optimizer step splits ``n`` pairs into (``grad_accum_steps``)."""
+    return split_even(n, max(1, run.run.recipe.train.grad_accum_steps))
+
+
+def score(run: DPORun, pairs: Sequence[PreferencePair]) -> ScoredPairs:
+    """The pairs packed once and the reference's logprobs of their answers. The reference
+    scores the same micro-batches the policy trains on, so both read batches padded alike."""
+    inputs = _pack(run.packer, pairs)
+    n, chosen, rejected = len(pairs), [], []
+    for piece in micro_batches(run, n):
+        ref = cached_reference(run, pairs[piece])
+        if ref is None:
+            part = inputs[piece] + inputs[n + piece.start:n + piece.stop]
+            ref = reference_logprobs(run, pairs[piece], run.packer.collate(part).to(run.device))
+        chosen.append(ref[0])
+        rejected.append(ref[1])
+    return ScoredPairs(tuple(pairs), tuple(inputs), torch.cat(chosen), torch.cat(rejected))
+
+
+def minibatch_loss(run: DPORun, scored: ScoredPairs, idx: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The preference loss of pairs ``idx`` and its metrics."""
+    inputs = scored.rows(idx)
+    batch = run.packer.collate(inputs).to(run.device)
+    n = len(idx)
+    lp = sequence_logprobs(run.run.policy, batch)
+    return dpo_loss(DPOLossInputs(
+        policy_chosen_B=lp[:n], policy_rejected_B=lp[n:], ref_chosen_B=scored.ref_chosen_B[idx],
+        ref_rejected_B=scored.ref_rejected_B[idx],
+        chosen_tokens_B=completion_tokens(inputs[:n], run.device)), run.algo)
+
+
+def consume(run: DPORun, scored: ScoredPairs) -> dict[str, float]:
+    """One optimizer step over the global batch of pairs (a mean over all of them); the
+    reduced metrics and the learning rate."""
+    ctx, algo = run.run, run.algo
+    n = len(scored.pairs)
+    whole = Minibatch(list(range(n)), [1.0] * n, float(algo.pairs_per_step))
+    history = [train_minibatch([ctx.policy], whole, partial(minibatch_loss, run, scored),
+                               ctx.recipe.train.grad_accum_steps, ctx.rank.world_size,
+                               ctx.recipe.train.max_grad_norm)]
+    ctx.policy.scheduler.step()
+    return {**reduce_history(ctx.comm, history), "lr": ctx.policy.scheduler.get_last_lr()[0]}
 
 
 def one_step(run: DPORun, step: int) -> dict[str, Any]:
-    ctx, algo = run.run, run.algo
+    """produce -> score -> consume; the step's metrics (``time/update``: the whole step)."""
+    ctx = run.run
     t0 = time.perf_counter()
-    pairs = ctx.data.next_batch(algo.pairs_per_step // ctx.rank.world_size)
-    whole = Minibatch(list(range(len(pairs))), [1.0] * len(pairs), float(algo.pairs_per_step))
-
-    def loss_fn(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        return dpo_loss(pair_loss_inputs(run, ctx.policy, [pairs[i] for i in rows.tolist()]), algo)
-
-    history = [train_minibatch([ctx.policy], whole, loss_fn, ctx.recipe.train.grad_accum_steps,
-                               ctx.rank.world_size, ctx.recipe.train.max_grad_norm)]
-    ctx.policy.scheduler.step()
+    pairs = produce(run)
+    metrics = consume(run, score(run, pairs))
     ids = ({"data/item_ids": interleave(ctx.comm.gather([p.id for p in pairs]))}
            if ctx.recipe.logging.item_ids else {})
-    return {**reduce_history(ctx.comm, history), "lr": ctx.policy.scheduler.get_last_lr()[0], **ids,
-            "time/update": time.perf_counter() - t0}
+    return {**metrics, **ids, "time/update": time.perf_counter() - t0}
 
 
 @torch.no_grad()

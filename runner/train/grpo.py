@@ -28,7 +28,7 @@ from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, group_adva
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import GRPOConfig
 from runner.rewards import RewardSet
-from runner.train.assemble import RunContext, step_seed
+from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
     Minibatch,
@@ -44,11 +44,12 @@ from runner.train.policy import completion_grid
 from runner.train.rollouts import (
     Trajectory,
     evaluate,
-    item_ids_metric,
     sample,
     shared_prefixes,
+    step_metrics,
 )
 from runner.train.rollouts import score as reward_trajectory
+from runner.train.seeds import step_seed
 
 
 def run(run: RunContext) -> dict[str, Any]:
@@ -115,7 +116,8 @@ def score(run: RunContext, algo: GRPOConfig, rewards: RewardSet, traj: Trajector
     first_rows = set(epochs[0][0].rows)
     others = [r for r in range(len(traj.completions)) if r not in first_rows]
     with torch.no_grad():
-        engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions], width).to(device)
+        engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions],
+                                    width).to(device)
         old_BT = engine_BT
         if algo.old_logprobs == "policy":
             dtype = torch.promote_types(next(policy.model.parameters()).dtype, torch.float32)
@@ -219,20 +221,12 @@ def one_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int) -
     metrics = consume(run, algo, scored)
     traj, layout = scored.traj, scored.layout
     if scored.ignore_prefix is not None:
-        metrics["prefix_tokens_filtered"] = (sum(gather_rows(run.comm, layout, scored.ignore_prefix))
-                                             / layout.global_rows)
+        filtered = sum(gather_rows(run.comm, layout, scored.ignore_prefix))
+        metrics["prefix_tokens_filtered"] = filtered / layout.global_rows
     t3 = time.perf_counter()
     run.sync_weights()
     t4 = time.perf_counter()
     if recipe.logging.sample_every and step % recipe.logging.sample_every == 0:
         run.reporter.sample(step, str(traj.items[0].prompt), traj.texts[0], traj.rewards[0])
-    r = torch.tensor(scored.rewards_all)
-    n_tokens, n_completions = run.comm.sum([traj.n_tokens, len(traj.completions)])
-    return {
-        "reward/mean": float(r.mean()), "reward/max": float(r.max()),
-        **rank_mean(run.comm, traj.reward_parts),
-        "completion_len": n_tokens / n_completions, **metrics, **item_ids_metric(traj),
-        "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
-        "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9),
-        "perf/train_tok_s": algo.ppo_epochs * traj.n_tokens / max(t3 - t2, 1e-9),
-    }
+    seconds = {"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2, "sync": t4 - t3}
+    return step_metrics(run, traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics

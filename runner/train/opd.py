@@ -5,13 +5,26 @@ KL estimate ``logp_student - logp_teacher`` of each sampled token, negated, is i
 a clipped policy-gradient step. ``same_tokenizer`` mode scores the student's ids directly.
 ``cross_token_multimodal`` mode lets the teacher have its own tokenizer (``runner.train.teacher``,
 built by the assembly).
+
+One step is three plain functions, each with explicit inputs and outputs:
+
+- ``produce``: this rank's prompts from the global cursor -> ``samples_per_prompt``
+  completions each (a ``Trajectory``);
+- ``score``: rewards (logged, not trained on), the teacher's logprobs of the sampled tokens
+  (none with ``full_kl``: the loss's own teacher forward gives them) and, with several epochs,
+  the behaviour logprobs (a ``ScoredOPDBatch``);
+- ``consume``: one optimizer step over the whole global batch per epoch.
+
+``one_step`` calls them in a row, then pushes the new weights to the engine.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
+import attrs
 import torch
 
 from runner.algorithms.logprobs import token_logprobs
@@ -21,11 +34,14 @@ from runner.algorithms.opd import (
     opd_loss,
     sampled_reverse_kl,
 )
+from runner.packers.base import PolicyBatch
 from runner.recipe.schema import OPDConfig
+from runner.rewards import RewardSet
 from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
     Minibatch,
+    gather_rows,
     rank_mean,
     reduce_history,
     select_rows,
@@ -33,14 +49,15 @@ from runner.train.batches import (
 )
 from runner.train.loop import run_loop
 from runner.train.rollouts import (
+    Trajectory,
     evaluate,
-    item_ids_metric,
     position_seeds,
     roll_out,
     sample,
     sampling,
-    score,
+    step_metrics,
 )
+from runner.train.rollouts import score as reward_trajectory
 from runner.train.teacher import Teacher
 
 
@@ -53,7 +70,7 @@ def run(run: RunContext) -> dict[str, Any]:
     def held_out() -> dict[str, float]:
         return evaluate(run, rewards) | held_out_reverse_kl(run, teacher)
 
-    return run_loop(run, lambda step: _one_step(run, algo, teacher, rewards, step),
+    return run_loop(run, lambda step: one_step(run, algo, teacher, rewards, step),
                     held_out if run.has_held_out else None)
 
 
@@ -97,60 +114,102 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
     return out
 
 
-def _one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: Any, step: int) -> dict[str, Any]:
-    recipe = run.recipe
-    temperature = recipe.rollout.temperature
-    t0 = time.perf_counter()
-    traj = sample(run, algo.prompts_per_step, algo.samples_per_prompt, step)
-    traj = score(traj, rewards, step)
-    t1 = time.perf_counter()
+@attrs.frozen(eq=False)
+class ScoredOPDBatch:
+    """A scored OPD trajectory, ready for the optimizer steps of one step (tensors on the
+    device; ``_BT`` ones are [this rank's rows, T-1] on the batch's shifted grid)."""
+
+    traj: Trajectory
+    layout: Layout
+    batch: PolicyBatch
+    rewards_all: list[float]  # every rank's rewards, in global row order
+    whole: Minibatch  # every row of the global batch, token-weighted
+    teacher_BT: torch.Tensor | None  # None with full_kl: the loss's teacher forward gives them
+    old_BT: torch.Tensor | None  # None with one epoch: the first forward's own are behaviour
+
+
+def produce(run: RunContext, algo: OPDConfig, step: int) -> Trajectory:
+    """This rank's share of the step's prompts, ``samples_per_prompt`` completions each."""
+    return sample(run, algo.prompts_per_step, algo.samples_per_prompt, step)
+
+
+def score(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet,
+          traj: Trajectory, step: int) -> ScoredOPDBatch:
+    """Rewards (logged only), the collated batch, the teacher's logprobs of the sampled tokens
+    and, with ``ppo_epochs > 1``, the behaviour logprobs."""
+    temperature = run.recipe.rollout.temperature
+    traj = reward_trajectory(traj, rewards, step)
     inputs = traj.policy_inputs(run.policy_packer)
     batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
     mask_BT = batch.loss_mask_BT[:, 1:].bool()
     # With the full KL the loss's own teacher forward (its logits) also gives the teacher's
     # logprobs of the sampled tokens: no separate scoring forward.
-    teacher_BT = None if algo.full_kl else teacher.logprobs(traj, inputs, mask_BT.shape[1], temperature)
+    teacher_BT = (None if algo.full_kl
+                  else teacher.logprobs(traj, inputs, mask_BT.shape[1], temperature))
     # One pass over freshly sampled data: the behaviour logprobs are the first forward's own
     # (detached), so no separate scoring forward is needed.
     old_BT = None
     if algo.ppo_epochs > 1:
         with torch.no_grad():
             old_BT = run.policy.logprobs(batch, temperature)[0]
-    t2 = time.perf_counter()
-    layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
+    layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step,
+                    algo.samples_per_prompt)
     tokens = [float(t) for t in mask_BT.sum(-1).tolist()]
     # One optimizer step per epoch over the whole global batch (token mean).
     whole = Minibatch(list(range(len(tokens))), tokens, run.comm.sum([sum(tokens)])[0])
+    rewards_all = gather_rows(run.comm, layout, traj.rewards)
+    return ScoredOPDBatch(traj, layout, batch, rewards_all, whole, teacher_BT, old_BT)
 
-    def loss_fn(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        sub = select_rows(batch, rows)
-        labels_BT = sub.input_ids_BT[:, 1:]
-        if algo.full_kl:  # the full-vocabulary KL needs every logit of the completion positions
-            logits = run.policy.logits(sub) / temperature
-            lp_BT = token_logprobs(logits, labels_BT)
-            teacher_logits = teacher.logits(sub, temperature)
-            teacher_lp_BT = token_logprobs(teacher_logits, labels_BT)  # its whole vocabulary
-            teacher_logits = teacher_logits[..., :logits.shape[-1]]
-        else:
-            lp_BT, logits, teacher_logits = run.policy.logprobs(sub, temperature)[0], None, None
-            teacher_lp_BT = teacher_BT[rows, :lp_BT.shape[1]]
-        old = lp_BT.detach() if old_BT is None else old_BT[rows, :lp_BT.shape[1]]
-        return opd_loss(OPDLossInputs(
-            logprobs_BT=lp_BT, old_logprobs_BT=old, teacher_logprobs_BT=teacher_lp_BT,
-            mask_BT=sub.loss_mask_BT[:, 1:].bool(), student_logits_BTV=logits,
-            teacher_logits_BTV=teacher_logits), algo)
 
-    history = [train_minibatch([run.policy], whole, loss_fn, recipe.train.grad_accum_steps,
-                               layout.world, recipe.train.max_grad_norm)
+def minibatch_loss(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: ScoredOPDBatch,
+                   rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The OPD loss of rows ``rows`` and its metrics."""
+    temperature = run.recipe.rollout.temperature
+    sub = select_rows(scored.batch, rows)
+    labels_BT = sub.input_ids_BT[:, 1:]
+    if algo.full_kl:  # the full-vocabulary KL needs every logit of the completion positions
+        logits = run.policy.logits(sub) / temperature
+        lp_BT = token_logprobs(logits, labels_BT)
+        teacher_logits = teacher.logits(sub, temperature)
+        teacher_lp_BT = token_logprobs(teacher_logits, labels_BT)  # its whole vocabulary
+        teacher_logits = teacher_logits[..., :logits.shape[-1]]
+    else:
+        assert scored.teacher_BT is not None
+        lp_BT, logits, teacher_logits = run.policy.logprobs(sub, temperature)[0], None, None
+        teacher_lp_BT = scored.teacher_BT[rows, :lp_BT.shape[1]]
+    old_BT = scored.old_BT
+    old = lp_BT.detach() if old_BT is None else old_BT[rows, :lp_BT.shape[1]]
+    return opd_loss(OPDLossInputs(
+        logprobs_BT=lp_BT, old_logprobs_BT=old, teacher_logprobs_BT=teacher_lp_BT,
+        mask_BT=sub.loss_mask_BT[:, 1:].bool(), student_logits_BTV=logits,
+        teacher_logits_BTV=teacher_logits), algo)
+
+
+def consume(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: ScoredOPDBatch
+            ) -> dict[str, float]:
+    """``ppo_epochs`` optimizer steps over the whole batch; the reduced metrics and the
+    learning rate."""
+    recipe, policy = run.recipe, run.policy
+    loss_fn = partial(minibatch_loss, run, algo, teacher, scored)
+    history = [train_minibatch([policy], scored.whole, loss_fn, recipe.train.grad_accum_steps,
+                               scored.layout.world, recipe.train.max_grad_norm)
                for _ in range(algo.ppo_epochs)]
-    run.policy.scheduler.step()
+    policy.scheduler.step()
+    return {**rank_mean(run.comm, policy.padding_metrics(scored.batch)),
+            **reduce_history(run.comm, history), "lr": policy.scheduler.get_last_lr()[0]}
+
+
+def one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet,
+             step: int) -> dict[str, Any]:
+    """produce -> score -> consume, then the new weights to the engine; the step's metrics."""
+    t0 = time.perf_counter()
+    traj = produce(run, algo, step)
+    t1 = time.perf_counter()
+    scored = score(run, algo, teacher, rewards, traj, step)
+    t2 = time.perf_counter()
+    metrics = consume(run, algo, teacher, scored)
     t3 = time.perf_counter()
     run.sync_weights()
     t4 = time.perf_counter()
-    reward_sum, n = run.comm.sum([sum(traj.rewards), len(traj.rewards)])
-    return {"reward/mean": reward_sum / n, **rank_mean(run.comm, traj.reward_parts),
-            **rank_mean(run.comm, run.policy.padding_metrics(batch)),
-            **reduce_history(run.comm, history), **item_ids_metric(traj),
-            "lr": run.policy.scheduler.get_last_lr()[0],
-            "time/rollout": t1 - t0, "time/teacher": t2 - t1, "time/update": t3 - t2,
-            "time/sync": t4 - t3, "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
+    seconds = {"rollout": t1 - t0, "teacher": t2 - t1, "update": t3 - t2, "sync": t4 - t3}
+    return step_metrics(run, scored.traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics

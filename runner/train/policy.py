@@ -136,8 +136,3 @@ def scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, A
     """The JSON-able part of a LambdaLR's state (the lambdas are rebuilt from the recipe)."""
     return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
 
-
-def split_even(n: int, parts: int) -> list[slice]:
-    """``parts`` contiguous slices covering range(n), sizes differing by at most one."""
-    bounds = [round(i * n / parts) for i in range(parts + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]

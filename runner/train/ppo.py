@@ -5,23 +5,39 @@ Roles (built by the assembly): the policy, a frozen reference (the starting poli
 packer builds each sequence's inputs once; the policy, reference and critic all read that same
 trajectory batch, so no role re-tokenises. Advantages come from GAE over per-token rewards
 (-kl_coef x (logp - logp_ref), plus the sequence score at its last token).
+
+One step is three plain functions, each with explicit inputs and outputs:
+
+- ``produce``: this rank's prompts from the global cursor -> ``samples_per_prompt``
+  completions each (a ``Trajectory``);
+- ``score``: rewards, the policy's, reference's and critic's values of the sampled tokens
+  before the update, and the advantages and returns (GAE, whitened over every rank's batch),
+  with the minibatches of every epoch (a ``ScoredPPOBatch``);
+- ``consume``: ``ppo_epochs`` x ``minibatches`` optimizer steps of the policy and the critic.
+
+``one_step`` calls them in a row, then pushes the new weights to the engine.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
+import attrs
 import torch
 
 from runner.algorithms.grpo import engine_is_weights
 from runner.algorithms.masked import masked_sum
 from runner.algorithms.ppo import PPOLossInputs, ppo_advantages, ppo_loss
+from runner.packers.base import PolicyBatch
+from runner.ranks.collective import Collective
 from runner.recipe.schema import PPOConfig
 from runner.rewards import RewardSet
-from runner.train.assemble import RunContext, step_seed
+from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
+    Minibatch,
     gather_rows,
     minibatches,
     rank_mean,
@@ -33,7 +49,9 @@ from runner.train.critic import CRITIC
 from runner.train.loop import run_loop
 from runner.train.policy import completion_grid
 from runner.train.roles import Trainable
-from runner.train.rollouts import evaluate, item_ids_metric, sample, score
+from runner.train.rollouts import Trajectory, evaluate, sample, step_metrics
+from runner.train.rollouts import score as reward_trajectory
+from runner.train.seeds import step_seed
 
 
 def run(run: RunContext) -> dict[str, Any]:
@@ -41,12 +59,12 @@ def run(run: RunContext) -> dict[str, Any]:
     assert isinstance(algo, PPOConfig)
     rewards, critic = run.roles.rewards, run.roles.critic
     assert rewards is not None and critic is not None
-    return run_loop(run, lambda step: _one_step(run, algo, rewards, critic, step),
+    return run_loop(run, lambda step: one_step(run, algo, rewards, critic, step),
                     (lambda: evaluate(run, rewards)) if run.has_held_out else None,
                     save=lambda step: run.save(step, {CRITIC: critic}))
 
 
-def global_whiten(comm, x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+def global_whiten(comm: Collective, x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """``masked_whiten`` over the masked elements of every rank: the unbiased variance of the
     global batch, (x - mean) / sqrt(var + 1e-8), 0 outside the mask."""
     total, count = comm.sum([float(masked_sum(x_BT, mask_BT)), float(mask_BT.sum())])
@@ -56,64 +74,113 @@ def global_whiten(comm, x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tens
     return torch.where(mask_BT, (x_BT - mean) * (var + 1e-8) ** -0.5, torch.zeros_like(x_BT))
 
 
-def _one_step(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainable,
-              step: int) -> dict[str, Any]:
+@attrs.frozen(eq=False)
+class ScoredPPOBatch:
+    """A scored PPO trajectory, ready for the optimizer steps of one step: every ``_BT`` tensor
+    is [this rank's rows, T-1] on the batch's shifted grid, on the device, computed before the
+    update."""
+
+    traj: Trajectory
+    layout: Layout
+    batch: PolicyBatch  # the rollout-side packer's batch: policy, reference and critic read it
+    rewards_all: list[float]  # every rank's rewards, in global row order
+    epochs: list[list[Minibatch]]
+    old_BT: torch.Tensor  # the policy's logprobs (the behaviour logprobs)
+    mask_BT: torch.Tensor  # completion tokens the loss is taken on
+    ref_BT: torch.Tensor  # the reference's logprobs (the policy's own without a reference)
+    is_BT: torch.Tensor | None  # engine importance weights, with engine_is_correction
+    old_values_BT: torch.Tensor  # the critic's values
+    adv_BT: torch.Tensor
+    returns_BT: torch.Tensor
+    logprob_gap: float  # this rank's largest |engine - policy| token logprob
+
+
+def produce(run: RunContext, algo: PPOConfig, step: int) -> Trajectory:
+    """This rank's share of the step's prompts, ``samples_per_prompt`` completions each."""
+    return sample(run, algo.prompts_per_step, algo.samples_per_prompt, step)
+
+
+@torch.no_grad()
+def score(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainable,
+          traj: Trajectory, step: int) -> ScoredPPOBatch:
+    """Rewards; the policy's, reference's and critic's values of the sampled tokens; GAE over
+    each completion's run of the batch grid, whitened over every rank's batch; and the
+    minibatches of every epoch (token-weighted)."""
     recipe, device = run.recipe, run.accelerator.device
-    t0 = time.perf_counter()
-    traj = sample(run, algo.prompts_per_step, algo.samples_per_prompt, step)
-    t1 = time.perf_counter()
-    traj = score(traj, rewards, step)
-    t2 = time.perf_counter()
+    traj = reward_trajectory(traj, rewards, step)
     # The rollout-side packer makes the inputs once; policy, reference and critic share them.
     inputs = traj.policy_inputs(run.rollout_packer)
     batch = run.rollout_packer.collate(inputs).to(device)
     temperature, reference = recipe.rollout.temperature, run.roles.reference
-    with torch.no_grad():
-        old_BT, mask_BT = run.policy.logprobs(batch, temperature)
-        engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions],
-                                    old_BT.shape[1]).to(device)
-        # The policy's logprobs before the update against the engine's of the same tokens.
-        gap = float(((engine_BT - old_BT).abs() * mask_BT).max()) if mask_BT.any() else 0.0
-        is_BT = (engine_is_weights(old_BT, engine_BT, algo.engine_is_cap)
-                 if algo.engine_is_correction else None)
-        ref_BT = reference.logprobs(batch, temperature)[0] if reference is not None else old_BT
-        old_values_BT = critic(batch) * mask_BT
-        # GAE over each completion's run of the batch grid; whitening over every rank's batch.
-        adv_BT, returns_BT = ppo_advantages(
-            torch.tensor(traj.rewards, device=device), old_BT, ref_BT, old_values_BT, mask_BT,
-            algo, whiten=lambda x, m: global_whiten(run.comm, x, m))
-    layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
+    old_BT, mask_BT = run.policy.logprobs(batch, temperature)
+    engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions],
+                                old_BT.shape[1]).to(device)
+    # The policy's logprobs before the update against the engine's of the same tokens.
+    gap = float(((engine_BT - old_BT).abs() * mask_BT).max()) if mask_BT.any() else 0.0
+    is_BT = (engine_is_weights(old_BT, engine_BT, algo.engine_is_cap)
+             if algo.engine_is_correction else None)
+    ref_BT = reference.logprobs(batch, temperature)[0] if reference is not None else old_BT
+    old_values_BT = critic(batch) * mask_BT
+    adv_BT, returns_BT = ppo_advantages(
+        torch.tensor(traj.rewards, device=device), old_BT, ref_BT, old_values_BT, mask_BT,
+        algo, whiten=lambda x, m: global_whiten(run.comm, x, m))
+    layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step,
+                    algo.samples_per_prompt)
     weights = gather_rows(run.comm, layout, [float(t) for t in mask_BT.sum(-1).tolist()])
+    epochs = [minibatches(layout, weights, algo.minibatches,
+                          step_seed(recipe.run.seed, step, salt=1 + epoch))
+              for epoch in range(algo.ppo_epochs)]
+    rewards_all = gather_rows(run.comm, layout, traj.rewards)
+    return ScoredPPOBatch(traj, layout, batch, rewards_all, epochs, old_BT, mask_BT, ref_BT,
+                          is_BT, old_values_BT, adv_BT, returns_BT, gap)
 
-    def loss_fn(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        sub = select_rows(batch, idx)
-        lp_BT, sub_mask_BT = run.policy.logprobs(sub, temperature)
-        w = lp_BT.shape[1]
-        return ppo_loss(PPOLossInputs(
-            logprobs_BT=lp_BT, old_logprobs_BT=old_BT[idx, :w], adv_BT=adv_BT[idx, :w],
-            mask_BT=sub_mask_BT, values_BT=critic(sub), old_values_BT=old_values_BT[idx, :w],
-            returns_BT=returns_BT[idx, :w],
-            is_weights_BT=None if is_BT is None else is_BT[idx, :w]), algo)
 
-    history = []
-    for epoch in range(algo.ppo_epochs):
-        for mb in minibatches(layout, weights, algo.minibatches,
-                              step_seed(recipe.run.seed, step, salt=1 + epoch)):
-            history.append(train_minibatch([run.policy, critic], mb, loss_fn,
-                                           recipe.train.grad_accum_steps, layout.world,
-                                           recipe.train.max_grad_norm))
-    run.policy.scheduler.step()
+def minibatch_loss(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredPPOBatch,
+                   idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The PPO loss (policy and value) of rows ``idx`` and its metrics."""
+    s = scored
+    sub = select_rows(s.batch, idx)
+    lp_BT, sub_mask_BT = run.policy.logprobs(sub, run.recipe.rollout.temperature)
+    w = lp_BT.shape[1]
+    return ppo_loss(PPOLossInputs(
+        logprobs_BT=lp_BT, old_logprobs_BT=s.old_BT[idx, :w], adv_BT=s.adv_BT[idx, :w],
+        mask_BT=sub_mask_BT, values_BT=critic(sub), old_values_BT=s.old_values_BT[idx, :w],
+        returns_BT=s.returns_BT[idx, :w],
+        is_weights_BT=None if s.is_BT is None else s.is_BT[idx, :w]), algo)
+
+
+def consume(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredPPOBatch
+            ) -> dict[str, float]:
+    """The step's optimizer steps of the policy and the critic over ``scored``; returns the
+    reduced metrics, the learning rate, ``kl`` (the policy's token KL estimate to the reference
+    before the update, over every rank's tokens) and ``rollout/logprob_gap``."""
+    recipe, policy = run.recipe, run.policy
+    loss_fn = partial(minibatch_loss, run, algo, critic, scored)
+    history = [train_minibatch([policy, critic], mb, loss_fn, recipe.train.grad_accum_steps,
+                               scored.layout.world, recipe.train.max_grad_norm)
+               for mbs in scored.epochs for mb in mbs]
+    policy.scheduler.step()
     critic.scheduler.step()
+    s = scored
+    kl_sum, n_tok = run.comm.sum([float(((s.old_BT - s.ref_BT) * s.mask_BT).sum()),
+                                  float(s.mask_BT.sum())])
+    return {**rank_mean(run.comm, policy.padding_metrics(s.batch)),
+            "kl": kl_sum / max(1.0, n_tok),
+            "rollout/logprob_gap": max(run.comm.gather(s.logprob_gap)),
+            "lr": policy.scheduler.get_last_lr()[0], **reduce_history(run.comm, history)}
+
+
+def one_step(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainable,
+             step: int) -> dict[str, Any]:
+    """produce -> score -> consume, then the new weights to the engine; the step's metrics."""
+    t0 = time.perf_counter()
+    traj = produce(run, algo, step)
+    t1 = time.perf_counter()
+    scored = score(run, algo, rewards, critic, traj, step)
+    t2 = time.perf_counter()
+    metrics = consume(run, algo, critic, scored)
     t3 = time.perf_counter()
     run.sync_weights()
     t4 = time.perf_counter()
-    kl_sum, n_tok = run.comm.sum([float(((old_BT - ref_BT) * mask_BT).sum()), float(mask_BT.sum())])
-    r = torch.tensor(gather_rows(run.comm, layout, traj.rewards))
-    return {"reward/mean": float(r.mean()), "reward/max": float(r.max()),
-            **rank_mean(run.comm, traj.reward_parts),
-            **rank_mean(run.comm, run.policy.padding_metrics(batch)),
-            "kl": kl_sum / max(1.0, n_tok), "rollout/logprob_gap": max(run.comm.gather(gap)),
-            "lr": run.policy.scheduler.get_last_lr()[0], **reduce_history(run.comm, history),
-            **item_ids_metric(traj),
-            "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/sync": t4 - t3,
-            "perf/rollout_tok_s": traj.n_tokens / max(t1 - t0, 1e-9)}
+    seconds = {"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2, "sync": t4 - t3}
+    return step_metrics(run, scored.traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics

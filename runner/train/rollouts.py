@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
+import torch
 
 from runner.packers.base import DataPacker, RLPolicyInput
 from runner.ranks.collective import interleave
 from runner.recipe.schema import RolloutConfig
 from runner.rewards import RewardSet
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig
-from runner.train.assemble import RunContext, item_seed
+from runner.train.assemble import RunContext
+from runner.train.batches import rank_mean
 from runner.train.roles import Rollout
+from runner.train.seeds import item_seed
 from runner.types import ObsBundle
 
 
@@ -43,7 +47,8 @@ class Trajectory:
         """
         ignore = ignore_prefix or [0] * len(self.completions)
         return [packer.get_policy_input(item, c, n, prompt_ids=p)
-                for item, c, p, n in zip(self.items, self.completions, self.prompt_ids, ignore, strict=True)]
+                for item, c, p, n in zip(self.items, self.completions, self.prompt_ids, ignore,
+                                         strict=True)]
 
 
 def shared_prefix_lengths(token_lists: Sequence[Sequence[int]], group_size: int) -> list[int]:
@@ -115,6 +120,28 @@ def item_ids_metric(traj: Trajectory) -> dict[str, list[int]]:
     return {"data/item_ids": list(traj.item_ids)} if traj.item_ids else {}
 
 
+def step_metrics(run: RunContext, traj: Trajectory, rewards_all: Sequence[float],
+                 seconds: Mapping[str, float], train_passes: int) -> dict[str, Any]:
+    """The part of a step's metrics every rollout loop (GRPO, PPO, OPD) logs alike.
+
+    ``reward/mean`` and ``reward/max`` over ``rewards_all`` (every rank's rewards), each reward
+    function's mean (``reward/NAME``), ``completion_len`` (completion tokens per completion,
+    over every rank), the step's item ids (with ``logging.item_ids``), ``time/NAME`` for each
+    phase in ``seconds`` (wall seconds; it must name "rollout" and "update"), and this rank's
+    token throughput of the rollout and of the ``train_passes`` passes the update made over its
+    completions (``perf/rollout_tok_s``, ``perf/train_tok_s``).
+    """
+    r = torch.tensor(list(rewards_all))
+    n_tokens, n_completions = run.comm.sum([traj.n_tokens, len(traj.completions)])
+    return {
+        "reward/mean": float(r.mean()), "reward/max": float(r.max()),
+        **rank_mean(run.comm, traj.reward_parts), "completion_len": n_tokens / n_completions,
+        **item_ids_metric(traj), **{f"time/{name}": s for name, s in seconds.items()},
+        "perf/rollout_tok_s": traj.n_tokens / max(seconds["rollout"], 1e-9),
+        "perf/train_tok_s": train_passes * traj.n_tokens / max(seconds["update"], 1e-9),
+    }
+
+
 def score(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:
     values, parts = rewards.score(traj.texts, traj.items, step=step)
     return attrs.evolve(traj, rewards=tuple(values), reward_parts=parts)
@@ -128,9 +155,10 @@ def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
     total, parts = [], {f"reward/{n}": 0.0 for n in rewards.names}
     if items:
         greedy = cfg.temperature == 0
-        params = attrs.evolve(sampling(run.recipe.rollout, 1 if greedy else cfg.num_samples, 0,
+        rollout = run.recipe.rollout
+        params = attrs.evolve(sampling(rollout, 1 if greedy else cfg.num_samples, 0,
                                        greedy=greedy),
-                              max_new_tokens=cfg.max_new_tokens or run.recipe.rollout.max_new_tokens,
+                              max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens,
                               temperature=cfg.temperature if not greedy else 1.0)
         traj = roll_out(run.rollout, items, params, position_seeds(run, run.recipe.run.seed, 0,
                                                                     len(items)))
