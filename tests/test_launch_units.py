@@ -141,7 +141,8 @@ def test_version_check_names_the_actor_and_each_package():
 
 
 def test_ray_local_ranks_and_runtime_env(monkeypatch):
-    from runner.launch.ray_backend import _local_ranks, runtime_env
+    from runner.launch.ray_backend import _local_ranks
+    from runner.launch.ray_env import runtime_env
     from runner.recipe import load_recipe
 
     assert _local_ranks(["a", "b", "a", "b", "a"]) == [0, 0, 1, 1, 2]

@@ -34,8 +34,8 @@ from runner.packers import build_packer
 from runner.recipe.schema import Recipe
 from runner.rollout.base import Completion
 from runner.train.roles import Frozen
-from runner.train.rollouts import Trajectory
 from runner.train.teacher import Teacher
+from runner.train.trajectory import Trajectory
 from runner.types import ObsBundle
 
 EOS = 2  # both views: pad 0, bos 1, eos 2, system 3, user 4, assistant 5, unk 6

@@ -42,7 +42,7 @@ class RolloutActor:
         return f"rollout actor {self.index}"
 
     def hello(self) -> dict[str, Any]:
-        from runner.launch.ray_backend import actor_hello
+        from runner.launch.ray_env import actor_hello
 
         return actor_hello()
 
@@ -86,7 +86,7 @@ class FrozenActor:
         return f"{self.role} actor"
 
     def hello(self) -> dict[str, Any]:
-        from runner.launch.ray_backend import actor_hello
+        from runner.launch.ray_env import actor_hello
 
         return actor_hello()
 

@@ -41,15 +41,10 @@ from runner.train.batches import (
 )
 from runner.train.loop import run_loop
 from runner.train.policy import completion_grid
-from runner.train.rollouts import (
-    Trajectory,
-    evaluate,
-    sample,
-    shared_prefixes,
-    step_metrics,
-)
+from runner.train.rollouts import evaluate, sample, shared_prefixes, step_metrics
 from runner.train.rollouts import score as reward_trajectory
 from runner.train.seeds import step_seed
+from runner.train.trajectory import Trajectory
 
 
 def run(run: RunContext) -> dict[str, Any]:

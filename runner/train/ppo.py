@@ -49,9 +49,10 @@ from runner.train.critic import CRITIC
 from runner.train.loop import run_loop
 from runner.train.policy import completion_grid
 from runner.train.roles import Trainable
-from runner.train.rollouts import Trajectory, evaluate, sample, step_metrics
+from runner.train.rollouts import evaluate, sample, step_metrics
 from runner.train.rollouts import score as reward_trajectory
 from runner.train.seeds import step_seed
+from runner.train.trajectory import Trajectory
 
 
 def run(run: RunContext) -> dict[str, Any]:

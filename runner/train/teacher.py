@@ -21,7 +21,7 @@ from runner.train.policy import completion_grid
 from runner.train.roles import FrozenScorer
 
 if TYPE_CHECKING:
-    from runner.train.rollouts import Trajectory
+    from runner.train.trajectory import Trajectory
 
 
 class Teacher:
