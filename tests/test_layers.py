@@ -72,6 +72,31 @@ def test_no_two_parts_of_the_package_import_each_other():
         f"{b} -> {a} at {', '.join(edges[b, a])}" for a, b in pairs)
 
 
+def test_no_part_reaches_itself_through_others():
+    """Longer circles too (data -> rollout -> packers -> data): the parts form layers."""
+    edges = part_imports()
+    after: dict[str, set[str]] = defaultdict(set)
+    for a, b in edges:
+        after[a].add(b)
+
+    def path_back(start: str) -> list[str] | None:
+        stack = [[start]]
+        seen: set[str] = set()
+        while stack:
+            path = stack.pop()
+            for nxt in sorted(after[path[-1]]):
+                if nxt == start:
+                    return path + [nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(path + [nxt])
+        return None
+
+    circles = [p for p in map(path_back, sorted(after)) if p]
+    assert not circles, "parts of runner in a circle of imports:\n" + "\n".join(
+        "  " + " -> ".join(f"{a} ({edges[a, b][0]})" for a, b in zip(c, c[1:])) for c in circles)
+
+
 def test_nothing_in_the_package_imports_the_cli():
     edges = part_imports()
     assert not [where for (a, b), where in edges.items() if b == "cli"], edges

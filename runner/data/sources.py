@@ -46,6 +46,7 @@ from runner.data.columns import (
 from runner.data.cursor import fingerprint_of
 from runner.data.files import load_hub, load_local
 from runner.data.membership import check_overlap, item_id, text_id
+from runner.data.prompt_text import prompt_chars
 from runner.errors import Problem, RecipeError
 from runner.extensions import load_callable
 from runner.recipe.held_out import held_out_reason
@@ -117,8 +118,6 @@ class PromptSource:
         """(row, characters of its prompt) for every row, where the source reads whole columns
         (a ``datasets`` table, no items_fn): what the run checks before any prompt is
         tokenised. Other sources give [] (their prompts are checked as they are drawn)."""
-        from runner.rollout.lengths import prompt_chars
-
         if self._column_values is None or self._items_fn is not None:
             return []
         return [(i, prompt_chars(value))

@@ -23,12 +23,13 @@ checked when measured, or else when drawn.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from runner.data.prompt_text import prompt_chars
 from runner.errors import Problem, RecipeError
 from runner.types import ObsBundle
 
@@ -53,22 +54,6 @@ def chars_per_token(tokenizer: Any) -> int:
     get_vocab = getattr(tokenizer, "get_vocab", None)
     vocab = get_vocab() if callable(get_vocab) else {}
     return max((len(entry) for entry in vocab), default=1) or 1
-
-
-def prompt_chars(prompt: Any) -> int:
-    """Characters of a prompt's text: a string (or number), or the text of chat messages."""
-    if isinstance(prompt, list | tuple):
-        return sum(_content_chars(m.get("content")) for m in prompt if isinstance(m, Mapping))
-    return len(prompt) if isinstance(prompt, str) else len(str(prompt))
-
-
-def _content_chars(content: Any) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list | tuple):  # multimodal content parts: their text
-        return sum(len(p["text"]) for p in content
-                   if isinstance(p, Mapping) and isinstance(p.get("text"), str))
-    return 0
 
 
 @attrs.frozen
