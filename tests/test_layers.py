@@ -94,7 +94,8 @@ def test_no_part_reaches_itself_through_others():
 
     circles = [p for p in map(path_back, sorted(after)) if p]
     assert not circles, "parts of runner in a circle of imports:\n" + "\n".join(
-        "  " + " -> ".join(f"{a} ({edges[a, b][0]})" for a, b in zip(c, c[1:])) for c in circles)
+        "  " + " -> ".join(f"{a} ({edges[a, b][0]})" for a, b in zip(c, c[1:], strict=False))
+        for c in circles)
 
 
 def test_nothing_in_the_package_imports_the_cli():
