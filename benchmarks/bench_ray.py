@@ -37,7 +37,8 @@ def _tree(pid: int) -> set[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parent[int(entry.name)] = int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except OSError:
                 continue
     found, grew = {pid}, True
@@ -113,7 +114,8 @@ def sync(model: str) -> None:
             engine.update_weights((k, p.detach()) for k, p in policy.named_parameters())
             times.append(time.perf_counter() - t0)
         print(f"| weight sync through the object store, {model} ({n:,} float32, "
-              f"{4 * n / 2**20:.0f} MiB), hf rollout actor | {statistics.median(times[1:]):.3f} s |")
+              f"{4 * n / 2**20:.0f} MiB), hf rollout actor | "
+              f"{statistics.median(times[1:]):.3f} s |")
     finally:
         ray.shutdown()
 

@@ -22,7 +22,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=128, help="sequences per generate call (hf)")
+    parser.add_argument("--batch-size", type=int, default=128,
+                        help="sequences per generate call (hf)")
     parser.add_argument("--media", choices=["none", "image", "video"], default="none",
                         help="prompts of the built-in image task (a 32x32 picture each) or "
                         "one 6-frame video each (a vision-language --model)")
@@ -68,7 +69,8 @@ def main() -> None:
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     media = "" if args.media == "none" else f" ({args.media})"
     print(f"| {args.engine} | {args.model}{media} | {args.prompts}x{args.samples}x{args.tokens} | "
-          f"{tokens} | {best:.2f} | {tokens / best:.0f} | {update:.3f} | {startup:.1f} | {rss_mb:.0f} |")
+          f"{tokens} | {best:.2f} | {tokens / best:.0f} | {update:.3f} | {startup:.1f} | "
+          f"{rss_mb:.0f} |")
 
 
 def media_items(kind: str, n: int) -> list:

@@ -4,7 +4,8 @@ Runs a shipped recipe through ``posttrain-run --plain`` for a few steps in a fre
 (checkpoint only at the end, evaluation off) and reads ``metrics.jsonl``. The first step is
 dropped (warm-up). Peak RSS is the child process's.
 
-Run: ``.venv/bin/python benchmarks/bench_steps.py recipes/grpo-arith.toml [--steps 6] [KEY=VALUE ...]``.
+Run:
+``.venv/bin/python benchmarks/bench_steps.py recipes/grpo-arith.toml [--steps 6] [KEY=VALUE ...]``.
 Prints a markdown table row: recipe, s/step, shares of rollout / reward / update / sync, the
 share of padded positions in the training batches (padded -> as computed, i.e. after packing when
 ``train.padding_free``) with the positions computed as a share of the padded batch's (fewer when

@@ -4,7 +4,8 @@ TRL is not part of this project's set-up: install it beside the venv's packages 
 ``pip install --no-deps --target /some/dir trl==1.16.0`` and run with ``PYTHONPATH=/some/dir:.``.
 
     bench_trl.py grpo [--model builtin:tiny-arith --prompts 16 --group 8 --tokens 6 --lr 3e-4]
-    bench_trl.py grpo --model builtin:smollm2-135m-instruct --prompts 6 --tokens 16 --lr 1e-5 --temperature 0.8 --steps 5 --bf16
+    bench_trl.py grpo --model builtin:smollm2-135m-instruct --prompts 6 --tokens 16 --lr 1e-5
+        --temperature 0.8 --steps 5 --bf16
     bench_trl.py dpo
     bench_trl.py opd [--lr 1e-4 --steps 60]
 
@@ -81,15 +82,18 @@ def main() -> None:
                                     for p in problems("train", 50 * args.prompts)])
 
             def reward(prompts, completions, answer, **kw):
-                return [1.0 if final_integer(c) == int(a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+                return [1.0 if final_integer(c) == int(a) else 0.0
+                        for c, a in zip(completions, answer, strict=True)]
 
-            cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=args.prompts * args.group // 2,
+            cfg = GRPOConfig(output_dir=out,
+                             per_device_train_batch_size=args.prompts * args.group // 2,
                              num_generations=args.group, steps_per_generation=2,
                              max_completion_length=args.tokens, temperature=args.temperature,
                              max_steps=2 * args.steps, beta=0.0, **common)
             GRPOTrainer(model=load_causal_lm(path), reward_funcs=reward, args=cfg, train_dataset=ds,
                         processing_class=tok, callbacks=[Timer()]).train()
-            per = [b - a for a, b in zip(ends[1::2], ends[3::2], strict=False)]  # one generation batch each
+            # one generation batch each
+            per = [b - a for a, b in zip(ends[1::2], ends[3::2], strict=False)]
             what = "s per generation batch (one runner step)"
         elif args.algo == "opd":
             from trl import DistillationConfig, DistillationTrainer
@@ -99,8 +103,9 @@ def main() -> None:
                                      max_completion_length=args.tokens, temperature=1.0,
                                      gradient_checkpointing=False, max_steps=args.steps, **common)
             teacher = load_causal_lm(resolve_model_path("builtin:tiny-arith-teacher"))
-            trainer = DistillationTrainer(model=load_causal_lm(path), teacher_model=teacher, args=cfg,
-                                          train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+            trainer = DistillationTrainer(model=load_causal_lm(path), teacher_model=teacher,
+                                          args=cfg, train_dataset=ds, processing_class=tok,
+                                          callbacks=[Timer()])
             trainer.train()
             trainer.save_model(f"{out}/student")
             tok.save_pretrained(f"{out}/student")
@@ -110,7 +115,8 @@ def main() -> None:
             from trl import DPOConfig, DPOTrainer
 
             ds = Dataset.from_list([{"prompt": prompt(p), "chosen": str(p.answer),
-                                     "rejected": str(p.answer + 1)} for p in problems("train", 1000)])
+                                     "rejected": str(p.answer + 1)}
+                                    for p in problems("train", 1000)])
             cfg = DPOConfig(output_dir=out, per_device_train_batch_size=16, beta=0.3,
                             loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0],
                             max_steps=3 * args.steps, **common)
@@ -129,7 +135,8 @@ def held_out_kl(student: str) -> float:
     import sys
 
     with tempfile.TemporaryDirectory() as out:
-        done = subprocess.run([sys.executable, "-m", "runner.cli", "--plain", "recipes/opd-arith.toml",
+        done = subprocess.run([sys.executable, "-m", "runner.cli", "--plain",
+                               "recipes/opd-arith.toml",
                                f"model.path={student}", f"run.output_dir={out}", "run.max_steps=1",
                                "logging.sample_every=0"], capture_output=True, text=True)
         if done.returncode != 0:

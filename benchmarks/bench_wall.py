@@ -3,7 +3,8 @@
 ``bench_trl.py``'s timing of TRL's loop. One run of N steps (evaluation off, one checkpoint at
 the end); the median of steps 3..N.
 
-Run: ``.venv/bin/python benchmarks/bench_wall.py recipes/grpo-arith.toml [--steps 20] [KEY=VALUE ...]``.
+Run:
+``.venv/bin/python benchmarks/bench_wall.py recipes/grpo-arith.toml [--steps 20] [KEY=VALUE ...]``.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def load_callable(dotted: str, *, key: str = "") -> Callable[..., Any]:
                 continue
             raise _error(key, dotted, f"importing {name!r} failed: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - user code may raise anything while importing
-            raise _error(key, dotted, f"importing {name!r} raised {type(exc).__name__}: {exc}") from exc
+            raise _error(key, dotted,
+                         f"importing {name!r} raised {type(exc).__name__}: {exc}") from exc
         obj: Any = module
         for depth, attr in enumerate(parts[cut:], start=cut):
             if not hasattr(obj, attr):
@@ -57,7 +58,8 @@ def load_callable(dotted: str, *, key: str = "") -> Callable[..., Any]:
 
 
 def check_binds(
-    fn: Callable[..., Any], dotted: str, *, key: str, args: tuple = (), kwargs: Mapping[str, Any] | None = None
+    fn: Callable[..., Any], dotted: str, *, key: str, args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None
 ) -> None:
     """Raise ExtensionError unless ``fn(*args, **kwargs)`` would bind to ``fn``'s signature."""
     try:

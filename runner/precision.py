@@ -49,7 +49,8 @@ class Precision:
 
     @property
     def train_label(self) -> str:
-        return {"no": "fp32", "bf16": "bf16 autocast, fp32 master weights"}.get(self.train, self.train)
+        return {"no": "fp32",
+                "bf16": "bf16 autocast, fp32 master weights"}.get(self.train, self.train)
 
 
 def bf16_is_fast(device_type: str) -> tuple[bool, str]:

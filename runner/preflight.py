@@ -151,6 +151,6 @@ def _kwargs_from_recipe(problem: Problem, key: str, kwargs: dict[str, Any],
                                              for k in given):
         return problem
     hint = (f"{problem.hint}. {table} = {show_value(kwargs)} came from the recipe (written for "
-            f"its own {key}), not from the command line: replace the whole table on the command line "
-            f"too, {table}={{...}} with the new factory's arguments, or {table}={{}} for none")
+            f"its own {key}), not from the command line: replace the whole table on the command "
+            f"line too, {table}={{...}} with the new factory's arguments, or {table}={{}} for none")
     return attrs.evolve(problem, hint=hint)

@@ -51,7 +51,8 @@ def packing_rows(recipe: Recipe) -> list[tuple[str, str]]:
     path = resolve_model_path(recipe.model.path)
     model_type = recipe.model.model_type or read_model_type(path)
     packer = build_packer(path, model_type, recipe.data_packer.factory,
-                          trust_remote_code=recipe.model.trust_remote_code, dtype=recipe.model.dtype)
+                          trust_remote_code=recipe.model.trust_remote_code,
+                          dtype=recipe.model.dtype)
     rows = [("model", f"{recipe.model.path} -> {path}"), ("model_type", model_type),
             ("data packer", f"{type(packer).__module__}.{type(packer).__qualname__}"
              + (f" (from {recipe.data_packer.factory})" if recipe.data_packer.factory else
@@ -60,8 +61,10 @@ def packing_rows(recipe: Recipe) -> list[tuple[str, str]]:
         pair = DatasetPreferenceEnv(recipe.data, seed=recipe.run.seed).train.pair(0)
         chosen, rejected = packer.get_preference_input(ObsBundle(pair.prompt, id=pair.id),
                                                        pair.chosen, pair.rejected)
-        rows += [("chosen sequence", repr(packer.decode(chosen.input_ids, skip_special_tokens=False))),
-                 ("rejected sequence", repr(packer.decode(rejected.input_ids, skip_special_tokens=False))),
+        rows += [("chosen sequence",
+                  repr(packer.decode(chosen.input_ids, skip_special_tokens=False))),
+                 ("rejected sequence",
+                  repr(packer.decode(rejected.input_ids, skip_special_tokens=False))),
                  ("tokens (chosen)", str(len(chosen.input_ids)))]
         return rows
     train, val = build_prompt_sources(recipe.data, recipe.algo.kind)

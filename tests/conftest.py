@@ -39,7 +39,8 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: file order kept
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run benchmarks/gpu_check.sh on a GPU host)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA device (run benchmarks/gpu_check.sh on a GPU host)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -19,7 +19,8 @@ from tests.conftest import REPO
 CLI = [sys.executable, "-m", "runner.cli", "--plain"]
 
 
-def run_cli(recipe: str, out: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(recipe: str, out: Path, *overrides: str,
+            timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, recipe, f"run.output_dir={out}", *overrides], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout, env=_env())
 
@@ -60,7 +61,8 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float =
         raise _timed_out(proc, f"metrics of step {step}", timeout)
 
 
-def wait_for_checkpoint_write(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> bool:
+def wait_for_checkpoint_write(proc: subprocess.Popen, out: Path, step: int,
+                              timeout: float = 300) -> bool:
     """Wait until ``proc`` writes checkpoint ``step`` (its temporary folder exists); True if seen,
     False if it was written between two polls or the process ended. WaitTimedOut (after killing
     it) when none of these happens within ``timeout`` seconds.

@@ -79,7 +79,8 @@ def test_opd_loss_value_gradient_and_metrics_by_hand():
 
 def test_opd_full_kl_is_the_exact_reverse_kl_alone():
     lp = torch.tensor([[-1.0, -2.0, 0.0]], dtype=torch.float64)
-    student = torch.log(torch.tensor([[[0.5, 0.25, 0.25]] * 3], dtype=torch.float64)).requires_grad_()
+    student = torch.log(torch.tensor([[[0.5, 0.25, 0.25]] * 3],
+                                     dtype=torch.float64)).requires_grad_()
     teacher = torch.log(torch.tensor([[[0.25, 0.5, 0.25]] * 3], dtype=torch.float64))
     inputs = _opd_inputs(lp, student_logits_BTV=student, teacher_logits_BTV=teacher)
     loss, metrics = opd_loss(inputs, OPDConfig(full_kl=True, kl_coef=2.0))

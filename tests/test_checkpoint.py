@@ -38,7 +38,8 @@ def _trained_optimizer(model):
 
 
 def _save(root, step, model, opt, keep_last=2):
-    state = TrainingState(step=step, cursor={"cursor": {"epoch": 0}}, scheduler={"last_epoch": step})
+    state = TrainingState(step=step, cursor={"cursor": {"epoch": 0}},
+                          scheduler={"last_epoch": step})
     return save_checkpoint(root, step, model=model, tokenizer=None, optimizer=opt, state=state,
                            metrics_rows=[{"step": s, "loss": 0.5 * s} for s in range(1, step + 1)],
                            keep_last=keep_last)
@@ -56,7 +57,8 @@ def test_round_trip_is_bitwise(tmp_path, model):
     assert (random.random(), np.random.rand()) == expected[:2]
     assert torch.equal(torch.rand(1), expected[2])
     reloaded = Qwen2ForCausalLM.from_pretrained(ckpt.model_dir)
-    for (n, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
+    for (n, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(),
+                              strict=True):
         assert torch.equal(a, b), n
     opt2 = torch.optim.AdamW(reloaded.parameters(), lr=1e-2, foreach=False)
     opt2.load_state_dict(ckpt.optimizer_state)

@@ -83,7 +83,8 @@ FAULTS = {"corrupt": _corrupt, "truncate": _truncate, "delete": Path.unlink}
 def _expected_reason(rel: str, fault: str, size: int) -> str | None:
     """Why step 2 must be skipped after ``fault`` on ``rel`` (None: it is still intact)."""
     if rel == COMPLETE:
-        return "no COMPLETE marker (an interrupted write or deletion)" if fault == "delete" else None
+        return ("no COMPLETE marker (an interrupted write or deletion)" if fault == "delete"
+                else None)
     if rel == MANIFEST:
         return "MANIFEST.json is missing (written by an older version, or deleted)" \
             if fault == "delete" else "MANIFEST.json is damaged"
@@ -236,8 +237,8 @@ def test_metrics_write_errors_are_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr("builtins.open", read_only)
     with pytest.raises(RuntimeFailure) as info:
         log.write({"step": 2, "loss": 0.25})
-    assert str(info.value) == (f"policy at step 2: cannot write metrics to {tmp_path / 'metrics.jsonl'}"
-                               ": Read-only file system [errno 30]")
+    assert str(info.value) == ("policy at step 2: cannot write metrics to "
+                               f"{tmp_path / 'metrics.jsonl'}: Read-only file system [errno 30]")
     with pytest.raises(RuntimeFailure) as info:
         MetricsLog(tmp_path / "metrics.jsonl", rows=[{"step": 7}])
     assert str(info.value).startswith("policy at step 7: cannot write metrics to ")

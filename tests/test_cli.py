@@ -59,7 +59,8 @@ def test_validate_checks_factory_kwargs_bind(run_cli):
 def test_validate_reports_every_bad_extension(run_cli):
     rc, _, err = run_cli("--validate", GRPO, "data.items_fn=tests.extmods.callables.nope",
                          "data_packer.factory=tests.extmods.callables.two_kwargs",
-                         "reward.functions=[\"arithmetic_exact\", \"tests.extmods.callables.NOT_CALLABLE\"]")
+                         "reward.functions=[\"arithmetic_exact\", "
+                         "\"tests.extmods.callables.NOT_CALLABLE\"]")
     lines = err.strip().splitlines()
     assert rc == 2
     assert any("data.items_fn: tests.extmods.callables.nope" in x for x in lines)
@@ -144,7 +145,8 @@ def test_mutated_shipped_recipes(path, data):
     _is_clean_outcome(doc, data.draw(overrides))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(documents.filter(lambda d: _is_clean_outcome(d, ()) is not None))
 def test_cli_exits_2_without_traceback_on_fuzzed_recipe(tmp_path_factory, doc):
     import tomli_w
@@ -152,7 +154,8 @@ def test_cli_exits_2_without_traceback_on_fuzzed_recipe(tmp_path_factory, doc):
     try:
         text = tomli_w.dumps(doc)
     except (TypeError, ValueError):
-        return  # not representable as TOML (e.g. NaN in some writers): the loader case is covered above
+        # not representable as TOML (e.g. NaN in some writers): the loader case is covered above
+        return
     path = tmp_path_factory.mktemp("fuzz") / "r.toml"
     path.write_text(text)
     import contextlib

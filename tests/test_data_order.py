@@ -51,7 +51,8 @@ def test_bucketed_permutation_is_uniform():
     assert len(counts) == 6
     assert all(880 < c < 1120 for c in counts.values()), counts
     # Where item 0 lands among 3,000 places (several items per bucket): uniform by tenths.
-    places = np.array([int(np.argmax(_bucketed_permutation(3_000, rng) == 0)) for _ in range(2_000)])
+    places = np.array([int(np.argmax(_bucketed_permutation(3_000, rng) == 0))
+                       for _ in range(2_000)])
     hist = np.bincount(places // 300, minlength=10)
     assert all(140 < h < 260 for h in hist), hist
 

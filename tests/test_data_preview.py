@@ -48,7 +48,8 @@ def test_ppo_rows_with_validation_off():
         factory=f"{EX}.build_prompt_dataset", prompt_column="question", response_column="answer",
         shuffle=False, validation=ValidationConfig(enabled=False)))))
     assert rows["first item"] == '{"prompt": "What is 0 + 7?", "reference": "7"}'
-    assert (rows["order"], rows["held-out"]) == ("file order", "off: data.validation.enabled is false")
+    assert (rows["order"], rows["held-out"]) == ("file order",
+                                                 "off: data.validation.enabled is false")
 
 
 def test_custom_source_without_held_out_set_says_it_trains_without_evaluation():

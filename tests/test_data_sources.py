@@ -416,7 +416,8 @@ def test_ppo_media_items_get_ids_from_the_raw_media_reference(kind):
     from runner.data.membership import item_id
 
     d = DataConfig(factory=f"{HERE}.media_rows", factory_kwargs={"kind": kind},
-                   prompt_column="q", image_column="img", validation=ValidationConfig(enabled=False))
+                   prompt_column="q", image_column="img",
+                   validation=ValidationConfig(enabled=False))
     ids = build_prompt_source(d, "ppo").membership_ids()
     # One question about two pictures: two distinct ids, repeated with the pictures.
     assert ids[0] == ids[2] and ids[1] == ids[3] and ids[0] != ids[1]

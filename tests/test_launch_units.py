@@ -128,7 +128,8 @@ def test_version_check_names_the_actor_and_each_package():
 
     driver = {"python": "3.11.7", "torch": "2.13.0", "ray": "2.60.0"}
     assert version_mismatches(driver, dict(driver)) == []
-    assert version_mismatches(driver, {**driver, "torch": "2.12.1"}) == ["torch 2.12.1 (driver 2.13.0)"]
+    assert version_mismatches(driver, {**driver, "torch": "2.12.1"}) == [
+        "torch 2.12.1 (driver 2.13.0)"]
     check_versions(driver, {"rank 0": {"ip": "127.0.0.1", "versions": dict(driver)}})
     bad = {"rank 0": {"ip": "127.0.0.1", "versions": dict(driver)},
            "rollout actor 0": {"ip": "10.0.0.2", "versions": {"python": "3.11.7",

@@ -150,7 +150,8 @@ def test_cache_folder_follows_posttrain_home(monkeypatch, tmp_path):
     monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path))
     assert model_dir("tiny-arith") == tmp_path / "models" / f"tiny-arith-v{BUILD_VERSION}"
     monkeypatch.delenv("POSTTRAIN_HOME")
-    assert model_dir("x") == Path.home() / ".cache" / "posttrain-runner" / "models" / f"x-v{BUILD_VERSION}"
+    assert model_dir("x") == (Path.home() / ".cache" / "posttrain-runner" / "models"
+                              / f"x-v{BUILD_VERSION}")
 
 
 def _fake_builder(calls: list[str], fail: bool = False):
@@ -291,7 +292,8 @@ def test_slip_shifts_the_stated_share_of_answers():
     from runner.models.tiny import warm_up_examples
 
     spec = TinySpec(tokenizer="bpe", hidden_size=32, num_layers=1, steps=50, lr=1e-3, slip=0.65)
-    clean = warm_up_examples(TinySpec(tokenizer="bpe", hidden_size=32, num_layers=1, steps=50, lr=1e-3))
+    clean = warm_up_examples(TinySpec(tokenizer="bpe", hidden_size=32, num_layers=1, steps=50,
+                                      lr=1e-3))
     slipped = warm_up_examples(spec)
     shifts = [b - a for (_, a), (_, b) in zip(clean, slipped, strict=True)]
     assert set(shifts) == {0, 1}
@@ -389,7 +391,8 @@ def test_tiny_arith_samples_a_spread_with_some_right():
 def test_teacher_scores_tiny_arith_ids():
     """Same tokenizer, same ids: the teacher can score the student's tokens directly."""
     student = json.loads((resolve_model_path("builtin:tiny-arith") / "tokenizer.json").read_text())
-    teacher = json.loads((resolve_model_path("builtin:tiny-arith-teacher") / "tokenizer.json").read_text())
+    teacher = json.loads(
+        (resolve_model_path("builtin:tiny-arith-teacher") / "tokenizer.json").read_text())
     assert student["model"]["vocab"] == teacher["model"]["vocab"]
     assert student["added_tokens"] == teacher["added_tokens"]
 

@@ -94,15 +94,18 @@ def _trajectory(student: Path) -> tuple[Trajectory, list]:
     return traj, traj.policy_inputs(packer)
 
 
-def _aligned(teacher: Teacher, traj: Trajectory, inputs: list, temperature: float) -> list[list[float]]:
+def _aligned(teacher: Teacher, traj: Trajectory, inputs: list,
+             temperature: float) -> list[list[float]]:
     """Teacher.logprobs on the student's grid, read back per completion token."""
     width = max(len(x.input_ids) for x in inputs) - 1
     grid = teacher.logprobs(traj, inputs, width, temperature)
-    return [grid[b, x.n_prompt_tokens - 1:len(x.input_ids) - 1].tolist() for b, x in enumerate(inputs)]
+    return [grid[b, x.n_prompt_tokens - 1:len(x.input_ids) - 1].tolist()
+            for b, x in enumerate(inputs)]
 
 
 @torch.no_grad()
-def _scores(model, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> list[float]:
+def _scores(model, prompt_ids: list[int], completion_ids: list[int],
+            temperature: float) -> list[float]:
     """log softmax(logits / T) of each completion token given everything before it."""
     ids = torch.tensor([prompt_ids + completion_ids])
     logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double() / temperature, dim=-1)
@@ -138,7 +141,8 @@ def test_bpe_student_char_teacher_one_model(bpe_view, char_view, temperature):
     bpe, vocab = load_tokenizer(bpe_view), load_tokenizer(char_view).get_vocab()
     assert vocab == {k: v for k, v in bpe.get_vocab().items() if v < len(vocab)}  # one id space
     sample = "What is 42"
-    assert teacher.packer.tokenizer(sample, add_special_tokens=False)["input_ids"] == _char_ids(sample, vocab)
+    assert (teacher.packer.tokenizer(sample, add_special_tokens=False)["input_ids"]
+            == _char_ids(sample, vocab))
     assert len(bpe(sample, add_special_tokens=False)["input_ids"]) == 4  # "What", " is", " ", "42"
     # The teacher's prompt, written out by hand: its template with the question spelled per byte.
     prompt = [1, 4, *_char_ids(QUESTION, vocab), EOS, 5]
@@ -172,12 +176,14 @@ def test_char_student_bpe_teacher_one_model(bpe_view, char_view):
     model = load_causal_lm(bpe_view)
     bpe = load_tokenizer(bpe_view)
     prompt = bpe(bpe.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
-                                         add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+                                         add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
     assert prompt[:2] == [1, 4] and prompt[-2:] == [EOS, 5]
     merged = 0
     for (text, finish), c, values in zip(COMPLETIONS, traj.completions, aligned, strict=True):
         assert len(c.token_ids) == len(text.encode()) + (finish == "stop")  # one per character
-        teacher_ids = list(bpe(text, add_special_tokens=False)["input_ids"]) + [EOS] * (finish == "stop")
+        teacher_ids = (list(bpe(text, add_special_tokens=False)["input_ids"])
+                       + [EOS] * (finish == "stop"))
         lp = _scores(model, list(prompt), teacher_ids, 1.0)
         assert sum(values) == pytest.approx(sum(lp), abs=1e-5)
         student = _spans([text[k] for k in range(len(text))] + [""] * (finish == "stop"))

@@ -44,7 +44,8 @@ def test_eos_never_missing_or_doubled(packer):
     eos = packer.eos_token_id
     stop = packer.get_policy_input(ITEM, Completion((11, eos), "", (0, 0), "stop"), prompt_ids=[1])
     cut = packer.get_policy_input(ITEM, Completion((11, 12), "", (0, 0), "length"), prompt_ids=[1])
-    doubled = packer.get_policy_input(ITEM, Completion((11, eos, eos), "", (0,) * 3, "stop"), prompt_ids=[1])
+    doubled = packer.get_policy_input(ITEM, Completion((11, eos, eos), "", (0,) * 3, "stop"),
+                                      prompt_ids=[1])
     assert stop.completion_ids == (11, eos)
     assert cut.completion_ids == (11, 12)
     assert doubled.completion_ids == (11, eos)
@@ -94,10 +95,12 @@ def test_unknown_model_type_and_bad_factory():
     path = resolve_model_path("builtin:tiny-arith")
     with pytest.raises(RecipeError) as info:
         build_packer(path, "mamba-x")
-    assert "model.model_type" in info.value.lines()[0] and "data_packer.factory" in info.value.lines()[0]
+    assert ("model.model_type" in info.value.lines()[0]
+            and "data_packer.factory" in info.value.lines()[0])
     with pytest.raises(ExtensionError) as info:
         build_packer(path, "qwen2", "tests.extmods.callables.two_kwargs")
-    assert "tests.extmods.callables.two_kwargs: returned list, not a DataPacker" in info.value.lines()[0]
+    assert ("tests.extmods.callables.two_kwargs: returned list, not a DataPacker"
+            in info.value.lines()[0])
 
 
 def test_collate_pads_right_and_packs():
@@ -216,8 +219,9 @@ def test_trust_remote_code_reaches_the_tokenizer_load(monkeypatch):
     path = resolve_model_path("builtin:tiny-arith")
     calls = []
     real = models.load_tokenizer
-    monkeypatch.setattr(models, "load_tokenizer",
-                        lambda p, trust_remote_code=False: calls.append(trust_remote_code) or real(p))
+    monkeypatch.setattr(
+        models, "load_tokenizer",
+        lambda p, trust_remote_code=False: calls.append(trust_remote_code) or real(p))
     build_packer(path, "qwen2", trust_remote_code=True)
     build_packer(path, "qwen2")
     assert calls == [True, False]

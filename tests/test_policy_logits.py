@@ -166,7 +166,8 @@ def test_shared_prompt_logprobs_and_gradients_equal_padded_ones(attn, dtype):
     tol = 1e-12 if (dtype, attn) == (torch.float64, "sdpa") else 1e-5
     torch.testing.assert_close(free[mask], padded[mask], rtol=0, atol=tol)
     assert (free[~mask] == 0).all()
-    assert float((g_free - g_padded).norm() / g_padded.norm()) < (1e-5 if dtype == torch.float32 else 1e-6)
+    assert (float((g_free - g_padded).norm() / g_padded.norm())
+            < (1e-5 if dtype == torch.float32 else 1e-6))
 
 
 def test_flash_attention_models_fall_back_to_block_diagonal_packing():

@@ -92,7 +92,8 @@ def test_grpo_loss_weights_only_the_policy_gradient_term():
     ref = torch.tensor([[-1.5, -1.0]])
     mask = torch.ones(1, 2)
     is_w = torch.tensor([[2.0, 0.5]])
-    loss, metrics = grpo_loss(GRPOLossInputs(logprobs_BT=lp, old_logprobs_BT=old, adv_B=torch.tensor([1.0]),
+    loss, metrics = grpo_loss(GRPOLossInputs(logprobs_BT=lp, old_logprobs_BT=old,
+                                             adv_B=torch.tensor([1.0]),
                                              ref_logprobs_BT=ref, mask_BT=mask, max_tokens=2,
                                              is_weights_BT=is_w), cfg)
     # ratio 1 everywhere: pg = -A = -1 per token, weighted 2 and 0.5; k3(d) = e^d - d - 1.
@@ -102,7 +103,8 @@ def test_grpo_loss_weights_only_the_policy_gradient_term():
     assert abs(metrics["engine_is_weight"] - 1.25) < 1e-6
     (grad,) = torch.autograd.grad(loss, lp)
     # d/dlp of -w A r at r = 1 is -w A; of beta k3 is beta (1 - e^d); divided by 2 tokens
-    expected_grad = [(-2.0 + 0.5 * (1 - math.exp(-0.5))) / 2, (-0.5 + 0.5 * (1 - math.exp(1.0))) / 2]
+    expected_grad = [(-2.0 + 0.5 * (1 - math.exp(-0.5))) / 2,
+                     (-0.5 + 0.5 * (1 - math.exp(1.0))) / 2]
     torch.testing.assert_close(grad, torch.tensor([expected_grad]), rtol=0, atol=1e-6)
 
 
@@ -167,7 +169,8 @@ def test_bf16_vllm_engine_takes_weight_updates_and_the_correction_applies(tmp_pa
 
     if not cpu_bf16_flags():
         pytest.skip("this CPU has no native bf16: auto precision is fp32 here")
-    done = run_cli("recipes/grpo-arith.toml", tmp_path, "rollout.engine=vllm", "train.precision=auto",
+    done = run_cli("recipes/grpo-arith.toml", tmp_path, "rollout.engine=vllm",
+                   "train.precision=auto",
                    "algo.engine_is_correction=true", "run.max_steps=3", "algo.prompts_per_step=4",
                    "algo.group_size=4", "rollout.max_new_tokens=4", "data.validation.enabled=false")
     assert done.returncode == 0, done.stdout + done.stderr

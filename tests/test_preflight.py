@@ -52,7 +52,8 @@ def test_output_dir_rules(tmp_path):
     assert check_output_dir(str(tmp_path)) == []
     (problem,) = check_output_dir(str(tmp_path / "file"))
     assert problem.render() == f"run.output_dir: exists and is not a folder (got " \
-                               f"'{tmp_path / 'file'}'). Choose a folder path for the run's outputs."
+                               f"'{tmp_path / 'file'}'). Choose a folder path for the run's " \
+                               "outputs."
     (problem,) = check_output_dir(str(tmp_path / "file" / "run"))
     assert problem.message == f"cannot be made: {tmp_path / 'file'} is not a folder"
 
@@ -74,7 +75,8 @@ def test_the_vocab_check_loads_tokenizers_with_trust_remote_code(monkeypatch):
     path = resolve_model_path("builtin:tiny-arith")
     calls = []
     real = models.load_tokenizer
-    monkeypatch.setattr(models, "load_tokenizer",
-                        lambda p, trust_remote_code=False: calls.append(trust_remote_code) or real(p))
+    monkeypatch.setattr(
+        models, "load_tokenizer",
+        lambda p, trust_remote_code=False: calls.append(trust_remote_code) or real(p))
     check_same_vocab(path, path, trust_remote_code=True)
     assert calls == [True, True]

@@ -46,9 +46,11 @@ def build_folder(kind: str, folder, vl_path) -> None:
     torch.manual_seed(0)
     model_cls(config).save_pretrained(folder)
     size = {"shortest_edge": 256, "longest_edge": 4096}
-    proc_cls(image_processor=tf.Qwen2VLImageProcessor(patch_size=PATCH, merge_size=MERGE, size=size),
+    proc_cls(image_processor=tf.Qwen2VLImageProcessor(patch_size=PATCH, merge_size=MERGE,
+                                                      size=size),
              tokenizer=tok,
-             video_processor=tf.Qwen2VLVideoProcessor(patch_size=PATCH, merge_size=MERGE, size=size),
+             video_processor=tf.Qwen2VLVideoProcessor(patch_size=PATCH, merge_size=MERGE,
+                                                      size=size),
              chat_template=CHAT_TEMPLATE).save_pretrained(folder)
 
 
@@ -83,13 +85,15 @@ def test_the_qwen3_vl_packer_serves_older_qwen_vl_models(kind, tmp_path, vl_path
         tokenize=True, return_dict=True, add_generation_prompt=True, return_tensors="pt")
     prompt = packer.engine_prompt(packer.get_rollout_input(items[0]))
     assert prompt.full_ids == tuple(ref["input_ids"][0].tolist())
-    assert prompt.hf_token_inputs["mm_token_type_ids"] == tuple(ref["mm_token_type_ids"][0].tolist())
+    assert (prompt.hf_token_inputs["mm_token_type_ids"]
+            == tuple(ref["mm_token_type_ids"][0].tolist()))
     assert torch.equal(prompt.hf_inputs["image_grid_thw"], ref["image_grid_thw"])
 
     model = load_causal_lm(tmp_path)
     engine = HFEngine(model, packer.tokenizer)
     prompts = [packer.engine_prompt(packer.get_rollout_input(i)) for i in items]
-    traj = trajectory(items, engine.generate(prompts, SamplingConfig(n=2, max_new_tokens=4, seed=1)))
+    traj = trajectory(items, engine.generate(prompts,
+                                             SamplingConfig(n=2, max_new_tokens=4, seed=1)))
     inputs = traj.policy_inputs(packer)
     with torch.no_grad():
         lp_BT, mask_BT = batch_logprobs(model, packer.collate(inputs))

@@ -67,7 +67,8 @@ def test_packer_ids_and_inputs_equal_the_processors_own(packer, processor, items
     from runner.data.media import load_video
 
     tok = processor.tokenizer
-    image_pad, video_pad = (tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
+    image_pad, video_pad = (tok.convert_tokens_to_ids(t)
+                            for t in ("<|image_pad|>", "<|video_pad|>"))
     for item in items[:3]:  # images: the processor's whole chat pipeline, media in the messages
         from runner.data.media import load_image
 
@@ -78,7 +79,8 @@ def test_packer_ids_and_inputs_equal_the_processors_own(packer, processor, items
                                             add_generation_prompt=True, return_tensors="pt")
         prompt = packer.engine_prompt(packer.get_rollout_input(item))
         assert prompt.full_ids == tuple(ref["input_ids"][0].tolist())
-        assert prompt.hf_token_inputs["mm_token_type_ids"] == tuple(ref["mm_token_type_ids"][0].tolist())
+        assert (prompt.hf_token_inputs["mm_token_type_ids"]
+                == tuple(ref["mm_token_type_ids"][0].tolist()))
         assert torch.equal(prompt.hf_inputs["image_grid_thw"], ref["image_grid_thw"])
         assert torch.equal(prompt.hf_inputs["pixel_values"], ref["pixel_values"])
         n_vision = int(ref["image_grid_thw"].prod()) // 4
@@ -100,7 +102,8 @@ def test_packer_ids_and_inputs_equal_the_processors_own(packer, processor, items
                     do_sample_frames=False, return_tensors="pt")
     prompt = packer.engine_prompt(packer.get_rollout_input(items[3]))
     assert prompt.full_ids == tuple(ref["input_ids"][0].tolist())
-    assert prompt.hf_token_inputs["mm_token_type_ids"] == tuple(ref["mm_token_type_ids"][0].tolist())
+    assert (prompt.hf_token_inputs["mm_token_type_ids"]
+            == tuple(ref["mm_token_type_ids"][0].tolist()))
     assert ref["video_grid_thw"].tolist() == [[3, 4, 4]]  # 6 frames, 2 per temporal patch
     assert torch.equal(prompt.hf_inputs["pixel_values_videos"], ref["pixel_values_videos"])
     assert prompt.full_ids.count(video_pad) == 3 * 4 and prompt.token_ids.count(video_pad) == 1
@@ -125,7 +128,8 @@ def test_hf_rollout_and_policy_agree_on_every_token(packer, vl_path, model, item
     inputs = traj.policy_inputs(packer)
     for x, p in zip(inputs, [p for p in prompts for _ in range(2)], strict=True):
         assert x.input_ids[:x.n_prompt_tokens] == p.full_ids  # the policy sees the expanded prompt
-        assert x.token_extra["mm_token_type_ids"][x.n_prompt_tokens:] == (0,) * len(x.completion_ids)
+        assert (x.token_extra["mm_token_type_ids"][x.n_prompt_tokens:]
+                == (0,) * len(x.completion_ids))
     batch = packer.collate(inputs)
     assert batch.position_ids_BT is None  # Qwen3-VL makes its own 3-D positions
     with torch.no_grad():
@@ -146,7 +150,8 @@ def test_hf_rollout_and_policy_agree_on_every_token(packer, vl_path, model, item
     with torch.no_grad():
         shifted = model(input_ids=batch.input_ids_BT, use_cache=False,
                         position_ids=(batch.attention_mask_BT.cumsum(-1) - 1).clamp(min=0),
-                        **{k: v for k, v in batch.model_kwargs().items() if k != "position_ids"}).logits
+                        **{k: v for k, v in batch.model_kwargs().items()
+                           if k != "position_ids"}).logits
         right = model(input_ids=batch.input_ids_BT, use_cache=False, **batch.model_kwargs()).logits
     assert float((shifted - right)[:8].abs().max()) > 1e-3
     with pytest.raises(ValueError, match="padding-free packing is not supported"):
@@ -204,7 +209,8 @@ def test_bad_media_stops_the_run_before_training(run_cli, tmp_path):
     assert ("data.image_column: row 2 of tests.extmods.vl.bad_media(count=1000, kind='number', "
             "split='train'): column 'image', image 0: a int is not an image") in out + err
     assert not (tmp_path / "checkpoints").exists()  # nothing trained, nothing saved
-    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()
+    assert (not (tmp_path / "metrics.jsonl").exists()
+            or not (tmp_path / "metrics.jsonl").read_text().strip())
 
 
 def test_user_subclass_through_the_factory(vl_path):

@@ -137,7 +137,8 @@ def test_vllm_video_logprobs_match_hf(vllm_engine, vl_path, packer):
 # --- training runs --------------------------------------------------------------------------
 
 N, K = 4, 2
-PPO_VL = ("algo.prompts_per_step=4", "algo.samples_per_prompt=2", "data.validation.factory_kwargs.count=8",
+PPO_VL = ("algo.prompts_per_step=4", "algo.samples_per_prompt=2",
+          "data.validation.factory_kwargs.count=8",
           "train.eval_every=2", "checkpoint.every_steps=1", "logging.sample_every=0")
 POLICY = ("model/model.safetensors", "optimizer.safetensors")
 CRITIC = ("extra_models/critic/model.safetensors", "optimizer-critic.safetensors")

@@ -77,9 +77,11 @@ def test_unknown_kind_lists_valid_kinds():
 
 def test_wrong_type_names_expected_and_received():
     assert "run.seed: expected an integer (got 'seven')" in one_problem({"run": {"seed": "seven"}})
-    assert "algo.group_size: expected an integer (got True)" in one_problem({"algo": {"group_size": True}})
+    assert ("algo.group_size: expected an integer (got True)"
+            in one_problem({"algo": {"group_size": True}}))
     assert "train.lr: expected a number (got '1e-3')" in one_problem({"train": {"lr": "1e-3"}})
-    assert "data.operators[1]: expected a string (got 3)" in one_problem({"data": {"operators": ["+", 3]}})
+    assert ("data.operators[1]: expected a string (got 3)"
+            in one_problem({"data": {"operators": ["+", 3]}}))
     assert "reward: expected a table (got 5)" in one_problem({"reward": 5})
 
 
@@ -106,7 +108,8 @@ def test_data_sources_mutually_exclusive():
 def test_dpo_factory_with_builtin_source():
     line = one_problem({"algo": {"kind": "dpo"}, "data": {"factory": "a.b", "synthetic_pairs": 10}})
     assert line.startswith("r.toml: data.factory:") and "data.synthetic_pairs" in line
-    line = one_problem({"algo": {"kind": "dpo"}, "data": {"factory": "a.b", "jsonl_path": "p.jsonl"}})
+    line = one_problem({"algo": {"kind": "dpo"},
+                        "data": {"factory": "a.b", "jsonl_path": "p.jsonl"}})
     assert "data.jsonl_path" in line
     line = one_problem({"algo": {"kind": "dpo"}, "data": {"factory": "a.b", "tar_path": "p.tar"}})
     assert "data.tar_path" in line

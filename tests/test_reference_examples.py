@@ -139,7 +139,8 @@ PROMPT_SOURCE = (f"data.factory={EXT}.build_prompt_dataset", "+data.factory_kwar
 # DPO: the dpo-arith recipe's own source (synthetic_pairs) must be unset to use a factory
 # ("Do not combine factory with ... synthetic_pairs"): an experiment override.
 PREFERENCE_SOURCE = (f"data.factory={EXT}.build_preference_dataset",
-                     "+data.factory_kwargs.count=1000", "data.shuffle=true", "data.synthetic_pairs=0")
+                     "+data.factory_kwargs.count=1000", "data.shuffle=true",
+                     "data.synthetic_pairs=0")
 DEFAULT_PACKER = (f"data_packer.factory={EXT}.build_default_packer",)
 # The teacher packer is a Qwen3VLDataPacker: the "distinct Qwen3-VL teacher model" is the tiny
 # built-in one (the student stays the recipe's text model); a teacher with its own vocabulary

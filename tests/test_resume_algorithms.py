@@ -2,9 +2,9 @@
 
 One structure for the three algorithms (GRPO has its own file, test_resume_grpo.py): a straight
 run of N steps, then in another folder K steps and a stop, SIGKILLs of the reruns at seeded
-random points (some while a checkpoint is being written), and a last rerun to N. Every metrics.jsonl value that is not
-a timing, the final weights and optimizer state (for PPO also the critic and its optimizer) and
-the final state.json must equal the straight run's bitwise.
+random points (some while a checkpoint is being written), and a last rerun to N. Every
+metrics.jsonl value that is not a timing, the final weights and optimizer state (for PPO also
+the critic and its optimizer) and the final state.json must equal the straight run's bitwise.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ CASES = {
     "ppo": Case("recipes/ppo-arith.toml", (*COMMON, *ROLLOUT, "algo.minibatches=2"),
                 POLICY + CRITIC, seed=1),
     "opd": Case("recipes/opd-arith.toml", (*COMMON, *ROLLOUT), POLICY, seed=0),
-    "dpo": Case("recipes/dpo-arith.toml", (*COMMON, "algo.pairs_per_step=4", "data.synthetic_pairs=200"),
+    "dpo": Case("recipes/dpo-arith.toml",
+                (*COMMON, "algo.pairs_per_step=4", "data.synthetic_pairs=200"),
                 POLICY, seed=2),
 }
 

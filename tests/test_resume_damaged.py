@@ -49,4 +49,5 @@ def test_unwritable_output_folder_is_one_line():
     lines = done.stderr.strip().splitlines()
     shutil.rmtree(short)
     assert lines == [f"recipes/grpo-arith.toml: run.output_dir: cannot be made: {blocker} is not a "
-                     f"folder (got '{blocker / 'run'}'). Choose a folder path for the run's outputs."]
+                     f"folder (got '{blocker / 'run'}'). Choose a folder path for the run's "
+                     "outputs."]

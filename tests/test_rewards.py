@@ -66,7 +66,8 @@ def test_reward_failures_name_callable(monkeypatch, fn, text):
 # --- math_verify on real answers ---------------------------------------------------------------
 
 GSM8K_REFERENCE = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
-                   "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+                   "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n"
+                   "#### 72")
 
 # (reference, completion, expected reward): each line checked by hand.
 MATH_CASES = [

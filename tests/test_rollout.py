@@ -42,7 +42,8 @@ def _policy_logprobs(model, packer, outputs, temperature):
     batch = packer.collate(inputs)
     with torch.no_grad():
         lp, mask = batch_logprobs(model, batch, temperature)
-    engine_lp = completion_grid(inputs, [c.logprobs for o in outputs for c in o.completions], lp.shape[1])
+    engine_lp = completion_grid(inputs, [c.logprobs for o in outputs for c in o.completions],
+                                lp.shape[1])
     return lp[mask], engine_lp[mask]
 
 
@@ -56,14 +57,16 @@ def test_hf_deterministic_under_seed(tiny_path, prompts):
     assert [x.completions for x in c] != [x.completions for x in a]
     for o in a:
         for comp in o.completions:
-            assert len(comp.logprobs) == len(comp.token_ids) and comp.finish_reason in ("stop", "length")
+            assert (len(comp.logprobs) == len(comp.token_ids)
+                    and comp.finish_reason in ("stop", "length"))
             if comp.finish_reason == "stop":
                 assert comp.token_ids[-1] == engine.eos_token_id
 
 
 def test_hf_logprobs_match_policy(tiny_path, packer, prompts):
     engine = HFEngine.from_path(tiny_path)
-    outputs = engine.generate(prompts, SamplingConfig(n=3, max_new_tokens=6, temperature=0.7, seed=3))
+    outputs = engine.generate(prompts,
+                              SamplingConfig(n=3, max_new_tokens=6, temperature=0.7, seed=3))
     policy, engine_lp = _policy_logprobs(engine.model, packer, outputs, 0.7)
     assert (policy - engine_lp).abs().max() < LOGPROB_ATOL
 
@@ -82,7 +85,8 @@ def test_hf_weight_update_changes_generations(tiny_path, prompts):
     engine.update_weights(other.named_parameters())
     after = engine.generate(prompts, greedy)
     assert [o.completions for o in after] != [o.completions for o in before]
-    for (n, a), (_, b) in zip(engine.model.named_parameters(), other.named_parameters(), strict=True):
+    for (n, a), (_, b) in zip(engine.model.named_parameters(), other.named_parameters(),
+                              strict=True):
         assert torch.equal(a, b), n
 
 
@@ -104,7 +108,8 @@ def test_vllm_greedy_matches_hf(vllm_engine, tiny_path, prompts):
     greedy = SamplingConfig(n=1, max_new_tokens=6, greedy=True)
     hf = HFEngine.from_path(tiny_path).generate(prompts, greedy)
     vl = vllm_engine.generate(prompts, greedy)
-    assert [c.token_ids for o in vl for c in o.completions] == [c.token_ids for o in hf for c in o.completions]
+    assert ([c.token_ids for o in vl for c in o.completions]
+            == [c.token_ids for o in hf for c in o.completions])
 
 
 @pytest.mark.vllm
@@ -133,6 +138,7 @@ def test_vllm_weight_update_follows_policy(vllm_engine, tiny_path, prompts):
     after = vllm_engine.generate(prompts, greedy)
     hf = HFEngine(policy, vllm_engine.tokenizer).generate(prompts, greedy)
     assert [o.completions for o in after] != [o.completions for o in before]
-    assert [c.token_ids for o in after for c in o.completions] == [c.token_ids for o in hf for c in o.completions]
+    assert ([c.token_ids for o in after for c in o.completions]
+            == [c.token_ids for o in hf for c in o.completions])
     vllm_engine.update_weights(load_causal_lm(tiny_path).named_parameters())  # restore for others
     assert vllm_engine.generate(prompts, greedy) == before

@@ -44,7 +44,8 @@ def test_packer_bos_eos_and_prompt_reuse(path):
     assert ids.count(bos) == text.count("<|im_start|>")  # the template's own markers, no extra BOS
     assert packer.decode(ids, skip_special_tokens=False) == text
     eos = packer.eos_token_id
-    x = packer.get_policy_input(ObsBundle("q"), Completion((100, eos), "", (0.0, 0.0), "stop"), prompt_ids=ids)
+    x = packer.get_policy_input(ObsBundle("q"), Completion((100, eos), "", (0.0, 0.0), "stop"),
+                                prompt_ids=ids)
     assert x.input_ids[: len(ids)] == tuple(ids) and x.completion_ids == (100, eos)
     answer = packer.get_policy_input(ObsBundle("q"), "7", prompt_ids=ids)
     assert answer.completion_ids.count(eos) == 1 and answer.completion_ids[-1] == eos

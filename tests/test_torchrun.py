@@ -143,7 +143,8 @@ def test_two_ranks_stopped_killed_and_interrupted_resume_exactly(two_ranks, tmp_
     proc.wait(timeout=30)
     time.sleep(0.5)
 
-    proc = start_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL, "checkpoint.every_steps=100")
+    proc = start_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL,
+                       "checkpoint.every_steps=100")
     wait_for_step(proc, tmp_path, 5)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     assert proc.wait(timeout=120) == 130, proc.stdout.read()
@@ -171,7 +172,8 @@ ALGOS = {
                                        "rollout.max_new_tokens=4")),
     "dpo": ("recipes/dpo-arith.toml", ("algo.pairs_per_step=8", "train.grad_accum_steps=2")),
 }
-COMMON = ("run.max_steps=3", "data.validation.size=8", "train.eval_every=3", "logging.item_ids=true",
+COMMON = ("run.max_steps=3", "data.validation.size=8", "train.eval_every=3",
+          "logging.item_ids=true",
           "logging.sample_every=0", "checkpoint.every_steps=1", "checkpoint.keep_last=5")
 
 
@@ -272,4 +274,5 @@ def test_external_launcher_with_another_world_size_than_the_recipe_is_refused(tm
     done = run_external(GRPO, tmp_path, 2, "run.max_steps=1", *SMALL, "launch.backend=torchrun",
                         "launch.num_processes=4")
     assert [d.returncode for d in done] == [2, 2]
-    assert all("launch.num_processes" in d.stderr and "launcher started 2" in d.stderr for d in done)
+    assert all("launch.num_processes" in d.stderr and "launcher started 2" in d.stderr
+               for d in done)

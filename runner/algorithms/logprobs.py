@@ -28,7 +28,8 @@ def token_logprobs(logits_BTV: Tensor, labels_BT: Tensor, temperature: float = 1
     ``chunked_token_logprobs`` (the same values, without a float32 [B, T, V] tensor).
     """
     index_BT = labels_BT.clamp(min=0)
-    if logits_BTV.dtype in (torch.float32, torch.float64) and logits_BTV.numel() <= DIRECT_MAX_ELEMENTS:
+    if (logits_BTV.dtype in (torch.float32, torch.float64)
+            and logits_BTV.numel() <= DIRECT_MAX_ELEMENTS):
         scaled = logits_BTV / temperature if temperature != 1.0 else logits_BTV
         logp_BTV = torch.log_softmax(scaled, dim=-1)
         return logp_BTV.gather(-1, index_BT.unsqueeze(-1)).squeeze(-1)
@@ -36,7 +37,8 @@ def token_logprobs(logits_BTV: Tensor, labels_BT: Tensor, temperature: float = 1
 
 
 def chunked_token_logprobs(logits_BTV: Tensor, labels_BT: Tensor,
-                           chunk_elements: int = CHUNK_ELEMENTS, temperature: float = 1.0) -> Tensor:
+                           chunk_elements: int = CHUNK_ELEMENTS,
+                           temperature: float = 1.0) -> Tensor:
     """``token_logprobs`` computed a few rows at a time: logit[label] - logsumexp(logits), each
     chunk cast to >= float32 on its own, and a backward that recomputes the softmax per chunk
     (d/dlogits = grad x (onehot(label) - softmax)) instead of keeping float32 [B, T, V]
@@ -75,7 +77,8 @@ class _IndexedLogprob(torch.autograd.Function):
         acc = torch.promote_types(logits_NV.dtype, torch.float32)
         lse_N = torch.empty(N, dtype=acc, device=logits_NV.device)
         for s in range(0, N, rows):
-            lse_N[s:s + rows] = torch.logsumexp(at_least_float32(logits_NV[s:s + rows]) / temp, dim=-1)
+            lse_N[s:s + rows] = torch.logsumexp(at_least_float32(logits_NV[s:s + rows]) / temp,
+                                                dim=-1)
         picked_M = at_least_float32(logits_NV[rows_M, labels_M]) / temp
         ctx.save_for_backward(logits_NV, rows_M, labels_M, lse_N)
         ctx.rows, ctx.temp = rows, temp
@@ -86,7 +89,8 @@ class _IndexedLogprob(torch.autograd.Function):
         logits_NV, rows_M, labels_M, lse_N = ctx.saved_tensors
         rows, temp = ctx.rows, ctx.temp
         g_M = grad_M.to(lse_N.dtype) / temp
-        # d/dlogits of sum_m g_m (x[r_m, l_m] - lse[r_m]) = onehot terms - softmax x (sum of g per row)
+        # d/dlogits of sum_m g_m (x[r_m, l_m] - lse[r_m])
+        #   = onehot terms - softmax x (sum of g per row)
         g_N = torch.zeros_like(lse_N).index_add_(0, rows_M, g_M)
         order = torch.argsort(rows_M, stable=True)
         rows_sorted = rows_M[order]

@@ -41,7 +41,8 @@ def _is_held_out(problem: Problem) -> bool:
 
 
 def problems(
-    split: str, count: int, lo: int = 0, hi: int = 20, ops: tuple[str, ...] = ("+", "-"), seed: int = 0
+    split: str, count: int, lo: int = 0, hi: int = 20, ops: tuple[str, ...] = ("+", "-"),
+    seed: int = 0
 ) -> list[Problem]:
     """``count`` problems of ``split`` ("train" or "held_out"), deterministic in all arguments.
 

@@ -39,7 +39,8 @@ class ColumnMap:
         return " ".join(f"{name}={value}" for name, value in pairs if value)
 
     def apply(self, row: Mapping[str, Any], *, where: str) -> ObsBundle:
-        """The canonical item of ``row``; ``where`` names the row in errors (e.g. "row 3 of ...")."""
+        """The canonical item of ``row``; ``where`` names the row in errors (e.g.
+        "row 3 of ...")."""
         get = _Getter(row, where)
         prompt = get(self.prompt, "data.prompt_column")
         check_value(prompt_problem(prompt), where, self.prompt, "data.prompt_column")

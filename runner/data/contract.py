@@ -30,8 +30,9 @@ def check_dataset(obj: Any, *, dotted: str, key: str) -> int:
             "IterableDataset")
     if not indexable or isinstance(obj, str | bytes | Mapping):
         raise extension_error(
-            key, dotted, f"returned an object of type {kind}, not a map-style dataset with __len__ and "
-            "__getitem__ over positions 0..n-1", hint="return a list of rows or a dataset object")
+            key, dotted, f"returned an object of type {kind}, not a map-style dataset with "
+            "__len__ and __getitem__ over positions 0..n-1",
+            hint="return a list of rows or a dataset object")
     try:
         length = len(obj)
     except Exception as exc:  # noqa: BLE001 - user code may raise anything

@@ -266,7 +266,8 @@ def _unreadable(key: str, path: str, files: list[Path], exc: Exception) -> Recip
                 return RecipeError([Problem(key, where, hint="write one JSON object per line")])
     cause = exc.__cause__ or exc
     return RecipeError([Problem(key, f"datasets could not read {path}: {type(cause).__name__}: "
-                                f"{str(cause)[:300]}", hint="check the file is valid for its type")])
+                                f"{str(cause)[:300]}",
+                                hint="check the file is valid for its type")])
 
 
 def load_hub(name: str, config: str, revision: str, split: str, *, key: str) -> Any:

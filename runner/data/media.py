@@ -60,7 +60,8 @@ class VideoClip:
 def _raw_bytes(value: Any) -> bytes | None:
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value)
-    if isinstance(value, Mapping) and isinstance(value.get("bytes"), bytes | bytearray | memoryview):
+    if (isinstance(value, Mapping)
+            and isinstance(value.get("bytes"), bytes | bytearray | memoryview)):
         return bytes(value["bytes"])
     return None
 

@@ -228,8 +228,8 @@ def _triple(sample: Any, keys: PairKeys, key: str, path: str, where: str) -> Tri
         for name in names:
             if name in sample:
                 return sample[name]
-        raise RecipeError([Problem(key, f"{path} {where}: no {' or '.join(map(repr, names))} key (its "
-                                   f"keys: {', '.join(map(repr, sample))})",
+        raise RecipeError([Problem(key, f"{path} {where}: no {' or '.join(map(repr, names))} "
+                                   f"key (its keys: {', '.join(map(repr, sample))})",
                                    hint=f"set {setting} to the right key")])
 
     prompt = pick((keys.prompt,), "data.prompt_column")
@@ -278,7 +278,8 @@ def synthetic_pairs(count: int, split: str, *, lo: int, hi: int, ops: tuple[str,
         p = problems[i]
         return p.question, str(p.answer), str(p.answer + 1)
 
-    spec = f"arithmetic-pairs rejected=answer+1 split={split} operands={lo}..{hi} operators={''.join(ops)} seed=0"
+    spec = (f"arithmetic-pairs rejected=answer+1 split={split} operands={lo}..{hi} "
+            f"operators={''.join(ops)} seed=0")
     return PairSource(fetch, len(problems), kind="builtin", label=f"built-in arithmetic pairs "
                       f"({split})", identity={"source": "builtin", "builtin": spec},
                       shuffle=shuffle, split=split, key=key, checked=True,

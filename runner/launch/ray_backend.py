@@ -387,7 +387,8 @@ def launch_ray(payload: Payload, recipe: Recipe, plan: RunPlan) -> int:
         for s in old:
             signal.signal(s, watch.forward)
         who = {f"rank {r}": a for r, a in enumerate(ranks)} | extra
-        hellos = dict(zip(who, _answers(ray, list(who.values()), "hello", launch, who), strict=True))
+        hellos = dict(zip(who, _answers(ray, list(who.values()), "hello", launch, who),
+                          strict=True))
         check_versions(package_versions(), hellos)
         if roles is not None:  # errors come back from the first call that needs the model
             for actor in [*roles.rollout, *(a for _, a in roles.frozen)]:

@@ -37,7 +37,8 @@ def version_mismatches(driver: Mapping[str, str], actor: Mapping[str, str]) -> l
     """The packages whose versions differ between the driver and an actor, as 'name X (driver
     Y)'.
 
-    >>> version_mismatches({"torch": "2.13.0", "ray": "2.60.0"}, {"torch": "2.12.1", "ray": "2.60.0"})
+    >>> version_mismatches({"torch": "2.13.0", "ray": "2.60.0"},
+    ...                    {"torch": "2.12.1", "ray": "2.60.0"})
     ['torch 2.12.1 (driver 2.13.0)']
     >>> version_mismatches({"vllm": "0.32.0"}, {})
     ['vllm missing (driver 0.32.0)']

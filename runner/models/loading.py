@@ -1,10 +1,11 @@
 """Resolve a recipe's ``model.path`` and load a model and its tokenizer from a folder.
 
 ``model.path`` is either ``builtin:NAME`` (a folder shipped with the package, or for SmolLM2
-converted into the cache on first use: ``runner.models.builtin``) or a local Hugging Face model folder. Importing this module imports
-neither torch nor transformers; the loaders import them when called. Remote code never runs
-unless ``trust_remote_code`` is asked for, and weights load from safetensors only: a folder
-whose weights are pickled (``pytorch_model.bin`` and the like) is refused, never unpickled.
+converted into the cache on first use: ``runner.models.builtin``) or a local Hugging Face model
+folder. Importing this module imports neither torch nor transformers; the loaders import them
+when called. Remote code never runs unless ``trust_remote_code`` is asked for, and weights load
+from safetensors only: a folder whose weights are pickled (``pytorch_model.bin`` and the like)
+is refused, never unpickled.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ def convert(folder: Path) -> dict[str, object]:
     """Write the float32 model folder into ``folder``; returns build info."""
     source = gguf_path()
     if importlib.util.find_spec("gguf") is None:
-        problem = Problem("model.path", "converting SmolLM2 needs the gguf package", hint=INSTALL_HINT)
+        problem = Problem("model.path", "converting SmolLM2 needs the gguf package",
+                          hint=INSTALL_HINT)
         raise RecipeError([problem])
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -95,7 +95,8 @@ def warm_up_examples(spec: TinySpec) -> list[tuple[str, int]]:
 def sft_batch(
     tokenizer: PreTrainedTokenizerBase, batch: Sequence[tuple[str, int]]
 ) -> dict[str, torch.Tensor]:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 off the answer), [B, T]."""
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 off the answer),
+    [B, T]."""
     rows = [(prompt_ids(tokenizer, q), answer_ids(tokenizer, a)) for q, a in batch]
     width = max(len(q) + len(a) for q, a in rows)
     pad = tokenizer.pad_token_id
@@ -180,7 +181,8 @@ def held_out_accuracy(
 ) -> float:
     """Accuracy on ``problems("held_out", count, 0, 20, ("+", "-"))``; greedy by default."""
     items = problems("held_out", count, *TASK)
-    completions = generate_answers(model, tokenizer, [p.question for p in items], temperature=temperature)
+    completions = generate_answers(model, tokenizer, [p.question for p in items],
+                                   temperature=temperature)
     return accuracy(completions, items)
 
 

@@ -175,7 +175,8 @@ def build_tokenizer(kind: str) -> Tokenizer:
     tok.add_special_tokens(SPECS[kind].specials)
     for i, token in enumerate(SPECS[kind].specials):
         if tok.token_to_id(token) != i:
-            raise AssertionError(f"special token {token!r} has id {tok.token_to_id(token)}, not {i}")
+            raise AssertionError(
+                f"special token {token!r} has id {tok.token_to_id(token)}, not {i}")
     return tok
 
 

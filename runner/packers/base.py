@@ -137,7 +137,8 @@ class EnginePrompt:
 
 def as_engine_prompt(prompt: Any) -> EnginePrompt:
     """An ``EnginePrompt`` as it is; token ids as a text-only one."""
-    return prompt if isinstance(prompt, EnginePrompt) else EnginePrompt(tuple(int(t) for t in prompt))
+    return (prompt if isinstance(prompt, EnginePrompt)
+            else EnginePrompt(tuple(int(t) for t in prompt)))
 
 
 @attrs.frozen
@@ -234,7 +235,8 @@ class DataPacker(ABC):
         """The id that ends a completion."""
 
 
-def collate(inputs: Sequence[RLPolicyInput], pad_token_id: int, *, packed: bool = False) -> PolicyBatch:
+def collate(inputs: Sequence[RLPolicyInput], pad_token_id: int, *,
+            packed: bool = False) -> PolicyBatch:
     if not inputs:
         raise ValueError("cannot collate an empty batch")
     if packed and any(x.extra or x.token_extra for x in inputs):

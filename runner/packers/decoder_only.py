@@ -75,7 +75,8 @@ class DecoderOnlyLLMDataPacker(DataPacker):
         completion = self._completion_ids(rollout_output)
         ids = tuple(int(t) for t in prompt_ids) + completion
         n_prompt = len(prompt_ids)
-        mask = [0] * n_prompt + [0 if i < n_ignore_prefix_tokens else 1 for i in range(len(completion))]
+        mask = [0] * n_prompt + [0 if i < n_ignore_prefix_tokens else 1
+                                 for i in range(len(completion))]
         return RLPolicyInput(ids, tuple(mask), n_prompt)
 
     def get_preference_input(self, prompt: ObsBundle, chosen: Any, rejected: Any
@@ -149,7 +150,8 @@ def answer_text(payload: Any, *, side: str, pair: str = "", packer: Any = None) 
         role = payload.get("role", "assistant")
         if len(fields) == 1 and isinstance(payload[fields[0]], str) and role == "assistant":
             return payload[fields[0]]
-        raise _payload_error(side, pair, packer, f"a mapping with keys {_short(sorted(map(str, payload)))}")
+        raise _payload_error(side, pair, packer,
+                             f"a mapping with keys {_short(sorted(map(str, payload)))}")
     raise _payload_error(side, pair, packer, f"a {type(payload).__name__}")
 
 

@@ -39,7 +39,8 @@ class RankContext:
         except ValueError as exc:
             from runner.errors import RunnerError
 
-            raise RunnerError(f"the launcher's environment is not a valid rank layout: {exc}") from None
+            raise RunnerError(
+                f"the launcher's environment is not a valid rank layout: {exc}") from None
 
 
 SINGLE = RankContext()

@@ -130,7 +130,8 @@ def check_launch(r: Recipe) -> list[Problem]:
                         hint="set launch.backend = 'torchrun' for several processes")]
     problems = check_ray_keys(r)
     if not launch.collective_timeout_s > 0:
-        problems.append(Problem("launch.collective_timeout_s", "must be a positive number of seconds",
+        problems.append(Problem("launch.collective_timeout_s",
+                                "must be a positive number of seconds",
                                 got=launch.collective_timeout_s))
     key, items = batch_key(r)
     if items % launch.num_processes:
@@ -207,7 +208,8 @@ def check_ranges(r: Recipe) -> list[Problem]:
     p += _range("train.lr", r.train.lr, r.train.lr > 0, "> 0")
     p += _range("train.weight_decay", r.train.weight_decay, r.train.weight_decay >= 0, ">= 0")
     p += _range("train.warmup_steps", r.train.warmup_steps, r.train.warmup_steps >= 0, ">= 0")
-    p += _range("train.grad_accum_steps", r.train.grad_accum_steps, r.train.grad_accum_steps >= 1, ">= 1")
+    p += _range("train.grad_accum_steps", r.train.grad_accum_steps,
+                r.train.grad_accum_steps >= 1, ">= 1")
     p += _range("train.max_grad_norm", r.train.max_grad_norm, r.train.max_grad_norm >= 0, ">= 0")
     p += _range("train.eval_every", r.train.eval_every, r.train.eval_every >= 0, ">= 0")
     for name in ("adam_beta1", "adam_beta2"):
@@ -217,7 +219,8 @@ def check_ranges(r: Recipe) -> list[Problem]:
     p += _range("model.lora.rank", lora.rank, lora.rank >= 0, ">= 0 (0: no adapters)")
     p += _range("model.lora.alpha", lora.alpha, lora.alpha > 0, "> 0")
     p += _range("model.lora.dropout", lora.dropout, 0 <= lora.dropout < 1, "in [0, 1)")
-    p += _range("rollout.max_new_tokens", r.rollout.max_new_tokens, r.rollout.max_new_tokens >= 1, ">= 1")
+    p += _range("rollout.max_new_tokens", r.rollout.max_new_tokens,
+                r.rollout.max_new_tokens >= 1, ">= 1")
     p += _range("rollout.temperature", r.rollout.temperature, r.rollout.temperature > 0, "> 0")
     p += _range("rollout.top_p", r.rollout.top_p, 0 < r.rollout.top_p <= 1, "in (0, 1]")
     p += _range("rollout.top_k", r.rollout.top_k, r.rollout.top_k >= 0, ">= 0")
@@ -228,10 +231,12 @@ def check_ranges(r: Recipe) -> list[Problem]:
                 f"0 (derived) or more than the most new tokens of a completion ({longest})")
     p += _range("rollout.gpu_memory_utilization", r.rollout.gpu_memory_utilization,
                 0 < r.rollout.gpu_memory_utilization <= 1, "in (0, 1]")
-    p += _range("checkpoint.every_steps", r.checkpoint.every_steps, r.checkpoint.every_steps >= 1, ">= 1")
+    p += _range("checkpoint.every_steps", r.checkpoint.every_steps,
+                r.checkpoint.every_steps >= 1, ">= 1")
     p += _range("checkpoint.keep_last", r.checkpoint.keep_last, r.checkpoint.keep_last >= 1, ">= 1")
     p += _range("logging.every_steps", r.logging.every_steps, r.logging.every_steps >= 1, ">= 1")
-    p += _range("reward.timeout_s", r.reward.timeout_s, r.reward.timeout_s >= 0, ">= 0 (0: no limit)")
+    p += _range("reward.timeout_s", r.reward.timeout_s, r.reward.timeout_s >= 0,
+                ">= 0 (0: no limit)")
     p += _eval_ranges(r)
     p += _range("data.count", d.count, d.count >= 1, ">= 1")
     p += _range("data.synthetic_pairs", d.synthetic_pairs, d.synthetic_pairs >= 0, ">= 0")
@@ -284,7 +289,8 @@ def _grpo_ranges(r: Recipe) -> list[Problem]:
     if a.engine_is_correction and a.old_logprobs == "engine":
         p.append(Problem("algo.engine_is_correction", "compares the policy's behaviour logprobs "
                          "with the engine's, but algo.old_logprobs = 'engine' makes them the same",
-                         got=True, hint="set algo.old_logprobs = 'policy', or turn the correction off"))
+                         got=True,
+                         hint="set algo.old_logprobs = 'policy', or turn the correction off"))
     return p
 
 
@@ -298,7 +304,8 @@ def _dpo_ranges(r: Recipe) -> list[Problem]:
     p = _range("algo.beta", a.beta, a.beta > 0, "> 0")
     p += _range("algo.pairs_per_step", a.pairs_per_step, a.pairs_per_step >= 1, ">= 1")
     # 0.5 would make the loss symmetric in chosen and rejected: nothing left to learn.
-    p += _range("algo.label_smoothing", a.label_smoothing, 0 <= a.label_smoothing < 0.5, "in [0, 0.5)")
+    p += _range("algo.label_smoothing", a.label_smoothing, 0 <= a.label_smoothing < 0.5,
+                "in [0, 0.5)")
     if a.loss == "ipo" and a.label_smoothing:
         p.append(Problem("algo.label_smoothing", "applies to the sigmoid loss only, but algo.loss "
                          "is 'ipo'", got=a.label_smoothing,

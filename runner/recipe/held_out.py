@@ -30,7 +30,8 @@ def held_out_reason(data: DataConfig, algo_kind: str) -> str:
         return "off: data.validation.enabled is false"
     if algo_kind == "dpo":
         return ""
-    if v.factory or v.path or (data.name and v.split) or not (data.factory or data.path or data.name):
+    if (v.factory or v.path or (data.name and v.split)
+            or not (data.factory or data.path or data.name)):
         return ""
     where = "data.validation.factory or data.validation.path" + (
         " (or data.validation.split of the hub dataset)" if data.name else "")

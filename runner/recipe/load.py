@@ -136,7 +136,8 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[Override]) -> list[
         if unknown and cls is not None and attrs.has(cls):
             valid = [f.name for f in attrs.fields(cls)]
             close = difflib.get_close_matches(unknown, valid, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else "valid keys here: " + ", ".join(valid)
+            hint = (f"did you mean {close[0]!r}?" if close
+                    else "valid keys here: " + ", ".join(valid))
             problems.append(Problem(ov.key, f"unknown key {unknown!r} in override", hint=hint,
                                     source=OVERRIDE_SOURCE))
         elif unknown:
@@ -156,7 +157,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise RecipeError([Problem("", f"line {line}: not valid UTF-8 ({exc.reason})",
                                    hint="save the recipe as UTF-8")], source=str(path)) from None
     except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte
-        raise RecipeError([Problem("", f"cannot read the recipe: {exc}")], source=str(path)) from None
+        raise RecipeError([Problem("", f"cannot read the recipe: {exc}")],
+                          source=str(path)) from None
     try:
         return toml_loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -84,11 +84,16 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
     a = recipe.algo
     world = world_size or (recipe.launch.num_processes if recipe.launch.backend != "local" else 1)
     if isinstance(a, GRPOConfig):
-        items, samples, passes, splits = a.prompts_per_step, a.prompts_per_step * a.group_size, a.ppo_epochs, a.minibatches
+        items, samples, passes, splits = (a.prompts_per_step, a.prompts_per_step * a.group_size,
+                                          a.ppo_epochs, a.minibatches)
     elif isinstance(a, PPOConfig):
-        items, samples, passes, splits = a.prompts_per_step, a.prompts_per_step * a.samples_per_prompt, a.ppo_epochs, a.minibatches
+        items, samples, passes, splits = (a.prompts_per_step,
+                                          a.prompts_per_step * a.samples_per_prompt,
+                                          a.ppo_epochs, a.minibatches)
     elif isinstance(a, OPDConfig):
-        items, samples, passes, splits = a.prompts_per_step, a.prompts_per_step * a.samples_per_prompt, a.ppo_epochs, 1
+        items, samples, passes, splits = (a.prompts_per_step,
+                                          a.prompts_per_step * a.samples_per_prompt,
+                                          a.ppo_epochs, 1)
     elif isinstance(a, DPOConfig):
         items, samples, passes, splits = a.pairs_per_step, 2 * a.pairs_per_step, 1, 1
     else:  # pragma: no cover - the converter admits only the kinds above

@@ -41,7 +41,8 @@ def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str]:
     return versions
 
 
-def resolved_document(recipe: Recipe, overrides: Sequence[str] = (), source: str = "") -> dict[str, Any]:
+def resolved_document(recipe: Recipe, overrides: Sequence[str] = (),
+                      source: str = "") -> dict[str, Any]:
     doc = unstructure_recipe(recipe)
     doc[RESOLVED_TABLE] = {
         "source": source,
@@ -52,7 +53,8 @@ def resolved_document(recipe: Recipe, overrides: Sequence[str] = (), source: str
     return doc
 
 
-def write_resolved(recipe: Recipe, path: Path, overrides: Sequence[str] = (), source: str = "") -> Path:
+def write_resolved(recipe: Recipe, path: Path, overrides: Sequence[str] = (),
+                   source: str = "") -> Path:
     """Write the resolved recipe to ``path`` (through a temporary file beside it); a failed write
     (a full disk) is a ``RuntimeFailure`` naming ``path``."""
     text = tomli_w.dumps(resolved_document(recipe, overrides, source))

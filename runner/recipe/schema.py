@@ -31,7 +31,9 @@ class RunConfig:
         "runs/run", "Folder for checkpoints, metrics.jsonl and recipe.resolved.toml."
     )
     seed: int = key(0, "Seed for data order, sampling and initialisation.")
-    max_steps: int = key(100, "Number of optimizer steps (one step = one batch of prompts or pairs).")
+    max_steps: int = key(
+        100, "Number of optimizer steps (one step = one batch of prompts or pairs)."
+    )
     deterministic: bool = key(
         True, "Use deterministic torch algorithms so a resumed run reproduces bitwise on CPU."
     )
@@ -46,8 +48,8 @@ class LoraConfig:
     alpha: float = key(16.0, "LoRA alpha: the adapters' update is scaled by alpha / rank.")
     dropout: float = key(0.0, "Dropout on the adapters' input (applied in training forwards).")
     target_modules: list[str] = key(
-        [], "Names (suffixes) of the linear layers that get adapters, e.g. [\"q_proj\", \"v_proj\"]; "
-        "empty: every linear layer except the LM head."
+        [], "Names (suffixes) of the linear layers that get adapters, e.g. "
+        "[\"q_proj\", \"v_proj\"]; empty: every linear layer except the LM head."
     )
 
 
@@ -75,7 +77,9 @@ class ModelConfig:
 class ValidationConfig:
     enabled: bool = key(True, "Evaluate on a held-out set and check it does not overlap training.")
     size: int = key(64, "Number of held-out items (built-in sources) or the cap on a given source.")
-    factory: str = key("", "Dotted path of a held-out dataset factory (same contract as data.factory).")
+    factory: str = key(
+        "", "Dotted path of a held-out dataset factory (same contract as data.factory)."
+    )
     factory_kwargs: dict[str, Any] = key({}, "Keyword arguments for the held-out factory.")
     path: str = key("", "Local file or folder of the held-out set (jsonl/json/parquet/csv).")
     split: str = key("", "Split of the held-out file or hub dataset; empty: same as data.split.")
@@ -93,7 +97,9 @@ class DataConfig:
     split: str = key("train", "Split to read from data.path or data.name.")
     prompt_column: str = key("prompt", "Column holding the prompt.")
     response_column: str = key("", "Column holding the reference answer, if any.")
-    items_fn: str = key("", "Dotted callable applied to each raw row (row in, row out) before columns are read.")
+    items_fn: str = key(
+        "", "Dotted callable applied to each raw row (row in, row out) before columns are read."
+    )
     shuffle: bool = key(True, "Shuffle the order each epoch (a pure function of seed and epoch).")
     cursor_resume: CursorResume = key(
         "auto",
@@ -104,10 +110,18 @@ class DataConfig:
     min_operand: int = key(0, "Built-in arithmetic: smallest operand.")
     max_operand: int = key(20, "Built-in arithmetic: largest operand.")
     operators: list[str] = key(["+", "-"], "Built-in arithmetic: operators to draw from (+, -, *).")
-    image_column: str = key("", "PPO, GRPO and OPD: column holding each item's image(s) (paths, raw bytes or PIL images); a multimodal packer feeds them to the model.")
-    video_column: str = key("", "PPO, GRPO and OPD: column holding each item's video(s) (video files as paths or bytes, decoded with PyAV, or lists of frames).")
+    image_column: str = key(
+        "", "PPO, GRPO and OPD: column holding each item's image(s) (paths, raw bytes or PIL "
+        "images); a multimodal packer feeds them to the model."
+    )
+    video_column: str = key(
+        "", "PPO, GRPO and OPD: column holding each item's video(s) (video files as paths or "
+        "bytes, decoded with PyAV, or lists of frames)."
+    )
     id_column: str = key("", "PPO only: column holding a stable item id.")
-    metadata_columns: list[str] = key([], "PPO only: allowlist of extra columns carried into the trajectory.")
+    metadata_columns: list[str] = key(
+        [], "PPO only: allowlist of extra columns carried into the trajectory."
+    )
     jsonl_path: str = key("", "DPO only: a jsonl file of (prompt, chosen, rejected) objects.")
     tar_path: str = key("", "DPO only: a tar archive of preference samples (read in memory).")
     tar_member_max_bytes: int = key(
@@ -127,7 +141,8 @@ class DataConfig:
 @attrs.frozen
 class DataPackerConfig:
     factory: str = key(
-        "", "Dotted zero-argument callable returning the student's DataPacker; empty: by model_type."
+        "", "Dotted zero-argument callable returning the student's DataPacker; empty: by "
+        "model_type."
     )
     teacher_model_factory: str = key(
         "", "OPD cross_token_multimodal only: DataPacker factory of the teacher model."
@@ -151,9 +166,12 @@ class GRPOConfig:
         "token_mean: mean over all tokens of the batch; seq_mean: mean per sequence then over "
         "sequences; dr_grpo: sum divided by a constant (max_new_tokens x sequences).",
     )
-    kl_beta: float = key(0.0, "Weight of the k3 KL to the frozen reference (0 disables the reference).")
+    kl_beta: float = key(
+        0.0, "Weight of the k3 KL to the frozen reference (0 disables the reference)."
+    )
     old_logprobs: Literal["policy", "engine"] = key(
-        "policy", "Where the behaviour logprobs come from: recomputed by the policy, or the engine's."
+        "policy", "Where the behaviour logprobs come from: recomputed by the policy, or the "
+        "engine's."
     )
     shared_prefix_filter: bool = key(
         False, "Leave out of the loss the completion tokens every member of a group shares at its "
@@ -241,7 +259,9 @@ ALGO_KINDS: dict[str, type] = {
 
 @attrs.frozen
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = key("hf", "hf: transformers generate in process; vllm: vllm.LLM.")
+    engine: Literal["hf", "vllm"] = key(
+        "hf", "hf: transformers generate in process; vllm: vllm.LLM."
+    )
     max_new_tokens: int = key(16, "Most tokens generated per completion.")
     max_model_len: int = key(
         0, "Most tokens of a sequence in the engine, prompt and completion (at most the model's "
@@ -267,8 +287,8 @@ class RolloutConfig:
 class RewardConfig:
     functions: list[str] = key(
         ["arithmetic_exact"],
-        "Reward functions: built-in names (arithmetic_exact, format, math_verify) or dotted callables "
-        "(completions, items) -> list[float].",
+        "Reward functions: built-in names (arithmetic_exact, format, math_verify) or dotted "
+        "callables (completions, items) -> list[float].",
     )
     weights: list[float] = key([], "One weight per function; empty: all 1.0.")
     timeout_s: float = key(
@@ -379,7 +399,9 @@ class Recipe:
     model: ModelConfig = table(ModelConfig, "The policy model.")
     data: DataConfig = table(DataConfig, "Where prompts (or preference pairs) come from.")
     data_packer: DataPackerConfig = table(DataPackerConfig, "How items become model inputs.")
-    algo: AlgoConfig = attrs.field(factory=GRPOConfig, metadata={"help": "The algorithm, tagged by kind."})
+    algo: AlgoConfig = attrs.field(
+        factory=GRPOConfig, metadata={"help": "The algorithm, tagged by kind."}
+    )
     rollout: RolloutConfig = table(RolloutConfig, "The rollout engine and sampling.")
     reward: RewardConfig = table(RewardConfig, "Reward functions (GRPO, PPO).")
     train: TrainConfig = table(TrainConfig, "Optimizer and evaluation.")

@@ -28,15 +28,16 @@ __all__ = ["BUILTIN_REWARDS", "RewardSet", "arithmetic_exact", "build_rewards", 
 
 @attrs.frozen
 class RewardSet:
-    """Named reward functions and their weights; ``score`` returns the weighted sum per completion."""
+    """Named reward functions and their weights; ``score`` returns the weighted sum per
+    completion."""
 
     names: tuple[str, ...]
     functions: tuple[RewardFn, ...]
     weights: tuple[float, ...]
     timeout_s: float = 0.0
 
-    def score(self, completions: Sequence[str], items: Sequence[ObsBundle], *, step: int | None = None
-              ) -> tuple[list[float], dict[str, float]]:
+    def score(self, completions: Sequence[str], items: Sequence[ObsBundle], *,
+              step: int | None = None) -> tuple[list[float], dict[str, float]]:
         """(weighted total per completion, ``{"reward/NAME": mean of NAME's values}``)."""
         per_function = call_all(self.names, self.functions, list(completions), list(items),
                                 timeout_s=self.timeout_s, step=step)

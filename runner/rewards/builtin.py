@@ -84,7 +84,8 @@ def math_verify_reward(completions: Sequence[str], items: Sequence[ObsBundle]) -
     thread); ``reward.timeout_s`` bounds the call instead.
 
     >>> items = [ObsBundle("q", "Half of 36 is 18.\n#### 18")] * 4
-    >>> math_verify_reward(["She earns 18 dollars. #### 18", r"\boxed{18}", "#### 19", "none"], items)
+    >>> math_verify_reward(["She earns 18 dollars. #### 18", r"\boxed{18}", "#### 19", "none"],
+    ...                    items)
     [1.0, 1.0, 0.0, 0.0]
     >>> math_verify_reward([r"$\frac{3}{4}$", "0.75", "3/5"], [ObsBundle("q", "3/4")] * 3)
     [1.0, 1.0, 0.0]

@@ -48,7 +48,8 @@ class RowSampler:
         probs = filtered_probs(scores, self.s.temperature, self.s.top_k, self.s.top_p).cpu()
         u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])
         cdf = probs.cumsum(-1)
-        choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp(max=probs.shape[-1] - 1)
+        choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp(
+            max=probs.shape[-1] - 1)
         out = torch.full_like(scores, float("-inf"))
         return out.scatter(1, choice.to(scores.device), 0.0)
 
@@ -123,7 +124,8 @@ class HFEngine:
                                   f"{max_new_tokens} new tokens it exceeds the hf engine's "
                                   f"max_model_len ({self.max_model_len})")
 
-    def _generate_batch(self, rows: list[tuple[EnginePrompt, int]], s: SamplingConfig) -> list[Completion]:
+    def _generate_batch(self, rows: list[tuple[EnginePrompt, int]],
+                        s: SamplingConfig) -> list[Completion]:
         from transformers import GenerationConfig, LogitsProcessorList
 
         device = next(self.model.parameters()).device
@@ -134,12 +136,14 @@ class HFEngine:
         for row, p in enumerate(batch):
             input_ids[row, width - len(p):] = torch.tensor(p)
             attention[row, width - len(p):] = 1
-        extras = {k: v.to(device) for k, v in left_padded_inputs([p for p, _ in rows], width).items()}
+        extras = {k: v.to(device)
+                  for k, v in left_padded_inputs([p for p, _ in rows], width).items()}
         config = GenerationConfig(
             do_sample=False, max_new_tokens=s.max_new_tokens, pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_id, output_logits=True, return_dict_in_generate=True)
         processors = LogitsProcessorList([] if s.greedy else [RowSampler([r for _, r in rows], s)])
-        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+        out = self.model.generate(input_ids=input_ids.to(device),
+                                  attention_mask=attention.to(device),
                                   generation_config=config, logits_processor=processors, **extras)
         new_BT = out.sequences[:, width:].cpu()
         temperature = 1.0 if s.greedy else s.temperature
@@ -149,7 +153,8 @@ class HFEngine:
         for row in range(len(batch)):
             ids, finish = trim_at_eos(new_BT[row].tolist(), self.eos_token_id)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            result.append(Completion(tuple(ids), text, tuple(lp_BT[row, :len(ids)].tolist()), finish))
+            result.append(Completion(tuple(ids), text, tuple(lp_BT[row, :len(ids)].tolist()),
+                                     finish))
         return result
 
     @torch.no_grad()

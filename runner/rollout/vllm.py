@@ -56,7 +56,8 @@ def _media_norms_differ(model_path: str) -> bool:
             image, video = config.get("image_processor"), config.get("video_processor")
         else:
             image = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
-            video = json.loads((folder / "video_preprocessor_config.json").read_text(encoding="utf-8"))
+            video = json.loads(
+                (folder / "video_preprocessor_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     if not isinstance(image, dict) or not isinstance(video, dict):
@@ -173,8 +174,10 @@ class VLLMEngine:
             completions = []
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids, finish = trim_at_eos(c.token_ids, self.eos_token_id)
-                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids, strict=False)]
-                completions.append(Completion(tuple(ids), self.tokenizer.decode(ids, skip_special_tokens=True),
+                lps = [float(step[tok].logprob)
+                       for step, tok in zip(c.logprobs or [], ids, strict=False)]
+                completions.append(Completion(tuple(ids),
+                                              self.tokenizer.decode(ids, skip_special_tokens=True),
                                               tuple(lps), finish))
             result.append(RolloutOutput(prompt.token_ids, tuple(completions)))
         self._sleep()

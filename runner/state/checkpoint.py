@@ -103,7 +103,9 @@ def restore_rng(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None
 
 # --- optimizer ----------------------------------------------------------------------------------
 
-def optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def optimizer_to_files(
+    optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     sd = optimizer.state_dict()
     tensors, layout = {}, {}
     for index, slots in sd["state"].items():
@@ -297,7 +299,8 @@ def _prune(root: Path, keep_last: int) -> None:
     """Remove all but the newest ``keep_last`` checkpoints. Only folders whose name agrees with
     the step their state.json records count: a renamed or copied folder (``step-000099`` holding
     step 2) is neither counted nor removed, so it cannot push real checkpoints out."""
-    real = [p for p in complete_checkpoints(root) if integrity.recorded_step(p) == checkpoint_step(p)]
+    real = [p for p in complete_checkpoints(root)
+            if integrity.recorded_step(p) == checkpoint_step(p)]
     for old in real[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 

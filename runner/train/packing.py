@@ -11,13 +11,13 @@ Every token's hidden states are those it has in its own padded row, so logprobs 
 are the same; the prompt is computed once instead of once per sample.
 
 A row holds up to ``ROW_TOKENS`` positions (or the longest sequence, if longer; shared prompts
-and their completions up to ``SHARED_ROW_TOKENS``), all rows as long as the fullest. Every padded or repeated position removed is one
-no layer computes; the price is attention over the longer row, which for post-training's short
-sequences is small beside the linear layers (per token and layer, 4 x 256 x hidden
-multiply-adds of attention against ~12 x hidden^2 of projections: 15% for SmolLM2's hidden
-size of 576 at 256 positions). The runner takes whichever layout computes the fewest
-positions, the padded batch included (``choose_layout``). Logprobs come back on the padded
-batch's shifted grid, so the losses do not know which layout ran.
+and their completions up to ``SHARED_ROW_TOKENS``), all rows as long as the fullest. Every
+padded or repeated position removed is one no layer computes; the price is attention over the
+longer row, which for post-training's short sequences is small beside the linear layers (per
+token and layer, 4 x 256 x hidden multiply-adds of attention against ~12 x hidden^2 of
+projections: 15% for SmolLM2's hidden size of 576 at 256 positions). The runner takes whichever
+layout computes the fewest positions, the padded batch included (``choose_layout``). Logprobs
+come back on the padded batch's shifted grid, so the losses do not know which layout ran.
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ def _build(batch: PolicyBatch, ids_BT: np.ndarray, plan: _Plan, pad_token_id: in
         flat = t["place"].reshape(-1)
         keep = flat >= 0
         loss.view(-1)[flat[keep]] = batch.loss_mask_BT.reshape(-1)[keep]
-        rows = PolicyBatch(t["ids"], torch.ones_like(t["ids"]), t["pos"], loss, t["seq"], packed=True)
+        rows = PolicyBatch(t["ids"], torch.ones_like(t["ids"]), t["pos"], loss, t["seq"],
+                           packed=True)
         return Packed(rows, t["place"], lengths, sum(lengths), list(plan.where))
     # Who attends whom: same unit, not later, and a completion's own tokens or the prompt.
     unit = torch.from_numpy(unit_RC).to(device)

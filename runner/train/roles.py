@@ -92,7 +92,8 @@ def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | 
     return Trainable(model, optimizer, scheduler, accelerator, pad_free)
 
 
-def optimizer_step(trainables: Sequence[Trainable], micro_losses: Sequence[Callable[[], torch.Tensor]],
+def optimizer_step(trainables: Sequence[Trainable],
+                   micro_losses: Sequence[Callable[[], torch.Tensor]],
                    max_grad_norm: float) -> float:
     """One optimizer step of every trainable from the summed micro-batch losses (each already
     weighted by its share of the batch): backward each, clip each module, step each. Returns

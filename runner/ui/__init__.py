@@ -9,4 +9,12 @@ from runner.ui.reporter import (
     make_reporter,
 )
 
-__all__ = ["MetricsLog", "PlainReporter", "Reporter", "RichReporter", "SilentReporter", "is_timing", "make_reporter"]
+__all__ = [
+    "MetricsLog",
+    "PlainReporter",
+    "Reporter",
+    "RichReporter",
+    "SilentReporter",
+    "is_timing",
+    "make_reporter",
+]

@@ -33,8 +33,8 @@ SHOWN = (
     ("eval/preference_accuracy", "held-out pref acc"), ("eval/reverse_kl_exact", "held-out kl"),
     ("loss", "loss"), ("kl", "kl"),
     ("reverse_kl", "reverse kl"), ("accuracy", "pref acc"), ("reward_margin", "margin"),
-    ("value_loss", "value loss"), ("clip_frac", "clip frac"), ("perf/rollout_tok_s", "rollout tok/s"),
-    ("perf/train_tok_s", "train tok/s"),
+    ("value_loss", "value loss"), ("clip_frac", "clip frac"),
+    ("perf/rollout_tok_s", "rollout tok/s"), ("perf/train_tok_s", "train tok/s"),
 )
 SPLIT = ("time/rollout", "time/reward", "time/update", "time/sync")
 

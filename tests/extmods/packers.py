@@ -22,7 +22,8 @@ class IncompletePacker(DataPacker):
     def encode_rollout_input(self, rollout_input):
         return []
 
-    def get_policy_input(self, sample, rollout_output, n_ignore_prefix_tokens=0, *, prompt_ids=None):
+    def get_policy_input(self, sample, rollout_output, n_ignore_prefix_tokens=0, *,
+                         prompt_ids=None):
         raise NotImplementedError
 
 

@@ -25,7 +25,8 @@ def packs(r: random.Random) -> tuple[str, list[str], int]:
     return (f"{name} buys {a} packs of {item} with {b} {item} in each pack and gives {c} of them "
             f"to a friend. How many {item} does {name} have left?",
             [f"{name} buys {a} * {b} = <<{a}*{b}={a * b}>>{a * b} {item}.",
-             f"After giving {c} away, {a * b} - {c} = <<{a * b}-{c}={a * b - c}>>{a * b - c} are left."],
+             f"After giving {c} away, {a * b} - {c} = <<{a * b}-{c}={a * b - c}>>{a * b - c} "
+             "are left."],
             a * b - c)
 
 
