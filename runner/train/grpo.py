@@ -18,7 +18,6 @@ uninterrupted one exactly, and the same global batch trains the same way on any 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import attrs
@@ -41,7 +40,7 @@ from runner.train.batches import (
 )
 from runner.train.loop import run_loop
 from runner.train.policy import completion_grid
-from runner.train.rollouts import evaluate, sample, shared_prefixes, step_metrics
+from runner.train.rollouts import evaluate, sample, shared_prefixes, staged_step, step_metrics
 from runner.train.rollouts import score as reward_trajectory
 from runner.train.seeds import step_seed
 from runner.train.trajectory import Trajectory
@@ -207,21 +206,20 @@ def _with_rows(old_BT: torch.Tensor, kept: list[tuple[torch.Tensor, Kept]]) -> t
 
 def one_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int) -> dict[str, Any]:
     """produce -> score -> consume, then the new weights to the engine; the step's metrics."""
-    recipe = run.recipe
-    t0 = time.perf_counter()
-    traj = produce(run, algo, step)
-    t1 = time.perf_counter()
-    scored = score(run, algo, rewards, traj, step)
-    t2 = time.perf_counter()
-    metrics = consume(run, algo, scored)
-    traj, layout = scored.traj, scored.layout
-    if scored.ignore_prefix is not None:
-        filtered = sum(gather_rows(run.comm, layout, scored.ignore_prefix))
-        metrics["prefix_tokens_filtered"] = filtered / layout.global_rows
-    t3 = time.perf_counter()
-    run.sync_weights()
-    t4 = time.perf_counter()
-    if recipe.logging.sample_every and step % recipe.logging.sample_every == 0:
+    scored, metrics, seconds = staged_step(
+        run, lambda: produce(run, algo, step),
+        lambda traj: score(run, algo, rewards, traj, step),
+        lambda s: consume(run, algo, s) | _prefix_metrics(run, s))
+    traj, every = scored.traj, run.recipe.logging.sample_every
+    if every and step % every == 0:
         run.reporter.sample(step, str(traj.items[0].prompt), traj.texts[0], traj.rewards[0])
-    seconds = {"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2, "sync": t4 - t3}
     return step_metrics(run, traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics
+
+
+def _prefix_metrics(run: RunContext, scored: ScoredBatch) -> dict[str, float]:
+    """``prefix_tokens_filtered``: shared-prefix tokens left out of the loss per global row."""
+    if scored.ignore_prefix is None:
+        return {}
+    layout = scored.layout
+    return {"prefix_tokens_filtered":
+            sum(gather_rows(run.comm, layout, scored.ignore_prefix)) / layout.global_rows}

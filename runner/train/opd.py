@@ -20,7 +20,6 @@ One step is three plain functions, each with explicit inputs and outputs:
 
 from __future__ import annotations
 
-import time
 from functools import partial
 from typing import Any
 
@@ -55,6 +54,7 @@ from runner.train.rollouts import (
     roll_out,
     sample,
     sampling,
+    staged_step,
     step_metrics,
 )
 from runner.train.rollouts import score as reward_trajectory
@@ -202,14 +202,8 @@ def consume(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: ScoredOP
 def one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet,
              step: int) -> dict[str, Any]:
     """produce -> score -> consume, then the new weights to the engine; the step's metrics."""
-    t0 = time.perf_counter()
-    traj = produce(run, algo, step)
-    t1 = time.perf_counter()
-    scored = score(run, algo, teacher, rewards, traj, step)
-    t2 = time.perf_counter()
-    metrics = consume(run, algo, teacher, scored)
-    t3 = time.perf_counter()
-    run.sync_weights()
-    t4 = time.perf_counter()
-    seconds = {"rollout": t1 - t0, "teacher": t2 - t1, "update": t3 - t2, "sync": t4 - t3}
+    scored, metrics, seconds = staged_step(
+        run, lambda: produce(run, algo, step),
+        lambda traj: score(run, algo, teacher, rewards, traj, step),
+        lambda s: consume(run, algo, teacher, s), scoring="teacher")
     return step_metrics(run, scored.traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics

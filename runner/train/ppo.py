@@ -20,7 +20,6 @@ One step is three plain functions, each with explicit inputs and outputs:
 
 from __future__ import annotations
 
-import time
 from functools import partial
 from typing import Any
 
@@ -49,7 +48,7 @@ from runner.train.critic import CRITIC
 from runner.train.loop import run_loop
 from runner.train.policy import completion_grid
 from runner.train.roles import Trainable
-from runner.train.rollouts import evaluate, sample, step_metrics
+from runner.train.rollouts import evaluate, sample, staged_step, step_metrics
 from runner.train.rollouts import score as reward_trajectory
 from runner.train.seeds import step_seed
 from runner.train.trajectory import Trajectory
@@ -174,14 +173,8 @@ def consume(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredP
 def one_step(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainable,
              step: int) -> dict[str, Any]:
     """produce -> score -> consume, then the new weights to the engine; the step's metrics."""
-    t0 = time.perf_counter()
-    traj = produce(run, algo, step)
-    t1 = time.perf_counter()
-    scored = score(run, algo, rewards, critic, traj, step)
-    t2 = time.perf_counter()
-    metrics = consume(run, algo, critic, scored)
-    t3 = time.perf_counter()
-    run.sync_weights()
-    t4 = time.perf_counter()
-    seconds = {"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2, "sync": t4 - t3}
+    scored, metrics, seconds = staged_step(
+        run, lambda: produce(run, algo, step),
+        lambda traj: score(run, algo, rewards, critic, traj, step),
+        lambda s: consume(run, algo, critic, s))
     return step_metrics(run, scored.traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -87,6 +88,29 @@ def sample(run: RunContext, n_prompts: int, n_samples: int, step: int) -> Trajec
 
 def item_ids_metric(traj: Trajectory) -> dict[str, list[int]]:
     return {"data/item_ids": list(traj.item_ids)} if traj.item_ids else {}
+
+
+Scored = TypeVar("Scored")
+
+
+def staged_step(run: RunContext, produce: Callable[[], Trajectory],
+                score: Callable[[Trajectory], Scored],
+                consume: Callable[[Scored], dict[str, Any]], scoring: str = "reward"
+                ) -> tuple[Scored, dict[str, Any], dict[str, float]]:
+    """A rollout step's three stages in a row, then the new weights to the engine: the scored
+    batch, ``consume``'s metrics and the seconds of each stage (``scoring`` names the second:
+    "reward", or "teacher" for OPD)."""
+    t0 = time.perf_counter()
+    traj = produce()
+    t1 = time.perf_counter()
+    scored = score(traj)
+    t2 = time.perf_counter()
+    metrics = consume(scored)
+    t3 = time.perf_counter()
+    run.sync_weights()
+    t4 = time.perf_counter()
+    return scored, metrics, {"rollout": t1 - t0, scoring: t2 - t1, "update": t3 - t2,
+                             "sync": t4 - t3}
 
 
 def step_metrics(run: RunContext, traj: Trajectory, rewards_all: Sequence[float],
