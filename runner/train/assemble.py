@@ -315,7 +315,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
                                                    opened, streamed, remote=remote))
              if generates else None)
     fingerprint = data.cursor.fingerprint if data is not None else ""
-    hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, base)))
+    hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, plan.roles, base)))
               if ctx.world_size > 1 else {})
     # Before the first collective of the build (DDP's parameter broadcast, the engine's setup):
     # a rank that failed must not leave the others waiting inside one.
@@ -428,14 +428,15 @@ def _trained(model: Any, recipe: Recipe) -> Any:
     return disable_dropout(model) if recipe.train.disable_dropout else model
 
 
-def _model_folders(recipe: Recipe, base: Path) -> dict[str, Path]:
-    """The model folders every rank must hold identically, by role."""
+def _model_folders(recipe: Recipe, roles: Sequence[str], base: Path) -> dict[str, Path]:
+    """The model folders every rank must hold identically, by role: the policy's, and those of
+    the teacher and the critic where ``roles`` (the plan's) lists them and ``algo.ROLE_path``
+    names one (a critic without its own folder starts from the policy's)."""
     from runner.models import resolve_model_path
 
     folders = {"policy": base}
-    algo = recipe.algo
-    if algo.kind == "opd":
-        folders["teacher"] = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
-    if algo.kind == "ppo" and algo.critic_path:
-        folders["critic"] = resolve_model_path(algo.critic_path, key="algo.critic_path")
+    for role in ("teacher", "critic"):
+        path = getattr(recipe.algo, f"{role}_path", "") if role in roles else ""
+        if path:
+            folders[role] = resolve_model_path(path, key=f"algo.{role}_path")
     return folders
