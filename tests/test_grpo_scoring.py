@@ -28,7 +28,7 @@ def test_only_rows_after_the_first_minibatch_are_scored(monkeypatch, tmp_path, m
     monkeypatch.setattr(Trainable, "logprobs", spy)
     with tiny_run("grpo-arith", tmp_path, "algo.prompts_per_step=4", "algo.group_size=4",
                   f"algo.minibatches={minibatches}") as run:
-        algo = run.recipe.algo
+        algo = run.svc.recipe.algo
         traj = grpo.produce(run, algo, 1)
         grpo.consume(run, algo, grpo.score(run, algo, run.roles.rewards, traj, 1))
     assert sum(n for grad, n in calls if not grad) == scored  # 16 rows, minus the first minibatch's
@@ -52,7 +52,7 @@ def test_opd_runs_one_teacher_forward_per_row(monkeypatch, tmp_path, full_kl, ac
         monkeypatch.setattr(Frozen, name, spy)
     with tiny_run("opd-arith", tmp_path, "algo.prompts_per_step=4",
                   f"algo.full_kl={str(full_kl).lower()}", f"train.grad_accum_steps={accum}") as run:
-        algo, teacher = run.recipe.algo, run.roles.teacher
+        algo, teacher = run.svc.recipe.algo, run.roles.teacher
         traj = opd.produce(run, algo, 1)
         opd.consume(run, algo, teacher, opd.score(run, algo, teacher, run.roles.rewards, traj, 1))
     assert sum(rows) == 8 and len(rows) == (accum if full_kl else 1)  # 4 prompts x 2 samples

@@ -274,12 +274,13 @@ def test_the_loop_names_the_step_and_writes_no_checkpoint():
         return {"loss": 1.0}
 
     recipe = Recipe()
-    run = SimpleNamespace(
-        recipe=recipe, metrics=SimpleNamespace(write=written.append), start_step=0,
+    recipe = attrs.evolve(recipe, checkpoint=attrs.evolve(recipe.checkpoint, every_steps=1))
+    svc = SimpleNamespace(
+        recipe=recipe, metrics=SimpleNamespace(write=written.append),
         reporter=SimpleNamespace(start=lambda *a: None, step=lambda *a: None,
                                  message=lambda *a: None),
-        stop_poll=None, comm=SimpleNamespace(any=lambda flag: flag), save=saved.append)
-    run.recipe = attrs.evolve(recipe, checkpoint=attrs.evolve(recipe.checkpoint, every_steps=1))
+        stop_poll=None, comm=SimpleNamespace(any=lambda flag: flag))
+    run = SimpleNamespace(svc=svc, state=SimpleNamespace(start_step=0), save=saved.append)
     with pytest.raises(NonFiniteUpdate) as info:
         run_loop(run, one_step, None)
     assert str(info.value) == "policy at step 3: the gradient norm is not finite"

@@ -89,7 +89,7 @@ def test_ppo_columns_reach_the_trajectory_and_prompts_are_tokenised_once(tmp_pat
     recipe.write_text(RECIPE)
     with tiny_run(recipe, tmp_path) as run:
         rewards, critic = run.roles.rewards, run.roles.critic
-        metrics = ppo.one_step(run, run.recipe.algo, rewards, critic, 1)
+        metrics = ppo.one_step(run, run.svc.recipe.algo, rewards, critic, 1)
     # 4 prompts x 2 samples, each completion with its own item.
     assert len(seen) == 8
     ids = [item.id for item in seen]

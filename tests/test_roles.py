@@ -36,3 +36,25 @@ def test_hf_engine_refuses_unknown_parameter_names():
     assert torch.equal(dict(engine.model.named_parameters())[name], before + 1)
     with pytest.raises(RunnerError, match="no parameter named model.nope"):
         engine.update_weights([("model.nope", torch.zeros(1))])
+
+
+@pytest.mark.parametrize(("name", "overrides", "roles"), [
+    ("grpo-arith", (), ["policy"]),
+    ("dpo-arith", (), ["policy"]),
+    ("opd-arith", (), ["policy", "teacher"]),
+    ("ppo-arith", (), ["policy"]),  # the critic starts from the policy's folder
+    ("ppo-arith", ("algo.critic_path=builtin:tiny-arith-teacher",), ["policy", "critic"]),
+])
+def test_ranks_compare_the_model_folders_of_the_planned_roles(name, overrides, roles):
+    from runner.models import resolve_model_path
+    from runner.recipe import load_recipe, make_plan
+    from runner.train.assemble import _model_folders
+    from tests.conftest import REPO
+
+    recipe = load_recipe(REPO / "recipes" / f"{name}.toml", overrides)
+    plan = make_plan(recipe, world_size=2)
+    base = resolve_model_path(recipe.model.path)
+    folders = _model_folders(recipe, plan.roles, base)
+    assert list(folders) == roles and folders["policy"] == base
+    for role in roles[1:]:
+        assert folders[role] == resolve_model_path(getattr(recipe.algo, f"{role}_path"))

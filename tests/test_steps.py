@@ -28,7 +28,7 @@ def _changed(before: dict[str, torch.Tensor], module: torch.nn.Module) -> list[s
 
 def test_grpo_advantages_are_the_group_normalised_rewards(tmp_path):
     with tiny_run("grpo-arith", tmp_path, CHAR_CODE) as run:
-        algo = run.recipe.algo
+        algo = run.svc.recipe.algo
         traj = grpo.produce(run, algo, 1)
         scored = grpo.score(run, algo, run.roles.rewards, traj, 1)
     assert traj.rewards == () and len(traj.completions) == 2 * 4  # produce does not score
@@ -46,7 +46,7 @@ def test_grpo_advantages_are_the_group_normalised_rewards(tmp_path):
 
 def test_ppo_score_whitens_gae_and_consume_trains_policy_and_critic_only(tmp_path):
     with tiny_run("ppo-arith", tmp_path, CHAR_CODE) as run:
-        algo, critic, reference = run.recipe.algo, run.roles.critic, run.roles.reference
+        algo, critic, reference = run.svc.recipe.algo, run.roles.critic, run.roles.reference
         assert reference is not None and critic is not None  # kl_coef > 0: a reference
         scored = ppo.score(run, algo, run.roles.rewards, critic, ppo.produce(run, algo, 1), 1)
         s = scored
@@ -56,8 +56,8 @@ def test_ppo_score_whitens_gae_and_consume_trains_policy_and_critic_only(tmp_pat
         policy, ref_weights = _weights(run.policy.unwrapped()), _weights(reference.model)
         values = _weights(critic.unwrapped())
         metrics = ppo.consume(run, algo, critic, scored)
-        after_BT = run.policy.logprobs(s.batch, run.recipe.rollout.temperature)[0]
-        ref_after_BT = reference.logprobs(s.batch, run.recipe.rollout.temperature)[0]
+        after_BT = run.policy.logprobs(s.batch, run.svc.recipe.rollout.temperature)[0]
+        ref_after_BT = reference.logprobs(s.batch, run.svc.recipe.rollout.temperature)[0]
         assert _changed(policy, run.policy.unwrapped())
         assert _changed(values, critic.unwrapped())
         assert not _changed(ref_weights, reference.model)
@@ -70,15 +70,15 @@ def test_ppo_score_whitens_gae_and_consume_trains_policy_and_critic_only(tmp_pat
 
 
 def _dpo_run(run):
-    return dpo.DPORun(run, run.recipe.algo, run.roles.reference, run.roles.rewards, {})
+    return dpo.DPORun(run, run.svc.recipe.algo, run.roles.reference, run.roles.rewards, {})
 
 
 def test_dpo_produce_takes_the_steps_pairs_in_data_order(tmp_path):
     with tiny_run("dpo-arith", tmp_path) as run:
         step = _dpo_run(run)
         first, second = dpo.produce(step), dpo.produce(step)
-        position = run.data.cursor.position
-        expected = DatasetPreferenceEnv.from_recipe(run.recipe).next_batch(8)
+        position = run.state.data.cursor.position
+        expected = DatasetPreferenceEnv.from_recipe(run.svc.recipe).next_batch(8)
     assert len(first) == len(second) == 4  # algo.pairs_per_step, all on the one rank
     assert position == 8
     assert [p.id for p in first + second] == [p.id for p in expected]

@@ -41,7 +41,8 @@ def tiny_run(recipe: str | Path, tmp_path: Path, *overrides: str) -> Iterator[Ru
     recipe = load_recipe(path, given)
     plan = make_plan(recipe, world_size=1)
     with SilentReporter() as reporter:
-        run = assemble(recipe, plan, SINGLE, Collective(SINGLE), reporter, str(path), given)
+        run = assemble(recipe, plan, ctx=SINGLE, comm=Collective(SINGLE), reporter=reporter,
+                       source=str(path), overrides=given)
         try:
             yield run
         finally:

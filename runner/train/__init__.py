@@ -33,10 +33,10 @@ def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collect
     loop = LOOPS[recipe.algo.kind]
     # Leaving the block by any path (an error, Ctrl-C) tears the live view down first.
     with make_reporter(plain) if ctx.is_main else SilentReporter() as reporter:
-        run = assemble(recipe, plan, ctx, comm, reporter, source, overrides, actors=actors,
-                       stop=stop)
+        run = assemble(recipe, plan, ctx=ctx, comm=comm, reporter=reporter, source=source,
+                       overrides=overrides, actors=actors, stop=stop)
         try:
-            result = loop(run) | {"metrics": run.metrics.rows}
+            result = loop(run) | {"metrics": run.svc.metrics.rows}
             comm.barrier()  # leave together: no rank tears its connections down under another
         except AgreedStop:
             comm.barrier()  # a stop after the same step on every rank: leave together too

@@ -52,6 +52,7 @@ from runner.train.roles import (
     prepare_trainable,
 )
 from runner.train.seeds import seed_everything
+from runner.train.services import RunServices
 from runner.train.streams import OPEN, OpenedData, Streamed
 from runner.train.teacher import Teacher
 from runner.types import ObsBundle
@@ -72,42 +73,42 @@ class Roles:
     rewards: RewardSet | None = None
 
 
-@attrs.define
-class RunContext:
-    """One rank's live objects of a run, built by ``assemble``."""
+@attrs.frozen(eq=False)
+class RunState:
+    """Where this rank's run starts and what it reads: the step and checkpoint it resumes from
+    and its data."""
 
-    recipe: Recipe
-    plan: RunPlan
-    rank: RankContext
-    comm: Collective
-    reporter: Reporter
-    accelerator: Accelerator
     start_step: int
     ckpt: LoadedCheckpoint | None
     data: PromptData | PreferenceData  # the algorithm's kind (runner.train.streams.OPEN)
-    parts: dict[str, str]
+    parts: dict[str, str]  # the data's fingerprint parts (saved with the cursor)
     val_items: list[ObsBundle]  # this rank's shard of the held-out prompts
+    has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
+
+
+@attrs.define
+class RunContext:
+    """One rank's run, built by ``assemble``: its services (``svc``), its data and resume state
+    (``state``), the policy with its rollout, and the other roles (``roles``)."""
+
+    svc: RunServices
+    state: RunState
     model_path: Path  # the base model folder (tokenizer and packers come from it)
     tokenizer: Any  # the base model's tokenizer, or its processor (a vision-language model)
     policy: Trainable
     policy_packer: DataPacker
     rollout: Rollout | None
-    metrics: MetricsLog
-    has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
-    precision: Precision  # decided once per rank (runner.precision.resolve)
     roles: Roles = attrs.field(factory=Roles)
-    stop_poll: Callable[[], bool] | None = None  # the launcher asks for a stop (Ray actors)
     actors: RoleProvider | None = None  # roles served outside this rank (Ray role actors)
-    lock: RunLock | None = None  # rank 0's lock on the run folder, held until close()
 
     def frozen(self, role: str, path: Path, pad_free: bool = False) -> FrozenScorer:
         """The frozen model of ``role`` ("reference" or "teacher") loaded from ``path``, scoring
         padding-free batches when ``pad_free``: in this process, or the role's actor when it has
         one."""
         if self.actors is not None and self.actors.frozen_of(role) is not None:
-            return self.actors.remote_frozen(role, self.accelerator.device, pad_free)
-        return Frozen(path, self.recipe, self.accelerator.device, pad_free,
-                      bf16=self.precision.train == "bf16")
+            return self.actors.remote_frozen(role, self.svc.accelerator.device, pad_free)
+        return Frozen(path, self.svc.recipe, self.svc.accelerator.device, pad_free,
+                      bf16=self.svc.precision.train == "bf16")
 
     @property
     def rollout_packer(self) -> DataPacker:
@@ -118,9 +119,9 @@ class RunContext:
         from runner.models import read_model_type
         from runner.packers import build_packer
 
-        m = self.recipe.model
+        m = self.svc.recipe.model
         model_type = m.model_type or read_model_type(self.model_path)
-        return build_packer(self.model_path, model_type, self.recipe.data_packer.factory,
+        return build_packer(self.model_path, model_type, self.svc.recipe.data_packer.factory,
                             trust_remote_code=m.trust_remote_code, dtype=m.dtype)
 
     def sync_weights(self) -> None:
@@ -131,43 +132,43 @@ class RunContext:
         if not self.rollout.shared:
             self.rollout.update_weights(self.policy.named_weights())
             return
-        if self.rank.is_main:
+        if self.svc.rank.is_main:
             self.rollout.update_weights(self.policy.named_weights())
-        self.comm.barrier()
+        self.svc.comm.barrier()
 
     def save(self, step: int, extra: dict[str, Trainable] | None = None) -> Path | None:
         """Checkpoint ``step``: every rank's RNG state goes to rank 0, which writes; the ranks
         leave together once the checkpoint is complete."""
-        rngs = self.comm.gather(capture_rng())
+        rngs = self.svc.comm.gather(capture_rng())
         path = None
-        if self.rank.is_main:
+        if self.svc.rank.is_main:
             path = write_checkpoint(self, step, rngs, extra or {})
-        self.comm.barrier()
+        self.svc.comm.barrier()
         return path
 
     def close(self) -> None:
-        self.metrics.close()
+        self.svc.metrics.close()
         if self.rollout is not None:
             self.rollout.close()
-        if self.lock is not None:
-            self.lock.release()
+        if self.svc.lock is not None:
+            self.svc.lock.release()
 
 
 def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable]
                      ) -> Path:
-    cursor = run.data.cursor
+    cursor, plan = run.state.data.cursor, run.svc.plan
     state = TrainingState(
         step=step,
-        cursor={"cursor": json.loads(cursor.to_json()), "parts": run.parts},
+        cursor={"cursor": json.loads(cursor.to_json()), "parts": run.state.parts},
         scheduler=scheduler_state(run.policy.scheduler),
         extra={name: {"scheduler": scheduler_state(t.scheduler)} for name, t in extra.items()},
-        world_size=run.plan.world_size, items_per_step=run.plan.items_per_step,
+        world_size=plan.world_size, items_per_step=plan.items_per_step,
     )
     return save_checkpoint(
-        run.plan.checkpoint_dir, step, model=run.policy.unwrapped(), tokenizer=run.tokenizer,
-        optimizer=run.policy.optimizer, state=state, metrics_rows=run.metrics.rows,
+        plan.checkpoint_dir, step, model=run.policy.unwrapped(), tokenizer=run.tokenizer,
+        optimizer=run.policy.optimizer, state=state, metrics_rows=run.svc.metrics.rows,
         extra_modules={name: t.unwrapped() for name, t in extra.items()},
-        keep_last=run.recipe.checkpoint.keep_last, rng_per_rank=rngs,
+        keep_last=run.svc.recipe.checkpoint.keep_last, rng_per_rank=rngs,
         extra_optimizers={name: t.optimizer for name, t in extra.items()})
 
 
@@ -251,9 +252,10 @@ class _Steps:
             return None
 
 
-def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, reporter: Reporter,
-             source: str, overrides: Sequence[str], actors: RoleProvider | None = None,
-             stop: Callable[[], bool] | None = None) -> RunContext:
+def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collective,
+             reporter: Reporter, source: str, overrides: Sequence[str],
+             actors: RoleProvider | None = None, stop: Callable[[], bool] | None = None
+             ) -> RunContext:
     """Build every role the plan lists (``plan.roles``), in this process or, where ``actors``
     serves it, as a handle on the launcher's role actor."""
     from runner.models import load_causal_lm, read_model_type, resolve_model_path
@@ -313,7 +315,7 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
                                                    opened, streamed, remote=remote))
              if generates else None)
     fingerprint = data.cursor.fingerprint if data is not None else ""
-    hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, base)))
+    hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, plan.roles, base)))
               if ctx.world_size > 1 else {})
     # Before the first collective of the build (DDP's parameter broadcast, the engine's setup):
     # a rank that failed must not leave the others waiting inside one.
@@ -332,18 +334,17 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
                                 max_model_len=limit.max_model_len if limit else None))
               if generates else None)
     rollout = Rollout(engine, engine_packer, limit) if generates else None
-    tensorboard = recipe.logging.tensorboard and ctx.is_main
-    metrics = MetricsLog(plan.metrics_path if ctx.is_main else None,
-                         ckpt.metrics_rows if ckpt else [],
-                         plan.output_dir / "tensorboard" if tensorboard else None)
+    svc = RunServices(recipe=recipe, plan=plan, rank=ctx, comm=comm, reporter=reporter,
+                      metrics=_metrics_log(recipe, plan, ctx, ckpt), precision=precision,
+                      accelerator=accelerator, stop_poll=stop, lock=lock)
     reason = held_out_reason(recipe.data, recipe.algo.kind)
     if reason:
         reporter.message(f"held-out evaluation: {reason}")
     assert streamed is not None and data is not None  # the handshake raised otherwise
-    run = RunContext(recipe, plan, ctx, comm, reporter, accelerator, start_step, ckpt, data,
-                     parts, streamed.held_out_items, base, tokenizer, policy, packer, rollout,
-                     metrics, streamed.has_held_out, precision, stop_poll=stop, actors=actors,
-                     lock=lock)
+    state = RunState(start_step=start_step, ckpt=ckpt, data=data, parts=parts,
+                     val_items=streamed.held_out_items, has_held_out=streamed.has_held_out)
+    run = RunContext(svc=svc, state=state, model_path=base, tokenizer=tokenizer, policy=policy,
+                     policy_packer=packer, rollout=rollout, actors=actors)
     run.roles = build_roles(run)
     # A rollout actor, and any engine under LoRA (a checkpoint holds adapters only), starts from
     # the base model.
@@ -352,17 +353,26 @@ def assemble(recipe: Recipe, plan: RunPlan, ctx: RankContext, comm: Collective, 
     return run
 
 
+def _metrics_log(recipe: Recipe, plan: RunPlan, ctx: RankContext,
+                 ckpt: LoadedCheckpoint | None) -> MetricsLog:
+    """The run's metrics log, continuing a checkpoint's rows; rank 0's alone writes files."""
+    tensorboard = recipe.logging.tensorboard and ctx.is_main
+    return MetricsLog(plan.metrics_path if ctx.is_main else None,
+                      ckpt.metrics_rows if ckpt else [],
+                      plan.output_dir / "tensorboard" if tensorboard else None)
+
+
 def build_roles(run: RunContext) -> Roles:
-    """The roles of ``run.plan.roles`` besides the policy and the rollout, built in the plan's
-    order (the reference, the critic, the teacher, the reward functions)."""
-    recipe, wanted = run.recipe, run.plan.roles
+    """The roles of ``run.svc.plan.roles`` besides the policy and the rollout, built in the
+    plan's order (the reference, the critic, the teacher, the reward functions)."""
+    recipe, wanted = run.svc.recipe, run.svc.plan.roles
     reference = (run.frozen("reference", run.model_path, run.policy.pad_free)
                  if "reference" in wanted else None)
     critic = None
     if "critic" in wanted:
         from runner.train.critic import build_critic
 
-        critic = build_critic(recipe, run.model_path, run.accelerator, run.ckpt)
+        critic = build_critic(recipe, run.model_path, run.svc.accelerator, run.state.ckpt)
     teacher = build_teacher(run) if "teacher" in wanted else None
     rewards = build_rewards(recipe.reward) if "reward" in wanted else None
     return Roles(reference, critic, teacher, rewards)
@@ -375,15 +385,16 @@ def build_teacher(run: RunContext) -> Teacher:
     from runner.models.vocab import check_same_vocab
     from runner.packers import build_packer
 
-    algo, m = run.recipe.algo, run.recipe.model
+    recipe = run.svc.recipe
+    algo, m = recipe.algo, recipe.model
     path = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
     same = algo.mode == "same_tokenizer"
     frozen = run.frozen("teacher", path, run.policy.pad_free and same)
-    device, pad = run.accelerator.device, run.policy_packer.pad_token_id
+    device, pad = run.svc.accelerator.device, run.policy_packer.pad_token_id
     if same:
         check_same_vocab(run.model_path, path, trust_remote_code=m.trust_remote_code)
         return Teacher(frozen, algo.mode, device, pad)
-    packer = build_packer(path, read_model_type(path), run.recipe.data_packer.teacher_model_factory,
+    packer = build_packer(path, read_model_type(path), recipe.data_packer.teacher_model_factory,
                           key="data_packer.teacher_model_factory",
                           trust_remote_code=m.trust_remote_code, dtype=m.dtype)
     return Teacher(frozen, algo.mode, device, pad, student_codec=run.build_packer(),
@@ -417,14 +428,15 @@ def _trained(model: Any, recipe: Recipe) -> Any:
     return disable_dropout(model) if recipe.train.disable_dropout else model
 
 
-def _model_folders(recipe: Recipe, base: Path) -> dict[str, Path]:
-    """The model folders every rank must hold identically, by role."""
+def _model_folders(recipe: Recipe, roles: Sequence[str], base: Path) -> dict[str, Path]:
+    """The model folders every rank must hold identically, by role: the policy's, and those of
+    the teacher and the critic where ``roles`` (the plan's) lists them and ``algo.ROLE_path``
+    names one (a critic without its own folder starts from the policy's)."""
     from runner.models import resolve_model_path
 
     folders = {"policy": base}
-    algo = recipe.algo
-    if algo.kind == "opd":
-        folders["teacher"] = resolve_model_path(algo.teacher_path, key="algo.teacher_path")
-    if algo.kind == "ppo" and algo.critic_path:
-        folders["critic"] = resolve_model_path(algo.critic_path, key="algo.critic_path")
+    for role in ("teacher", "critic"):
+        path = getattr(recipe.algo, f"{role}_path", "") if role in roles else ""
+        if path:
+            folders[role] = resolve_model_path(path, key=f"algo.{role}_path")
     return folders

@@ -57,7 +57,7 @@ class DPORun:
 
     @property
     def device(self) -> Any:
-        return self.run.accelerator.device
+        return self.run.svc.accelerator.device
 
 
 def sequence_logprobs(role: Any, batch: PolicyBatch) -> torch.Tensor:
@@ -118,7 +118,7 @@ def pair_loss_inputs(run: DPORun, model: Any, pairs: Sequence[Any]) -> DPOLossIn
 
 def precompute(run: DPORun, reporter: Reporter) -> None:
     """Reference logprobs of every training and held-out pair, once (they never change)."""
-    env = run.run.data
+    env = run.run.state.data
     pairs = env.training_pairs() + env.validation_pairs()
     reporter.message(f"precomputing reference logprobs for {len(pairs)} pairs")
     for chunk in split_even(len(pairs), max(1, len(pairs) // 64)):
@@ -147,12 +147,12 @@ class ScoredPairs:
 def produce(run: DPORun) -> list[PreferencePair]:
     """This rank's share of the step's ``pairs_per_step`` pairs; advances the data cursor."""
     ctx = run.run
-    return ctx.data.next_batch(run.algo.pairs_per_step // ctx.rank.world_size)
+    return ctx.state.data.next_batch(run.algo.pairs_per_step // ctx.svc.rank.world_size)
 
 
 def micro_batches(run: DPORun, n: int) -> list[slice]:
     """The pieces ``consume``'s optimizer step splits ``n`` pairs into (``grad_accum_steps``)."""
-    return split_even(n, max(1, run.run.recipe.train.grad_accum_steps))
+    return split_even(n, max(1, run.run.svc.recipe.train.grad_accum_steps))
 
 
 def score(run: DPORun, pairs: Sequence[PreferencePair]) -> ScoredPairs:
@@ -187,13 +187,14 @@ def consume(run: DPORun, scored: ScoredPairs) -> dict[str, float]:
     """One optimizer step over the global batch of pairs (a mean over all of them); the
     reduced metrics and the learning rate."""
     ctx, algo = run.run, run.algo
+    train = ctx.svc.recipe.train
     n = len(scored.pairs)
     whole = Minibatch(list(range(n)), [1.0] * n, float(algo.pairs_per_step))
     history = [train_minibatch([ctx.policy], whole, partial(minibatch_loss, run, scored),
-                               ctx.recipe.train.grad_accum_steps, ctx.rank.world_size,
-                               ctx.recipe.train.max_grad_norm)]
+                               train.grad_accum_steps, ctx.svc.rank.world_size,
+                               train.max_grad_norm)]
     ctx.policy.scheduler.step()
-    return {**reduce_history(ctx.comm, history), "lr": ctx.policy.scheduler.get_last_lr()[0]}
+    return {**reduce_history(ctx.svc.comm, history), "lr": ctx.policy.scheduler.get_last_lr()[0]}
 
 
 def one_step(run: DPORun, step: int) -> dict[str, Any]:
@@ -202,8 +203,8 @@ def one_step(run: DPORun, step: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     pairs = produce(run)
     metrics = consume(run, score(run, pairs))
-    ids = ({"data/item_ids": interleave(ctx.comm.gather([p.id for p in pairs]))}
-           if ctx.recipe.logging.item_ids else {})
+    ids = ({"data/item_ids": interleave(ctx.svc.comm.gather([p.id for p in pairs]))}
+           if ctx.svc.recipe.logging.item_ids else {})
     return {**metrics, **ids, "time/update": time.perf_counter() - t0}
 
 
@@ -211,7 +212,7 @@ def one_step(run: DPORun, step: int) -> dict[str, Any]:
 def held_out(run: DPORun) -> dict[str, float]:
     """Preference accuracy and loss over the held-out pairs (each rank its shard, summed)."""
     ctx = run.run
-    pairs = ctx.data.validation_pairs()
+    pairs = ctx.state.data.validation_pairs()
     correct = loss_sum = 0.0
     for chunk in split_even(len(pairs), max(1, len(pairs) // 64)):
         part = pairs[chunk]
@@ -219,7 +220,7 @@ def held_out(run: DPORun) -> dict[str, float]:
         margin = (x.policy_chosen_B - x.ref_chosen_B) - (x.policy_rejected_B - x.ref_rejected_B)
         correct += float((margin > 0).sum() + 0.5 * (margin == 0).sum())
         loss_sum += float(dpo_loss(x, run.algo)[0]) * len(part)
-    correct, loss_sum, n = ctx.comm.sum([correct, loss_sum, len(pairs)])
+    correct, loss_sum, n = ctx.svc.comm.sum([correct, loss_sum, len(pairs)])
     ctx.sync_weights()  # the generation engine gets the policy's weights at evaluations only
     assert run.rewards is not None  # the plan builds them with the held-out set
     return {"eval/preference_accuracy": correct / max(1.0, n), "eval/loss": loss_sum / max(1.0, n),
@@ -227,11 +228,11 @@ def held_out(run: DPORun) -> dict[str, float]:
 
 
 def run(ctx: RunContext) -> dict[str, Any]:
-    algo = ctx.recipe.algo
+    algo = ctx.svc.recipe.algo
     assert isinstance(algo, DPOConfig)
     assert ctx.roles.reference is not None
     dpo = DPORun(ctx, algo, ctx.roles.reference, ctx.roles.rewards, {})
     if algo.precompute_reference:
-        precompute(dpo, ctx.reporter)
+        precompute(dpo, ctx.svc.reporter)
     return run_loop(ctx, lambda s: one_step(dpo, s),
-                    (lambda: held_out(dpo)) if ctx.has_held_out else None)
+                    (lambda: held_out(dpo)) if ctx.state.has_held_out else None)

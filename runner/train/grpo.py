@@ -47,12 +47,12 @@ from runner.train.trajectory import Trajectory
 
 
 def run(run: RunContext) -> dict[str, Any]:
-    algo = run.recipe.algo
+    algo = run.svc.recipe.algo
     assert isinstance(algo, GRPOConfig)
     rewards = run.roles.rewards
     assert rewards is not None
     return run_loop(run, lambda step: one_step(run, algo, rewards, step),
-                    (lambda: evaluate(run, rewards)) if run.has_held_out else None)
+                    (lambda: evaluate(run, rewards)) if run.state.has_held_out else None)
 
 
 @attrs.frozen(eq=False)
@@ -87,11 +87,12 @@ def score(run: RunContext, algo: GRPOConfig, rewards: RewardSet, traj: Trajector
           step: int) -> ScoredBatch:
     """Rewards, group advantages, the batch and its minibatches, and the logprobs the loss
     compares against (behaviour: the engine's or the policy's; reference with ``kl_beta``)."""
-    recipe, policy, device = run.recipe, run.policy, run.accelerator.device
+    recipe, policy, device = run.svc.recipe, run.policy, run.svc.accelerator.device
     traj = reward_trajectory(traj, rewards, step)
     ignore = shared_prefixes(traj, algo.group_size) if algo.shared_prefix_filter else None
-    layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step, algo.group_size)
-    rewards_all = gather_rows(run.comm, layout, traj.rewards)
+    rank = run.svc.rank
+    layout = Layout(rank.rank, rank.world_size, algo.prompts_per_step, algo.group_size)
+    rewards_all = gather_rows(run.svc.comm, layout, traj.rewards)
     adv_all = group_advantages(torch.tensor(rewards_all), algo.group_size, algo.scale_rewards)
     adv_B = adv_all[[layout.global_row(i) for i in range(len(traj.completions))]].to(device)
     inputs = traj.policy_inputs(run.policy_packer, ignore)
@@ -99,7 +100,7 @@ def score(run: RunContext, algo: GRPOConfig, rewards: RewardSet, traj: Trajector
     width = batch.input_ids_BT.shape[1] - 1
     temperature = recipe.rollout.temperature
     tokens = [float(t) for t in batch.loss_mask_BT[:, 1:].sum(-1).tolist()]
-    weights = gather_rows(run.comm, layout, tokens if algo.loss_agg == "token_mean" else
+    weights = gather_rows(run.svc.comm, layout, tokens if algo.loss_agg == "token_mean" else
                           [1.0] * len(tokens))
     epochs = [minibatches(layout, weights, algo.minibatches,
                           step_seed(recipe.run.seed, step, salt=1 + epoch))
@@ -141,7 +142,7 @@ def minibatch_loss(run: RunContext, algo: GRPOConfig, scored: ScoredBatch, old_B
     minibatch with ``own_old`` the behaviour logprobs are this forward's own."""
     s = scored
     sub = select_rows(s.batch, idx)
-    lp_BT, mask_BT = run.policy.logprobs(sub, run.recipe.rollout.temperature)
+    lp_BT, mask_BT = run.policy.logprobs(sub, run.svc.recipe.rollout.temperature)
     w = lp_BT.shape[1]
     old = lp_BT.detach() if first and s.own_old else old_BT[idx, :w]
     is_w = (engine_is_weights(old, s.engine_BT[idx, :w], algo.engine_is_cap)
@@ -149,7 +150,7 @@ def minibatch_loss(run: RunContext, algo: GRPOConfig, scored: ScoredBatch, old_B
     loss, metrics = grpo_loss(GRPOLossInputs(
         logprobs_BT=lp_BT, old_logprobs_BT=old, adv_B=s.adv_B[idx],
         ref_logprobs_BT=None if s.ref_BT is None else s.ref_BT[idx, :w], mask_BT=mask_BT,
-        max_tokens=run.recipe.rollout.max_new_tokens, is_weights_BT=is_w), algo)
+        max_tokens=run.svc.recipe.rollout.max_new_tokens, is_weights_BT=is_w), algo)
     return loss, metrics, (lp_BT.detach(), mask_BT)
 
 
@@ -158,7 +159,7 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
     rate and ``rollout/logprob_gap`` (the engine's logprobs against the first optimizer step's
     forward, which runs the weights the engine sampled with: they differ only by numerics, and
     a stale engine shows here)."""
-    recipe, policy = run.recipe, run.policy
+    recipe, policy = run.svc.recipe, run.policy
     old_BT = scored.old_BT
     history: list[dict[str, float]] = []
     gap = torch.zeros(())
@@ -179,11 +180,11 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
                 if scored.own_old:  # kept for the later epochs
                     old_BT = _with_rows(old_BT, kept)
     policy.scheduler.step()
-    out = reduce_history(run.comm, history)
+    out = reduce_history(run.svc.comm, history)
     out["lr"] = policy.scheduler.get_last_lr()[0]
     out["adv_abs_mean"] = float(scored.adv_all.abs().mean())
-    out.update(rank_mean(run.comm, policy.padding_metrics(scored.batch)))
-    out["rollout/logprob_gap"] = max(run.comm.gather(float(gap)))
+    out.update(rank_mean(run.svc.comm, policy.padding_metrics(scored.batch)))
+    out["rollout/logprob_gap"] = max(run.svc.comm.gather(float(gap)))
     return out
 
 
@@ -210,9 +211,9 @@ def one_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int) -
         run, lambda: produce(run, algo, step),
         lambda traj: score(run, algo, rewards, traj, step),
         lambda s: consume(run, algo, s) | _prefix_metrics(run, s))
-    traj, every = scored.traj, run.recipe.logging.sample_every
+    traj, every = scored.traj, run.svc.recipe.logging.sample_every
     if every and step % every == 0:
-        run.reporter.sample(step, str(traj.items[0].prompt), traj.texts[0], traj.rewards[0])
+        run.svc.reporter.sample(step, str(traj.items[0].prompt), traj.texts[0], traj.rewards[0])
     return step_metrics(run, traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics
 
 
@@ -222,4 +223,4 @@ def _prefix_metrics(run: RunContext, scored: ScoredBatch) -> dict[str, float]:
         return {}
     layout = scored.layout
     return {"prefix_tokens_filtered":
-            sum(gather_rows(run.comm, layout, scored.ignore_prefix)) / layout.global_rows}
+            sum(gather_rows(run.svc.comm, layout, scored.ignore_prefix)) / layout.global_rows}

@@ -142,15 +142,15 @@ def every(step: int, n: int) -> bool:
 def run_loop(run: RunContext, one_step: Callable[[int], dict[str, Any]],
              held_out: Callable[[], dict[str, float]] | None,
              save: Callable[[int], Any] | None = None) -> dict[str, Any]:
-    recipe, metrics, reporter = run.recipe, run.metrics, run.reporter
+    recipe, metrics, reporter = run.svc.recipe, run.svc.metrics, run.svc.reporter
     save = save or run.save
     last = recipe.run.max_steps
-    step = run.start_step
+    step = run.state.start_step
     if held_out is not None and step == 0:
         metrics.write({"step": 0, **held_out()})
     reporter.start(recipe.run.name, last, step)
     mark = time.perf_counter()
-    with StopRequests(reporter, run.stop_poll) as stop:
+    with StopRequests(reporter, run.svc.stop_poll) as stop:
         while step < last:
             step += 1
             try:
@@ -173,7 +173,7 @@ def run_loop(run: RunContext, one_step: Callable[[int], dict[str, Any]],
             saved = every(step, recipe.checkpoint.every_steps) or step == last
             if saved:
                 save(step)
-            if run.comm.any(stop.requested):  # every rank stops after the same step
+            if run.svc.comm.any(stop.requested):  # every rank stops after the same step
                 if not saved:
                     save(step)
                 reporter.message(f"stopped after step {step}; the checkpoint is written")

@@ -62,7 +62,7 @@ from runner.train.teacher import Teacher
 
 
 def run(run: RunContext) -> dict[str, Any]:
-    algo = run.recipe.algo
+    algo = run.svc.recipe.algo
     assert isinstance(algo, OPDConfig)
     teacher, rewards = run.roles.teacher, run.roles.rewards
     assert teacher is not None and rewards is not None
@@ -71,7 +71,7 @@ def run(run: RunContext) -> dict[str, Any]:
         return evaluate(run, rewards) | held_out_reverse_kl(run, teacher)
 
     return run_loop(run, lambda step: one_step(run, algo, teacher, rewards, step),
-                    held_out if run.has_held_out else None)
+                    held_out if run.state.has_held_out else None)
 
 
 # The held-out reverse KL samples with this seed at every evaluation, so evaluations differ only
@@ -87,12 +87,13 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
     reports). With one vocabulary also ``eval/reverse_kl_exact``: the full-vocabulary
     KL(student || teacher) at the same positions, without the sampling noise of the estimate."""
     total = count = exact = 0.0
-    if run.val_items:
-        seeds = position_seeds(run, HELD_OUT_SEED, 0, len(run.val_items))
-        traj = roll_out(run.rollout, run.val_items, sampling(run.recipe.rollout, 1, 0), seeds)
-        temperature = run.recipe.rollout.temperature
+    items = run.state.val_items
+    if items:
+        seeds = position_seeds(run, HELD_OUT_SEED, 0, len(items))
+        traj = roll_out(run.rollout, items, sampling(run.svc.recipe.rollout, 1, 0), seeds)
+        temperature = run.svc.recipe.rollout.temperature
         inputs = traj.policy_inputs(run.policy_packer)
-        batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
+        batch = run.policy_packer.collate(inputs).to(run.svc.accelerator.device)
         mask_BT = batch.loss_mask_BT[:, 1:].bool()
         if teacher.mode == "same_tokenizer":  # one forward each: the logits give both numbers
             labels_BT = batch.input_ids_BT[:, 1:]
@@ -107,7 +108,7 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
             teacher_BT = teacher.logprobs(traj, inputs, student_BT.shape[1], temperature)
         total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
         count = float(mask_BT.sum())
-    total, count, exact = run.comm.sum([total, count, exact])
+    total, count, exact = run.svc.comm.sum([total, count, exact])
     out = {"eval/reverse_kl": total / max(1.0, count)}
     if teacher.mode == "same_tokenizer":
         out["eval/reverse_kl_exact"] = exact / max(1.0, count)
@@ -137,10 +138,10 @@ def score(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet
           traj: Trajectory, step: int) -> ScoredOPDBatch:
     """Rewards (logged only), the collated batch, the teacher's logprobs of the sampled tokens
     and, with ``ppo_epochs > 1``, the behaviour logprobs."""
-    temperature = run.recipe.rollout.temperature
+    temperature = run.svc.recipe.rollout.temperature
     traj = reward_trajectory(traj, rewards, step)
     inputs = traj.policy_inputs(run.policy_packer)
-    batch = run.policy_packer.collate(inputs).to(run.accelerator.device)
+    batch = run.policy_packer.collate(inputs).to(run.svc.accelerator.device)
     mask_BT = batch.loss_mask_BT[:, 1:].bool()
     # With the full KL the loss's own teacher forward (its logits) also gives the teacher's
     # logprobs of the sampled tokens: no separate scoring forward.
@@ -152,19 +153,19 @@ def score(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet
     if algo.ppo_epochs > 1:
         with torch.no_grad():
             old_BT = run.policy.logprobs(batch, temperature)[0]
-    layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step,
-                    algo.samples_per_prompt)
+    rank = run.svc.rank
+    layout = Layout(rank.rank, rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
     tokens = [float(t) for t in mask_BT.sum(-1).tolist()]
     # One optimizer step per epoch over the whole global batch (token mean).
-    whole = Minibatch(list(range(len(tokens))), tokens, run.comm.sum([sum(tokens)])[0])
-    rewards_all = gather_rows(run.comm, layout, traj.rewards)
+    whole = Minibatch(list(range(len(tokens))), tokens, run.svc.comm.sum([sum(tokens)])[0])
+    rewards_all = gather_rows(run.svc.comm, layout, traj.rewards)
     return ScoredOPDBatch(traj, layout, batch, rewards_all, whole, teacher_BT, old_BT)
 
 
 def minibatch_loss(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: ScoredOPDBatch,
                    rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
     """The OPD loss of rows ``rows`` and its metrics."""
-    temperature = run.recipe.rollout.temperature
+    temperature = run.svc.recipe.rollout.temperature
     sub = select_rows(scored.batch, rows)
     labels_BT = sub.input_ids_BT[:, 1:]
     if algo.full_kl:  # the full-vocabulary KL needs every logit of the completion positions
@@ -189,14 +190,14 @@ def consume(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: ScoredOP
             ) -> dict[str, float]:
     """``ppo_epochs`` optimizer steps over the whole batch; the reduced metrics and the
     learning rate."""
-    recipe, policy = run.recipe, run.policy
+    recipe, policy = run.svc.recipe, run.policy
     loss_fn = partial(minibatch_loss, run, algo, teacher, scored)
     history = [train_minibatch([policy], scored.whole, loss_fn, recipe.train.grad_accum_steps,
                                scored.layout.world, recipe.train.max_grad_norm)
                for _ in range(algo.ppo_epochs)]
     policy.scheduler.step()
-    return {**rank_mean(run.comm, policy.padding_metrics(scored.batch)),
-            **reduce_history(run.comm, history), "lr": policy.scheduler.get_last_lr()[0]}
+    return {**rank_mean(run.svc.comm, policy.padding_metrics(scored.batch)),
+            **reduce_history(run.svc.comm, history), "lr": policy.scheduler.get_last_lr()[0]}
 
 
 def one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet,

@@ -55,12 +55,12 @@ from runner.train.trajectory import Trajectory
 
 
 def run(run: RunContext) -> dict[str, Any]:
-    algo = run.recipe.algo
+    algo = run.svc.recipe.algo
     assert isinstance(algo, PPOConfig)
     rewards, critic = run.roles.rewards, run.roles.critic
     assert rewards is not None and critic is not None
     return run_loop(run, lambda step: one_step(run, algo, rewards, critic, step),
-                    (lambda: evaluate(run, rewards)) if run.has_held_out else None,
+                    (lambda: evaluate(run, rewards)) if run.state.has_held_out else None,
                     save=lambda step: run.save(step, {CRITIC: critic}))
 
 
@@ -106,7 +106,7 @@ def score(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainabl
     """Rewards; the policy's, reference's and critic's values of the sampled tokens; GAE over
     each completion's run of the batch grid, whitened over every rank's batch; and the
     minibatches of every epoch (token-weighted)."""
-    recipe, device = run.recipe, run.accelerator.device
+    recipe, device = run.svc.recipe, run.svc.accelerator.device
     traj = reward_trajectory(traj, rewards, step)
     # The rollout-side packer makes the inputs once; policy, reference and critic share them.
     inputs = traj.policy_inputs(run.rollout_packer)
@@ -123,14 +123,14 @@ def score(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainabl
     old_values_BT = critic(batch) * mask_BT
     adv_BT, returns_BT = ppo_advantages(
         torch.tensor(traj.rewards, device=device), old_BT, ref_BT, old_values_BT, mask_BT,
-        algo, whiten=lambda x, m: global_whiten(run.comm, x, m))
-    layout = Layout(run.rank.rank, run.rank.world_size, algo.prompts_per_step,
-                    algo.samples_per_prompt)
-    weights = gather_rows(run.comm, layout, [float(t) for t in mask_BT.sum(-1).tolist()])
+        algo, whiten=lambda x, m: global_whiten(run.svc.comm, x, m))
+    rank = run.svc.rank
+    layout = Layout(rank.rank, rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
+    weights = gather_rows(run.svc.comm, layout, [float(t) for t in mask_BT.sum(-1).tolist()])
     epochs = [minibatches(layout, weights, algo.minibatches,
                           step_seed(recipe.run.seed, step, salt=1 + epoch))
               for epoch in range(algo.ppo_epochs)]
-    rewards_all = gather_rows(run.comm, layout, traj.rewards)
+    rewards_all = gather_rows(run.svc.comm, layout, traj.rewards)
     return ScoredPPOBatch(traj, layout, batch, rewards_all, epochs, old_BT, mask_BT, ref_BT,
                           is_BT, old_values_BT, adv_BT, returns_BT, gap)
 
@@ -140,7 +140,7 @@ def minibatch_loss(run: RunContext, algo: PPOConfig, critic: Trainable, scored: 
     """The PPO loss (policy and value) of rows ``idx`` and its metrics."""
     s = scored
     sub = select_rows(s.batch, idx)
-    lp_BT, sub_mask_BT = run.policy.logprobs(sub, run.recipe.rollout.temperature)
+    lp_BT, sub_mask_BT = run.policy.logprobs(sub, run.svc.recipe.rollout.temperature)
     w = lp_BT.shape[1]
     return ppo_loss(PPOLossInputs(
         logprobs_BT=lp_BT, old_logprobs_BT=s.old_BT[idx, :w], adv_BT=s.adv_BT[idx, :w],
@@ -154,7 +154,7 @@ def consume(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredP
     """The step's optimizer steps of the policy and the critic over ``scored``; returns the
     reduced metrics, the learning rate, ``kl`` (the policy's token KL estimate to the reference
     before the update, over every rank's tokens) and ``rollout/logprob_gap``."""
-    recipe, policy = run.recipe, run.policy
+    recipe, policy = run.svc.recipe, run.policy
     loss_fn = partial(minibatch_loss, run, algo, critic, scored)
     history = [train_minibatch([policy, critic], mb, loss_fn, recipe.train.grad_accum_steps,
                                scored.layout.world, recipe.train.max_grad_norm)
@@ -162,12 +162,12 @@ def consume(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredP
     policy.scheduler.step()
     critic.scheduler.step()
     s = scored
-    kl_sum, n_tok = run.comm.sum([float(((s.old_BT - s.ref_BT) * s.mask_BT).sum()),
+    kl_sum, n_tok = run.svc.comm.sum([float(((s.old_BT - s.ref_BT) * s.mask_BT).sum()),
                                   float(s.mask_BT.sum())])
-    return {**rank_mean(run.comm, policy.padding_metrics(s.batch)),
+    return {**rank_mean(run.svc.comm, policy.padding_metrics(s.batch)),
             "kl": kl_sum / max(1.0, n_tok),
-            "rollout/logprob_gap": max(run.comm.gather(s.logprob_gap)),
-            "lr": policy.scheduler.get_last_lr()[0], **reduce_history(run.comm, history)}
+            "rollout/logprob_gap": max(run.svc.comm.gather(s.logprob_gap)),
+            "lr": policy.scheduler.get_last_lr()[0], **reduce_history(run.svc.comm, history)}
 
 
 def one_step(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainable,

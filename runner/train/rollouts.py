@@ -68,7 +68,7 @@ def roll_out(rollout: Rollout, items: Sequence[ObsBundle], params: SamplingConfi
 def position_seeds(run: RunContext, seed: int, step: int, n: int) -> list[int]:
     """Seeds of this rank's ``n`` items of a batch, from each item's global position (rank r
     holds positions r, r + world, ...): the same whatever the number of ranks."""
-    world, rank = run.rank.world_size, run.rank.rank
+    world, rank = run.svc.rank.world_size, run.svc.rank.rank
     return [item_seed(seed, step, j * world + rank) for j in range(n)]
 
 
@@ -76,12 +76,12 @@ def sample(run: RunContext, n_prompts: int, n_samples: int, step: int) -> Trajec
     """This rank's share of the step's ``n_prompts`` prompts from the global cursor, with
     ``n_samples`` completions each, seeded by each prompt's global position in the batch: the
     rollout every GRPO / PPO / OPD step starts with."""
-    indexed = run.data.next_indexed(n_prompts // run.rank.world_size)
+    indexed = run.state.data.next_indexed(n_prompts // run.svc.rank.world_size)
     items = [item for _, item in indexed]
-    seeds = position_seeds(run, run.recipe.run.seed, step, len(items))
-    traj = roll_out(run.rollout, items, sampling(run.recipe.rollout, n_samples, 0), seeds)
-    if run.recipe.logging.item_ids:
-        ids = interleave(run.comm.gather([i for i, _ in indexed]))
+    seeds = position_seeds(run, run.svc.recipe.run.seed, step, len(items))
+    traj = roll_out(run.rollout, items, sampling(run.svc.recipe.rollout, n_samples, 0), seeds)
+    if run.svc.recipe.logging.item_ids:
+        ids = interleave(run.svc.comm.gather([i for i, _ in indexed]))
         traj = attrs.evolve(traj, item_ids=tuple(ids))
     return traj
 
@@ -125,10 +125,10 @@ def step_metrics(run: RunContext, traj: Trajectory, rewards_all: Sequence[float]
     completions (``perf/rollout_tok_s``, ``perf/train_tok_s``).
     """
     r = torch.tensor(list(rewards_all))
-    n_tokens, n_completions = run.comm.sum([traj.n_tokens, len(traj.completions)])
+    n_tokens, n_completions = run.svc.comm.sum([traj.n_tokens, len(traj.completions)])
     return {
         "reward/mean": float(r.mean()), "reward/max": float(r.max()),
-        **rank_mean(run.comm, traj.reward_parts), "completion_len": n_tokens / n_completions,
+        **rank_mean(run.svc.comm, traj.reward_parts), "completion_len": n_tokens / n_completions,
         **item_ids_metric(traj), **{f"time/{name}": s for name, s in seconds.items()},
         "perf/rollout_tok_s": traj.n_tokens / max(seconds["rollout"], 1e-9),
         "perf/train_tok_s": train_passes * traj.n_tokens / max(seconds["update"], 1e-9),
@@ -144,21 +144,21 @@ def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
     """Held-out completions (``[eval]``: greedy by default) scored by the recipe's own reward
     functions, each rank its shard, sums over ranks: ``eval/reward`` (the weighted total) and
     ``eval/reward/NAME`` per function, means over every completion."""
-    cfg, items = run.recipe.eval, run.val_items
+    cfg, items = run.svc.recipe.eval, run.state.val_items
     total, parts = [], {f"reward/{n}": 0.0 for n in rewards.names}
     if items:
         greedy = cfg.temperature == 0
-        rollout = run.recipe.rollout
+        rollout = run.svc.recipe.rollout
         params = attrs.evolve(sampling(rollout, 1 if greedy else cfg.num_samples, 0,
                                        greedy=greedy),
                               max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens,
                               temperature=cfg.temperature if not greedy else 1.0)
-        traj = roll_out(run.rollout, items, params, position_seeds(run, run.recipe.run.seed, 0,
-                                                                    len(items)))
+        seeds = position_seeds(run, run.svc.recipe.run.seed, 0, len(items))
+        traj = roll_out(run.rollout, items, params, seeds)
         total, means = rewards.score(traj.texts, traj.items)
         parts = {k: v * len(total) for k, v in means.items()}  # means -> sums
     names = sorted(parts)
-    sums = run.comm.sum([float(sum(total)), float(len(total)), *(parts[k] for k in names)])
+    sums = run.svc.comm.sum([float(sum(total)), float(len(total)), *(parts[k] for k in names)])
     n = max(1.0, sums[1])
     return {"eval/reward": sums[0] / n, **{f"eval/{k}": v / n for k, v in zip(names, sums[2:],
                                                                           strict=True)}}
