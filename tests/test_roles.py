@@ -58,3 +58,21 @@ def test_ranks_compare_the_model_folders_of_the_planned_roles(name, overrides, r
     assert list(folders) == roles and folders["policy"] == base
     for role in roles[1:]:
         assert folders[role] == resolve_model_path(getattr(recipe.algo, f"{role}_path"))
+
+
+@pytest.mark.parametrize(("name", "overrides", "actors"), [
+    ("grpo-arith", (), []),
+    ("grpo-arith", ("algo.kl_beta=0.1",), ["reference"]),
+    ("ppo-arith", (), ["reference"]),
+    ("ppo-arith", ("algo.kl_coef=0",), []),
+    ("dpo-arith", ("data.validation.enabled=false",), ["reference"]),
+    ("opd-arith", (), ["teacher"]),
+])
+def test_ray_starts_a_frozen_actor_for_each_planned_frozen_role(name, overrides, actors):
+    from runner.launch.ray_roles import frozen_roles
+    from runner.recipe import load_recipe, make_plan
+    from tests.conftest import REPO
+
+    recipe = load_recipe(REPO / "recipes" / f"{name}.toml", overrides)
+    assert frozen_roles(recipe) == actors
+    assert set(actors) <= set(make_plan(recipe, world_size=1).roles)

@@ -27,7 +27,10 @@ import attrs
 from runner.errors import ActorDied, RunnerError
 from runner.launch.payload import Payload
 from runner.packers.base import as_engine_prompt
+from runner.recipe.plan import planned_roles
 from runner.recipe.schema import Recipe
+
+FROZEN_ROLES = ("reference", "teacher")  # served by a FrozenActor under 'separate'
 
 
 class RolloutActor:
@@ -206,14 +209,8 @@ class RemoteEngine:
 
 
 def frozen_roles(recipe: Recipe) -> list[str]:
-    """The frozen roles of a recipe's algorithm (each gets an actor under 'separate')."""
-    algo = recipe.algo
-    if algo.kind == "opd":
-        return ["teacher"]
-    if (algo.kind == "dpo" or (algo.kind == "ppo" and algo.kl_coef > 0)
-            or (algo.kind == "grpo" and algo.kl_beta > 0)):
-        return ["reference"]
-    return []
+    """The frozen roles the plan lists for this recipe (each gets an actor under 'separate')."""
+    return [role for role in planned_roles(recipe) if role in FROZEN_ROLES]
 
 
 def start_frozen_actors(ray: Any, payload: Payload, recipe: Recipe, env: dict[str, Any],
