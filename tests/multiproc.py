@@ -6,6 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
+from tests import forkserver
 from tests.conftest import REPO
 from tests.resume_helpers import CLI, _env
 
@@ -14,15 +15,15 @@ def run_ranks(recipe: str, out: Path, world: int, *overrides: str, timeout: floa
               ) -> subprocess.CompletedProcess:
     """``posttrain-run`` with ``launch.backend=torchrun`` on ``world`` ranks (1: local)."""
     launch = ("launch.backend=torchrun", f"launch.num_processes={world}") if world > 1 else ()
-    return subprocess.run([*CLI, recipe, f"run.output_dir={out}", *launch, *overrides], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, env=_env())
+    return forkserver.run([*CLI, recipe, f"run.output_dir={out}", *launch, *overrides], cwd=REPO,
+                          env=_env(), timeout=timeout)
 
 
-def start_ranks(recipe: str, out: Path, world: int, *overrides: str) -> subprocess.Popen:
+def start_ranks(recipe: str, out: Path, world: int, *overrides: str
+                ) -> subprocess.Popen | forkserver.ForkedRun:
     launch = ("launch.backend=torchrun", f"launch.num_processes={world}") if world > 1 else ()
-    return subprocess.Popen([*CLI, recipe, f"run.output_dir={out}", *launch, *overrides], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                            start_new_session=True)
+    return forkserver.popen([*CLI, recipe, f"run.output_dir={out}", *launch, *overrides],
+                            cwd=REPO, env=_env(), start_new_session=True)
 
 
 def run_external(recipe: str, out: Path, world: int, *overrides: str, timeout: float = 600

@@ -14,6 +14,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from runner.state.checkpoint import TMP_PREFIX, checkpoint_step, complete_checkpoints, step_dirname
+from tests import forkserver
 from tests.conftest import REPO
 
 CLI = [sys.executable, "-m", "runner.cli", "--plain"]
@@ -21,8 +22,8 @@ CLI = [sys.executable, "-m", "runner.cli", "--plain"]
 
 def run_cli(recipe: str, out: Path, *overrides: str,
             timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, recipe, f"run.output_dir={out}", *overrides], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, env=_env())
+    return forkserver.run([*CLI, recipe, f"run.output_dir={out}", *overrides], cwd=REPO,
+                          env=_env(), timeout=timeout)
 
 
 def _env() -> dict[str, str]:
@@ -33,9 +34,9 @@ def _env() -> dict[str, str]:
             "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # nothing may leave the machine
 
 
-def start_cli(recipe: str, out: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, recipe, f"run.output_dir={out}", *overrides], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+def start_cli(recipe: str, out: Path, *overrides: str) -> subprocess.Popen | forkserver.ForkedRun:
+    return forkserver.popen([*CLI, recipe, f"run.output_dir={out}", *overrides], cwd=REPO,
+                            env=_env())
 
 
 class WaitTimedOut(AssertionError):
