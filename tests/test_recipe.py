@@ -273,3 +273,23 @@ def test_schema_describes_union_and_enums():
     resume = schema["properties"]["data"]["properties"]["cursor_resume"]
     assert resume["enum"] == ["strict", "auto", "off"] and resume["default"] == "auto"
     assert resume["description"]
+
+
+def test_ray_keys_are_refused_off_ray_exactly_when_they_leave_the_schema_default():
+    """The check reads each Ray key's default from the schema: the default passes under the
+    local backend, any other value is refused naming the key."""
+    from runner.recipe import load_recipe
+    from runner.recipe.checks import _RAY_KEYS
+    from runner.recipe.schema import LaunchConfig, default_of
+    from tests.conftest import REPO
+
+    other = {"ray_address": "'127.0.0.1:1'", "ray_runtime_env": "{ working_dir = '.' }",
+             "placement": "'separate'", "rollout_actors": "2", "cpus_per_rank": "2.0",
+             "gpus_per_rank": "1.0", "cpus_per_role_actor": "2.0", "gpus_per_role_actor": "1.0"}
+    assert set(other) == set(_RAY_KEYS)
+    recipe = REPO / "recipes" / "grpo-arith.toml"
+    for key in _RAY_KEYS:
+        default = default_of(LaunchConfig, key)
+        assert getattr(load_recipe(recipe, []).launch, key) == default
+        with pytest.raises(RecipeError, match=f"launch.{key}: is a key of the ray backend"):
+            load_recipe(recipe, [f"launch.{key}={other[key]}"])

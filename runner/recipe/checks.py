@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from runner.errors import Problem
-from runner.recipe.schema import DataConfig, DPOConfig, GRPOConfig, OPDConfig, PPOConfig, Recipe
+from runner.recipe.schema import (
+    DataConfig,
+    DPOConfig,
+    GRPOConfig,
+    LaunchConfig,
+    OPDConfig,
+    PPOConfig,
+    Recipe,
+    default_of,
+)
 
 # The built-in rewards a recipe may name instead of a dotted path. The recipe layer owns the
 # names; ``runner.rewards.builtin.BUILTIN_REWARDS`` maps each to its function (a test holds the
@@ -141,9 +150,8 @@ def check_launch(r: Recipe) -> list[Problem]:
             hint=f"use a multiple of {launch.num_processes}, or another launch.num_processes"))
     return problems
 
-_RAY_KEYS = {"ray_address": "", "ray_runtime_env": {}, "placement": "colocated",
-             "rollout_actors": 1, "cpus_per_rank": 1.0, "gpus_per_rank": 0.0,
-             "cpus_per_role_actor": 1.0, "gpus_per_role_actor": 0.0}
+_RAY_KEYS = ("ray_address", "ray_runtime_env", "placement", "rollout_actors", "cpus_per_rank",
+             "gpus_per_rank", "cpus_per_role_actor", "gpus_per_role_actor")
 
 
 def check_ray_keys(r: Recipe) -> list[Problem]:
@@ -153,7 +161,7 @@ def check_ray_keys(r: Recipe) -> list[Problem]:
     if launch.backend != "ray":
         return [Problem(f"launch.{k}", "is a key of the ray backend",
                         got=getattr(launch, k), hint="set launch.backend = 'ray', or leave it out")
-                for k, default in _RAY_KEYS.items() if getattr(launch, k) != default]
+                for k in _RAY_KEYS if getattr(launch, k) != default_of(LaunchConfig, k)]
     p: list[Problem] = []
     for k in ("cpus_per_rank", "gpus_per_rank", "cpus_per_role_actor",
               "gpus_per_role_actor"):

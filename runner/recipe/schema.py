@@ -17,6 +17,13 @@ def key(default: Any, help: str) -> Any:
     return attrs.field(default=default, metadata={"help": help})
 
 
+def default_of(cls: type, name: str) -> Any:
+    """The schema's default of key ``name`` of table ``cls``: the one place defaults live, for
+    layers that need one outside a recipe."""
+    default = attrs.fields_dict(cls)[name].default
+    return default.factory() if isinstance(default, attrs.Factory) else default  # type: ignore[arg-type]
+
+
 def table(cls: type, help: str) -> Any:
     return attrs.field(factory=cls, metadata={"help": help})
 

@@ -16,15 +16,18 @@ import attrs
 import torch
 
 from runner.packers.base import EnginePrompt
+from runner.recipe.schema import RolloutConfig, default_of
 
 
 @attrs.frozen
 class SamplingConfig:
+    """How one generate call samples; the defaults are the recipe's ``[rollout]`` defaults."""
+
     n: int = 1
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    max_new_tokens: int = default_of(RolloutConfig, "max_new_tokens")
+    temperature: float = default_of(RolloutConfig, "temperature")
+    top_p: float = default_of(RolloutConfig, "top_p")
+    top_k: int = default_of(RolloutConfig, "top_k")  # 0: off
     seed: int = 0
     greedy: bool = False
 

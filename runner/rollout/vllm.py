@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from runner.packers.base import EnginePrompt, as_engine_prompt
+from runner.recipe.schema import RolloutConfig, default_of
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig, prompt_seeds, trim_at_eos
 
 # Tokens the CPU scheduler may prefill in one engine step (whole prompts only, see below).
@@ -116,9 +117,11 @@ class VLLMEngine:
     shared = False  # one engine per rank
 
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False,
-                 kv_cache_gb: float = 1.0, trust_remote_code: bool = False,
-                 dtype: str = "float32") -> None:
+                 gpu_memory_utilization: float = default_of(RolloutConfig,
+                                                            "gpu_memory_utilization"),
+                 enable_sleep_mode: bool = default_of(RolloutConfig, "enable_sleep_mode"),
+                 kv_cache_gb: float = default_of(RolloutConfig, "vllm_kv_cache_gb"),
+                 trust_remote_code: bool = False, dtype: str = "float32") -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         _loopback_process_group()
         if _on_cpu():
