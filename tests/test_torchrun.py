@@ -155,6 +155,38 @@ def test_two_ranks_stopped_killed_and_interrupted_resume_exactly(two_ranks, tmp_
     assert_same_run(tmp_path, two_ranks, N, FILES)
 
 
+def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
+    """Rank 1's process is stopped (SIGSTOP) mid-run: rank 0 times out waiting for it in a
+    collective, and the job ends with one line naming rank 1, not rank 0 that timed out."""
+    import os
+
+    proc = start_ranks(GRPO, tmp_path, 2, "run.max_steps=500", *SMALL,
+                       "checkpoint.every_steps=100", "launch.collective_timeout_s=15")
+    stopped = None
+    try:
+        wait_for_step(proc, tmp_path, 2)
+        ranks = sorted(descendants(proc.pid) - {proc.pid})
+        assert len(ranks) == 2, ranks
+        stopped = ranks[1]
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        code = proc.wait(timeout=120)
+        output = proc.stdout.read()
+    finally:
+        if stopped is not None:  # a stopped process the driver did not end must not stay behind
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert code == 1 and time.monotonic() - stopped_at < 60, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"error: rank 1 (pid {stopped}) stopped answering (its process is "
+                           "stopped, e.g. by SIGSTOP): rank 0 waited for it in a collective for "
+                           "up to launch.collective_timeout_s = 15 s"), output
+    assert "Traceback" not in output, output
+    assert (tmp_path / "logs" / "rank-0.traceback.txt").is_file()
+
+
 def test_external_launcher_gives_the_same_run(two_ranks, tmp_path):
     done = run_external(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
     assert [d.returncode for d in done] == [0, 0], [d.stderr for d in done]
