@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="posttrain-run",
         description="Run a post-training recipe (GRPO, DPO, PPO, OPD) described by one TOML file.",
         epilog="Overrides: KEY=VALUE with dotted keys, e.g. algo.group_size=4 "
-        "data.factory_kwargs.count=1000. Values are TOML literals; anything else is a string.",
+        "data.factory_kwargs.count=1000. Values are TOML literals; anything else is a string. "
+        "Other commands: posttrain-run export RUN_DIR [--step N] OUT_DIR.",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--validate-manifest", action="store_true",
@@ -50,8 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain-run export",
+        description="Write a run's trained policy as a Hugging Face model folder (LoRA merged, "
+        "tokenizer or processor and chat template included, a model card).")
+    parser.add_argument("run_dir", help="the run's folder (its run.output_dir)")
+    parser.add_argument("out_dir", help="a new or empty folder to write")
+    parser.add_argument("--step", type=int, default=None,
+                        help="export this step's checkpoint (default: the newest intact one)")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     line_buffered_stdout()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["export"]:
+        export_args = build_export_parser().parse_args(argv[1:])
+        return guarded(lambda: _export(export_args))
     args = build_parser().parse_args(argv)
     importable(os.getcwd())
     prefix = launcher_prefix()
@@ -61,6 +79,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         leave(code)
     return code
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from runner.export import export
+    from runner.ui.quiet import quiet_libraries
+
+    quiet_libraries()
+    out = Path(args.out_dir)
+    print(f"exporting {args.run_dir} (step {args.step or 'newest'}) to {out}")
+    ckpt = export(Path(args.run_dir), out, args.step)
+    print(f"exported {ckpt} -> {out}")
+    return EXIT_OK
 
 
 def _load(args: argparse.Namespace) -> tuple[Recipe, RankContext | None, RunPlan]:

@@ -3,8 +3,9 @@
 Most multi-step tests run ``python -m runner.cli`` as a process of its own: they read its exit
 code and output, interrupt it, SIGKILL it at chosen points and compare what it wrote. Starting
 Python and importing torch and transformers is about 4 s of every such run, most of a tiny
-run's time. So each test worker starts one server process that imports those libraries once,
-with the environment the test helpers give the CLI, and each run is a fork of it:
+run's time. So each test worker starts a server process that imports those libraries once,
+with the environment the test helpers give the CLI (two at most, for two environments), and
+each run is a fork of it:
 
 - the fork restores the run's environment, enters its working directory, takes the pipes the
   test gave it as its stdin/stdout/stderr (and a session of its own when asked), then runs
@@ -74,15 +75,19 @@ def _reap(server: socket.socket, request: dict[str, Any], fds: list[int]) -> Non
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     server.close()
     stdin, stdout, stderr, chan = fds
+    entered, told = os.pipe()  # the run says it has its session and streams, as exec would
     pid = os.fork()
     if pid == 0:
         try:
             os.close(chan)
-            _run(request, stdin, stdout, stderr)
+            os.close(entered)
+            _run(request, stdin, stdout, stderr, told)
         finally:
             os._exit(1)  # only reached when entering the run failed
-    for fd in (stdin, stdout, stderr):
+    for fd in (stdin, stdout, stderr, told):
         os.close(fd)
+    os.read(entered, 1)  # b"" if the run died first: its status follows all the same
+    os.close(entered)
     report = socket.socket(fileno=chan)
     try:
         report.sendall(f"pid {pid}\n".encode())
@@ -92,7 +97,7 @@ def _reap(server: socket.socket, request: dict[str, Any], fds: list[int]) -> Non
         os._exit(0)
 
 
-def _run(request: dict[str, Any], stdin: int, stdout: int, stderr: int) -> None:
+def _run(request: dict[str, Any], stdin: int, stdout: int, stderr: int, told: int) -> None:
     """In the run's process: become ``python -m runner.cli ARGS`` started in ``cwd`` with
     ``env``, and leave the way that interpreter would."""
     import runpy
@@ -110,6 +115,8 @@ def _run(request: dict[str, Any], stdin: int, stdout: int, stderr: int) -> None:
     os.environ.update(request["env"])
     sys.path[0] = request["cwd"]  # what -m puts first
     sys.argv = ["-m", *request["args"]]
+    os.write(told, b"1")
+    os.close(told)
     code: int = 0
     try:
         runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
@@ -234,7 +241,7 @@ class ForkedRun:
         return results.get("stdout"), results.get("stderr")
 
 
-class _Server:
+class Server:
     def __init__(self, env: dict[str, str], cwd: Path) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
@@ -273,10 +280,10 @@ class _Server:
         return ForkedRun([sys.executable, "-m", MODULE, *args], chan_test, stdout, stderr)
 
 
-_SERVERS: dict[str, _Server] = {}
+_SERVERS: dict[str, Server] = {}
 
 
-def _server_for(cmd: Sequence[str], env: dict[str, str], cwd: Path) -> _Server | None:
+def _server_for(cmd: Sequence[str], env: dict[str, str], cwd: Path) -> Server | None:
     """The server for this command and environment, started on first use; None where the run
     must start the ordinary way."""
     if os.environ.get("POSTTRAIN_TEST_FORK", "1") == "0":
@@ -286,25 +293,32 @@ def _server_for(cmd: Sequence[str], env: dict[str, str], cwd: Path) -> _Server |
     key = _key(env)
     server = _SERVERS.get(key)
     if server is None:
-        if _SERVERS:  # one server per worker: another environment runs the ordinary way
+        if len(_SERVERS) >= 2:  # a third environment in one worker runs the ordinary way
             return None
-        server = _SERVERS[key] = _Server(env, cwd)
+        server = _SERVERS[key] = Server(env, cwd)
         atexit.register(server.close)
     return server
 
 
+# Variables a run may set apart from the server's: read by the runner while it runs, never by
+# the preloaded libraries on import (PYTEST_CURRENT_TEST changes with every test).
+_RUN_TIME_ONLY = ("COLUMNS", "LINES", "POSTTRAIN_HOME")
+
+
 def _key(env: dict[str, str]) -> str:
-    """What must match for a run to fork from a server: the environment, less pytest's own
-    variables (PYTEST_CURRENT_TEST changes with every test; no library reads it on import)."""
-    return json.dumps({k: v for k, v in env.items() if not k.startswith("PYTEST_")},
+    """What must match for a run to fork from a server: the environment, less the variables
+    that only the run reads (``_RUN_TIME_ONLY`` and pytest's own)."""
+    return json.dumps({k: v for k, v in env.items()
+                       if not k.startswith("PYTEST_") and k not in _RUN_TIME_ONLY},
                       sort_keys=True)
 
 
 def popen(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], merge_stderr: bool = True,
-          start_new_session: bool = False) -> ForkedRun | subprocess.Popen:
+          start_new_session: bool = False, server: Server | None = None
+          ) -> ForkedRun | subprocess.Popen:
     """Start the CLI like ``subprocess.Popen(cmd, stdout=PIPE, stderr=STDOUT or PIPE,
-    text=True)``."""
-    server = _server_for(cmd, env, cwd)
+    text=True)``: forked from ``server`` (default: this worker's for ``env``), or started."""
+    server = server or _server_for(cmd, env, cwd)
     if server is None:
         return subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
@@ -312,13 +326,14 @@ def popen(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], merge_stderr: b
     return server.start(list(cmd[3:]), cwd, env, merge_stderr, start_new_session)
 
 
-def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout: float
-        ) -> subprocess.CompletedProcess:
+def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout: float,
+        server: Server | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for the CLI."""
-    if _server_for(cmd, env, cwd) is None:
+    server = server or _server_for(cmd, env, cwd)
+    if server is None:
         return subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
-    proc = popen(cmd, cwd=cwd, env=env, merge_stderr=False)
+    proc = popen(cmd, cwd=cwd, env=env, merge_stderr=False, server=server)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

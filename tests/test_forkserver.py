@@ -3,8 +3,11 @@ same training to the bit, the same output and exit codes, a pid that signals rea
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+
+import pytest
 
 from tests import forkserver
 from tests.conftest import REPO
@@ -21,15 +24,23 @@ def _started(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def _forked(*args: str) -> subprocess.CompletedProcess:
-    return forkserver.run([*CLI, *args], cwd=REPO, env=_env(), timeout=300)
+@pytest.fixture(scope="module")
+def server():
+    """A server of this module's own: every run below is forked, whatever other tests ran in
+    this worker before."""
+    own = forkserver.Server(_env(), REPO)
+    yield own
+    own.close()
 
 
-def test_a_forked_run_trains_and_says_what_a_started_run_does(tmp_path):
+def _forked(server: forkserver.Server, *args: str) -> subprocess.CompletedProcess:
+    return forkserver.run([*CLI, *args], cwd=REPO, env=_env(), timeout=300, server=server)
+
+
+def test_a_forked_run_trains_and_says_what_a_started_run_does(server, tmp_path):
     started = _started(RECIPE, f"run.output_dir={tmp_path / 'started'}", *SMALL)
-    forked = _forked(RECIPE, f"run.output_dir={tmp_path / 'forked'}", *SMALL)
+    forked = _forked(server, RECIPE, f"run.output_dir={tmp_path / 'forked'}", *SMALL)
     assert started.returncode == forked.returncode == 0, started.stderr + forked.stderr
-    assert forkserver._SERVERS, "the run was not forked"
     assert_same_run(tmp_path / "forked", tmp_path / "started", 2,
                     ("model/model.safetensors", "optimizer.safetensors"))
 
@@ -40,14 +51,15 @@ def test_a_forked_run_trains_and_says_what_a_started_run_does(tmp_path):
     assert forked.stderr == started.stderr
 
 
-def test_a_forked_run_exits_and_dies_like_a_started_one(tmp_path):
+def test_a_forked_run_exits_and_dies_like_a_started_one(server, tmp_path):
     bad = ("algo.group_size=0",)
-    started, forked = _started(RECIPE, *bad), _forked(RECIPE, *bad)
+    started, forked = _started(RECIPE, *bad), _forked(server, RECIPE, *bad)
     assert started.returncode == forked.returncode == 2
     assert forked.stderr == started.stderr and "algo.group_size: must be >= 2" in forked.stderr
     proc = forkserver.popen([*CLI, RECIPE, f"run.output_dir={tmp_path}", "run.max_steps=500"],
-                            cwd=REPO, env=_env(), start_new_session=True)
+                            cwd=REPO, env=_env(), start_new_session=True, server=server)
     assert isinstance(proc, forkserver.ForkedRun)
+    assert os.getsid(proc.pid) == proc.pid  # a session of its own, as asked
     wait_for_step(proc, tmp_path, 1)
     assert proc.poll() is None
     proc.send_signal(signal.SIGKILL)

@@ -1,0 +1,135 @@
+"""``posttrain-run export RUN_DIR [--step N] OUT_DIR``: a run's trained policy as a Hugging Face
+model folder that ``transformers`` and vLLM load like any other.
+
+The checkpoint is the newest intact one of the run (or step ``N``, which must be intact too).
+A full fine-tune's checkpoint already holds the weights; a LoRA run's holds adapters only, so
+they are put on the base model named by the run's resolved recipe and merged into its weights
+(W + (alpha / r) B A). The folder gets the base model's tokenizer or processor (with its chat
+template) and generation config, and a model card (README.md) naming the recipe's hash, the
+step and the held-out metrics logged at or before it. It is written beside ``OUT_DIR`` and
+renamed into place when complete; an ``OUT_DIR`` that holds anything is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from runner.errors import Problem, RecipeError
+from runner.models import is_multimodal, load_causal_lm, load_tokenizer, resolve_model_path
+from runner.recipe import load_recipe
+from runner.recipe.resolved import recipe_hash
+from runner.recipe.schema import Recipe
+from runner.state import integrity
+from runner.state.checkpoint import (
+    CheckpointUnreadable,
+    checkpoint_step,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    step_dirname,
+)
+
+RESOLVED = "recipe.resolved.toml"
+
+
+def _refuse(what: str, hint: str = "", source: str = "export") -> RecipeError:
+    return RecipeError([Problem("", what, hint=hint, source=source)])
+
+
+def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
+    """Write the policy of ``run_dir``'s checkpoint (``step``, or the newest) to ``out_dir``;
+    returns the checkpoint folder it came from."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise _refuse(f"{out_dir} exists and is not an empty folder",
+                      "name a new folder (nothing is overwritten)")
+    resolved = run_dir / RESOLVED
+    if not resolved.is_file():
+        raise _refuse(f"{run_dir} is not a run folder (it has no {RESOLVED})",
+                      "give the run.output_dir of a run")
+    recipe = load_recipe(resolved, [])
+    ckpt = _checkpoint(run_dir / "checkpoints", step)
+    loaded = load_checkpoint(ckpt)
+    model = _policy(recipe, ckpt)
+    base = resolve_model_path(recipe.model.path)
+    tmp = out_dir.parent / f".{out_dir.name}.export-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        _codec(base, recipe.model.trust_remote_code).save_pretrained(tmp)
+        if (base / "generation_config.json").is_file():
+            shutil.copyfile(base / "generation_config.json", tmp / "generation_config.json")
+        (tmp / "README.md").write_text(model_card(recipe, loaded.state.step, loaded.metrics_rows,
+                                                  ckpt), encoding="utf-8")
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty, checked above
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ckpt
+
+
+def _checkpoint(root: Path, step: int | None) -> Path:
+    """The checkpoint folder to export: step ``step`` or the newest, intact."""
+    if step is None:
+        found = latest_checkpoint(root) if root.is_dir() else None
+        if found is None:
+            raise _refuse(f"{root.parent} has no complete checkpoint",
+                          "train first, or give another run folder")
+        return found
+    folder = root / step_dirname(step)
+    complete = complete_checkpoints(root) if root.is_dir() else []
+    if folder not in complete:
+        steps = [checkpoint_step(p) for p in complete]
+        raise _refuse(f"{root.parent} has no complete checkpoint of step {step}",
+                      f"its checkpoints are of steps {steps}" if steps else "train first")
+    reason = integrity.verify(folder)
+    if reason:
+        raise CheckpointUnreadable(folder, reason)
+    return folder
+
+
+def _policy(recipe: Recipe, ckpt: Path) -> Any:
+    """The trained policy, LoRA adapters merged into the base weights."""
+    m = recipe.model
+    if m.lora.rank == 0:
+        return load_causal_lm(ckpt / "model", dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    from runner.train.lora import apply_lora, load_adapters
+
+    base = load_causal_lm(resolve_model_path(m.path), dtype=m.dtype,
+                          trust_remote_code=m.trust_remote_code)
+    model = apply_lora(base, m.lora, recipe.run.seed)
+    load_adapters(model, ckpt / "model")
+    return model.merge_and_unload()
+
+
+def _codec(base: Path, trust: bool) -> Any:
+    if is_multimodal(base):
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(str(base), trust_remote_code=trust)
+    return load_tokenizer(base, trust_remote_code=trust)
+
+
+def model_card(recipe: Recipe, step: int, rows: list[dict[str, Any]], ckpt: Path) -> str:
+    """A short README.md: what was trained, from what, how far, and how it scored."""
+    held_out = {}
+    for row in rows:
+        if row.get("step", 0) <= step and any(k.startswith("eval/") for k in row):
+            held_out = {k: v for k, v in row.items() if k.startswith("eval/")} | {
+                "step": row["step"]}
+    lines = [f"# {recipe.run.name}", "",
+             f"Trained with posttrain-runner: {recipe.algo.kind.upper()} from `{recipe.model.path}`"
+             + (f" with LoRA rank {recipe.model.lora.rank} (merged)" if recipe.model.lora.rank
+                else "") + f", step {step} (`{ckpt.name}`).", "",
+             f"- recipe hash: `{recipe_hash(recipe)}`"]
+    if held_out:
+        at = held_out.pop("step")
+        lines.append(f"- held-out metrics at step {at}:")
+        lines += [f"  - `{k}`: {v:.6g}" for k, v in sorted(held_out.items())
+                  if isinstance(v, int | float)]
+    else:
+        lines.append("- no held-out metrics were logged")
+    return "\n".join(lines) + "\n"
