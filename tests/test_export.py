@@ -125,3 +125,26 @@ def test_lora_run_exports_merged_weights_that_vllm_and_transformers_load(tmp_pat
         engine.close()
     assert ([c.token_ids for o in vl for c in o.completions]
             == [c.token_ids for o in hf for c in o.completions])
+
+
+@pytest.mark.slow
+def test_vision_language_run_exports_its_processor(tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    run = tmp_path / "run"
+    done = run_cli("recipes/grpo-vl.toml", run, "run.max_steps=1", "algo.prompts_per_step=4",
+                   "algo.group_size=4", "data.validation.enabled=false")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "model"
+    done = _export(run, out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    processor = AutoProcessor.from_pretrained(out)
+    assert type(processor).__name__ == "Qwen3VLProcessor" and processor.chat_template
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    saved = load_file(run / "checkpoints" / "step-000001" / "model" / "model.safetensors")
+    state = model.state_dict()
+    exported = load_file(out / "model.safetensors")
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+    assert all(torch.equal(state[k], saved[k]) for k in saved)  # each loaded where it belongs
+    assert "no held-out metrics were logged" in (out / "README.md").read_text()
