@@ -89,7 +89,8 @@ def _export(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     out = Path(args.out_dir)
-    print(f"exporting {args.run_dir} (step {args.step or 'newest'}) to {out}")
+    which = "the newest step" if args.step is None else f"step {args.step}"
+    print(f"exporting {args.run_dir} ({which}) to {out}")
     ckpt = export(Path(args.run_dir), out, args.step)
     print(f"exported {ckpt} -> {out}")
     return EXIT_OK

@@ -18,17 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import Problem, RecipeError
-from runner.models import is_multimodal, load_causal_lm, load_tokenizer, resolve_model_path
+from runner.models import load_causal_lm, load_codec, resolve_model_path
 from runner.recipe import load_recipe
 from runner.recipe.resolved import recipe_hash
 from runner.recipe.schema import Recipe
 from runner.state import integrity
 from runner.state.checkpoint import (
     CheckpointUnreadable,
+    LoadedCheckpoint,
     checkpoint_step,
     complete_checkpoints,
-    latest_checkpoint,
     load_checkpoint,
+    load_latest,
     step_dirname,
 )
 
@@ -50,15 +51,15 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
         raise _refuse(f"{run_dir} is not a run folder (it has no {RESOLVED})",
                       "give the run.output_dir of a run")
     recipe = load_recipe(resolved, [])
-    ckpt = _checkpoint(run_dir / "checkpoints", step)
-    loaded = load_checkpoint(ckpt)
+    loaded = _checkpoint(run_dir / "checkpoints", step)
+    ckpt = loaded.path
     model = _policy(recipe, ckpt)
     base = resolve_model_path(recipe.model.path)
     tmp = out_dir.parent / f".{out_dir.name}.export-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        _codec(base, recipe.model.trust_remote_code).save_pretrained(tmp)
+        load_codec(base, recipe.model.trust_remote_code).save_pretrained(tmp)
         if (base / "generation_config.json").is_file():
             shutil.copyfile(base / "generation_config.json", tmp / "generation_config.json")
         (tmp / "README.md").write_text(model_card(recipe, loaded.state.step, loaded.metrics_rows,
@@ -71,10 +72,11 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     return ckpt
 
 
-def _checkpoint(root: Path, step: int | None) -> Path:
-    """The checkpoint folder to export: step ``step`` or the newest, intact."""
+def _checkpoint(root: Path, step: int | None) -> LoadedCheckpoint:
+    """The checkpoint to export, intact and parsed: step ``step``, or the newest that is (as a
+    resume picks it: damaged or unparsable newer ones are passed over, saying why)."""
     if step is None:
-        found = latest_checkpoint(root) if root.is_dir() else None
+        found = load_latest(root) if root.is_dir() else None
         if found is None:
             raise _refuse(f"{root.parent} has no complete checkpoint",
                           "train first, or give another run folder")
@@ -88,7 +90,7 @@ def _checkpoint(root: Path, step: int | None) -> Path:
     reason = integrity.verify(folder)
     if reason:
         raise CheckpointUnreadable(folder, reason)
-    return folder
+    return load_checkpoint(folder)
 
 
 def _policy(recipe: Recipe, ckpt: Path) -> Any:
@@ -105,31 +107,19 @@ def _policy(recipe: Recipe, ckpt: Path) -> Any:
     return model.merge_and_unload()
 
 
-def _codec(base: Path, trust: bool) -> Any:
-    if is_multimodal(base):
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(str(base), trust_remote_code=trust)
-    return load_tokenizer(base, trust_remote_code=trust)
-
-
 def model_card(recipe: Recipe, step: int, rows: list[dict[str, Any]], ckpt: Path) -> str:
     """A short README.md: what was trained, from what, how far, and how it scored."""
-    held_out = {}
-    for row in rows:
-        if row.get("step", 0) <= step and any(k.startswith("eval/") for k in row):
-            held_out = {k: v for k, v in row.items() if k.startswith("eval/")} | {
-                "step": row["step"]}
+    held_out = next((row for row in reversed(rows) if row.get("step", 0) <= step
+                     and any(k.startswith("eval/") for k in row)), None)
     lines = [f"# {recipe.run.name}", "",
              f"Trained with posttrain-runner: {recipe.algo.kind.upper()} from `{recipe.model.path}`"
              + (f" with LoRA rank {recipe.model.lora.rank} (merged)" if recipe.model.lora.rank
                 else "") + f", step {step} (`{ckpt.name}`).", "",
              f"- recipe hash: `{recipe_hash(recipe)}`"]
     if held_out:
-        at = held_out.pop("step")
-        lines.append(f"- held-out metrics at step {at}:")
+        lines.append(f"- held-out metrics at step {held_out['step']}:")
         lines += [f"  - `{k}`: {v:.6g}" for k, v in sorted(held_out.items())
-                  if isinstance(v, int | float)]
+                  if k.startswith("eval/") and isinstance(v, int | float)]
     else:
         lines.append("- no held-out metrics were logged")
     return "\n".join(lines) + "\n"

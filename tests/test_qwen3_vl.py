@@ -227,9 +227,9 @@ def test_checkpoint_codec_is_the_processor(tmp_path, vl_path):
     """What a VL run's checkpoints save beside the weights (the ppo-vl run test loads one)."""
     from transformers import AutoProcessor
 
-    from runner.train.assemble import _codec
+    from runner.models import load_codec
 
-    codec = _codec(vl_path, False)
+    codec = load_codec(vl_path, False)
     assert type(codec).__name__ == "Qwen3VLProcessor"
     codec.save_pretrained(tmp_path)
     assert type(AutoProcessor.from_pretrained(str(tmp_path))).__name__ == "Qwen3VLProcessor"

@@ -3,6 +3,7 @@
 from runner.models.loading import (
     is_multimodal,
     load_causal_lm,
+    load_codec,
     load_tokenizer,
     read_model_type,
     resolve_model_path,
@@ -13,6 +14,7 @@ from runner.models.loading import (
 __all__ = [
     "is_multimodal",
     "load_causal_lm",
+    "load_codec",
     "load_tokenizer",
     "read_model_type",
     "resolve_model_path",

@@ -105,6 +105,17 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
         raise _known_failure(exc, folder, trust_remote_code) from exc
 
 
+def load_codec(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """What turns a folder's text (and media) into ids: its processor for a vision-language model
+    (tokenizer, image and video processor, chat template), else its tokenizer."""
+    if is_multimodal(path):
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(str(_folder(path)),
+                                             trust_remote_code=trust_remote_code)
+    return load_tokenizer(path, trust_remote_code=trust_remote_code)
+
+
 def is_multimodal(path: str | Path) -> bool:
     """Whether a folder's config.json describes a vision-language model (it has a
     ``vision_config``), read as plain JSON."""

@@ -258,7 +258,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
              ) -> RunContext:
     """Build every role the plan lists (``plan.roles``), in this process or, where ``actors``
     serves it, as a handle on the launcher's role actor."""
-    from runner.models import load_causal_lm, read_model_type, resolve_model_path
+    from runner.models import load_causal_lm, load_codec, read_model_type, resolve_model_path
     from runner.packers import build_packer
     from runner.rollout.factory import make_engine
 
@@ -294,7 +294,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     # Checkpoints save it beside the weights: a vision-language model's processor (its
     # tokenizer, image and video processor configs, chat template), so a checkpoint folder
     # loads with AutoProcessor too.
-    tokenizer = step("policy", lambda: _codec(base, trust))
+    tokenizer = step("policy", lambda: load_codec(base, trust))
     # With LoRA the base weights always come from the base folder; a checkpoint holds adapters.
     lora = recipe.model.lora.rank > 0
     model_dir = ckpt.model_dir if ckpt and not lora else base
@@ -399,16 +399,6 @@ def build_teacher(run: RunContext) -> Teacher:
                           trust_remote_code=m.trust_remote_code, dtype=m.dtype)
     return Teacher(frozen, algo.mode, device, pad, student_codec=run.build_packer(),
                    packer=packer)
-
-
-def _codec(base: Path, trust: bool) -> Any:
-    from runner.models import is_multimodal, load_tokenizer
-
-    if is_multimodal(base):
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(str(base), trust_remote_code=trust)
-    return load_tokenizer(base, trust_remote_code=trust)
 
 
 def _with_adapters(model: Any, recipe: Recipe, ckpt: LoadedCheckpoint | None,
