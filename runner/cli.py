@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from runner import __version__
@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a post-training recipe (GRPO, DPO, PPO, OPD) described by one TOML file.",
         epilog="Overrides: KEY=VALUE with dotted keys, e.g. algo.group_size=4 "
         "data.factory_kwargs.count=1000. Values are TOML literals; anything else is a string. "
-        "Other commands: posttrain-run export RUN_DIR [--step N] OUT_DIR.",
+        "Other commands: " + "; ".join(f"posttrain-run {name} {usage}"
+                                       for name, (usage, _) in SUBCOMMANDS.items()) + ".",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--validate-manifest", action="store_true",
@@ -67,9 +68,9 @@ def build_export_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     line_buffered_stdout()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["export"]:
-        export_args = build_export_parser().parse_args(argv[1:])
-        return guarded(lambda: _export(export_args))
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        _, command = SUBCOMMANDS[argv[0]]
+        return command(argv[1:])
     args = build_parser().parse_args(argv)
     importable(os.getcwd())
     prefix = launcher_prefix()
@@ -79,6 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         leave(code)
     return code
+
+
+def export_command(argv: list[str]) -> int:
+    args = build_export_parser().parse_args(argv)
+    return guarded(lambda: _export(args))
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -142,6 +148,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     return launch(recipe, plan, ctx, source=args.recipe, overrides=args.overrides,
                   plain=args.plain)
+
+
+# The commands beside running a recipe: name -> (usage, handler of the arguments after the name).
+SUBCOMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "export": ("RUN_DIR [--step N] OUT_DIR", export_command),
+}
 
 
 if __name__ == "__main__":
