@@ -82,6 +82,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def build_eval_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain-run eval",
+        description="Evaluate the recipe's model, or a checkpoint of its run, on the recipe's "
+        "held-out set with its own reward functions, engine and DataPacker: mean reward, "
+        "pass@k ([eval] num_samples, pass_at) and majority voting; writes eval.json.")
+    parser.add_argument("--checkpoint", default="", metavar="PATH|latest",
+                        help="a checkpoint folder (RUN_DIR/checkpoints/step-N) or 'latest' (the "
+                        "run's newest intact one); default: the recipe's model.path")
+    parser.add_argument("--out", default="", metavar="DIR", help="where eval.json goes "
+                        "(default: run.output_dir/eval/<checkpoint or model>)")
+    parser.add_argument("--save-completions", action="store_true",
+                        help="keep every completion's text in eval.json")
+    parser.add_argument("--plain", action="store_true",
+                        help="plain log lines instead of the live display")
+    parser.add_argument("recipe", help="the recipe file (TOML)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    return parser
+
+
+def eval_command(argv: list[str]) -> int:
+    args = build_eval_parser().parse_intermixed_args(argv)
+    importable(os.getcwd())
+    prefix = launcher_prefix()
+    code = guarded(lambda: _eval(args), prefix)
+    if prefix:
+        from runner.launch.rank import leave
+
+        leave(code)
+    return code
+
+
+def _eval(args: argparse.Namespace) -> int:
+    recipe, ctx, plan = _load(args)
+    _validate(recipe, args)
+    from runner.evaluation import eval_job
+    from runner.launch import launch
+    from runner.ui.quiet import quiet_libraries
+
+    quiet_libraries()
+    job = eval_job(recipe, plan, checkpoint=args.checkpoint, out=args.out,
+                   save_completions=args.save_completions)
+    return launch(recipe, plan, ctx, source=args.recipe, overrides=args.overrides,
+                  plain=args.plain, job=job)
+
+
 def export_command(argv: list[str]) -> int:
     args = build_export_parser().parse_args(argv)
     return guarded(lambda: _export(args))
@@ -119,6 +165,16 @@ def _load(args: argparse.Namespace) -> tuple[Recipe, RankContext | None, RunPlan
         raise RecipeError([problem], source=args.recipe) from exc
 
 
+def _validate(recipe: Recipe, args: argparse.Namespace) -> None:
+    """Import every dotted path, bind its arguments and check the models: before any rank."""
+    from runner.preflight import validate_extensions, validate_models
+
+    problems = validate_extensions(recipe, args.overrides)
+    problems += validate_models(recipe) if not problems else []
+    if problems:
+        raise RecipeError(problems, source=args.recipe)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     recipe, ctx, plan = _load(args)
     if args.validate_manifest:
@@ -126,12 +182,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                         f"{plan.max_steps} steps)"))
         return EXIT_OK
 
-    from runner.preflight import validate_extensions, validate_models
-
-    problems = validate_extensions(recipe, args.overrides)
-    problems += validate_models(recipe) if not problems else []
-    if problems:
-        raise RecipeError(problems, source=args.recipe)
+    _validate(recipe, args)
     if args.validate:
         print(f"{args.recipe}: recipe and extensions are valid ({recipe.algo.kind})")
         return EXIT_OK
@@ -152,6 +203,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 # The commands beside running a recipe: name -> (usage, handler of the arguments after the name).
 SUBCOMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "eval": ("RECIPE [--checkpoint PATH|latest] [KEY=VALUE ...]", eval_command),
     "export": ("RUN_DIR [--step N] OUT_DIR", export_command),
 }
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import Problem, RecipeError
-from runner.models import load_causal_lm, load_codec, resolve_model_path
+from runner.models import load_codec, resolve_model_path
 from runner.recipe import load_recipe
 from runner.recipe.resolved import recipe_hash
 from runner.recipe.schema import Recipe
@@ -32,6 +32,7 @@ from runner.state.checkpoint import (
     load_latest,
     step_dirname,
 )
+from runner.train.policy import checkpoint_policy
 
 RESOLVED = "recipe.resolved.toml"
 
@@ -51,9 +52,9 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
         raise _refuse(f"{run_dir} is not a run folder (it has no {RESOLVED})",
                       "give the run.output_dir of a run")
     recipe = load_recipe(resolved, [])
-    loaded = _checkpoint(run_dir / "checkpoints", step)
+    loaded = pick_checkpoint(run_dir / "checkpoints", step)
     ckpt = loaded.path
-    model = _policy(recipe, ckpt)
+    model = checkpoint_policy(recipe, ckpt)
     base = resolve_model_path(recipe.model.path)
     tmp = out_dir.parent / f".{out_dir.name}.export-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -72,39 +73,26 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     return ckpt
 
 
-def _checkpoint(root: Path, step: int | None) -> LoadedCheckpoint:
-    """The checkpoint to export, intact and parsed: step ``step``, or the newest that is (as a
-    resume picks it: damaged or unparsable newer ones are passed over, saying why)."""
+def pick_checkpoint(root: Path, step: int | None, source: str = "export") -> LoadedCheckpoint:
+    """The checkpoint under ``root`` (a run's checkpoints folder), intact and parsed: step
+    ``step``, or the newest that is (as a resume picks it: damaged or unparsable newer ones are
+    passed over, saying why). ``source``: the command its errors name."""
     if step is None:
         found = load_latest(root) if root.is_dir() else None
         if found is None:
             raise _refuse(f"{root.parent} has no complete checkpoint",
-                          "train first, or give another run folder")
+                          "train first, or give another run folder", source)
         return found
     folder = root / step_dirname(step)
     complete = complete_checkpoints(root) if root.is_dir() else []
     if folder not in complete:
         steps = [checkpoint_step(p) for p in complete]
         raise _refuse(f"{root.parent} has no complete checkpoint of step {step}",
-                      f"its checkpoints are of steps {steps}" if steps else "train first")
+                      f"its checkpoints are of steps {steps}" if steps else "train first", source)
     reason = integrity.verify(folder)
     if reason:
         raise CheckpointUnreadable(folder, reason)
     return load_checkpoint(folder)
-
-
-def _policy(recipe: Recipe, ckpt: Path) -> Any:
-    """The trained policy, LoRA adapters merged into the base weights."""
-    m = recipe.model
-    if m.lora.rank == 0:
-        return load_causal_lm(ckpt / "model", dtype=m.dtype, trust_remote_code=m.trust_remote_code)
-    from runner.train.lora import apply_lora, load_adapters
-
-    base = load_causal_lm(resolve_model_path(m.path), dtype=m.dtype,
-                          trust_remote_code=m.trust_remote_code)
-    model = apply_lora(base, m.lora, recipe.run.seed)
-    load_adapters(model, ckpt / "model")
-    return model.merge_and_unload()
 
 
 def model_card(recipe: Recipe, step: int, rows: list[dict[str, Any]], ckpt: Path) -> str:

@@ -109,6 +109,18 @@ def test_lora_run_exports_merged_weights_that_vllm_and_transformers_load(tmp_pat
         assert torch.allclose(exported[name], expected, rtol=1e-6, atol=1e-7), name
         assert not torch.equal(exported[name], weight), name  # the adapters trained
     assert merged >= 4
+    # posttrain-run eval of the LoRA checkpoint (adapters merged and pushed to the engine)
+    # greedy-decodes the held-out prompts like the exported folder given as model.path.
+    from tests.test_eval import _eval, _result
+
+    texts = []
+    for name, args in (("ckpt", ("--checkpoint", "latest", *LORA)),
+                       ("exported", (f"model.path={out}",))):
+        done = _eval(GRPO, f"run.output_dir={run}", *SMALL, *args, "--save-completions",
+                     "--out", tmp_path / name)
+        assert done.returncode == 0, done.stdout + done.stderr
+        texts.append([it["completions"] for it in _result(tmp_path / name)["items"]])
+    assert texts[0] == texts[1] and len(texts[0]) == 8
 
     pytest.importorskip("vllm")
     from runner.rollout.base import SamplingConfig

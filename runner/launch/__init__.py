@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runner.ranks.context import RankContext
@@ -15,28 +15,31 @@ if TYPE_CHECKING:
 
 
 def _local(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
-           plain: bool) -> int:
+           plain: bool, job: dict[str, Any]) -> int:
     from runner.launch.rank import run_rank
     from runner.ranks.context import SINGLE
 
-    return run_rank(recipe, plan, SINGLE, source=source, overrides=overrides, plain=plain)
+    return run_rank(recipe, plan, SINGLE, source=source, overrides=overrides, plain=plain,
+                    job=job)
 
 
 def _torchrun(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
-              plain: bool) -> int:
+              plain: bool, job: dict[str, Any]) -> int:
     from runner.launch.payload import Payload
     from runner.launch.torchrun import launch_torchrun
 
-    payload = Payload.of(recipe, source=source, overrides=overrides, cwd=os.getcwd(), plain=plain)
+    payload = Payload.of(recipe, source=source, overrides=overrides, cwd=os.getcwd(), plain=plain,
+                         job=job)
     return launch_torchrun(payload, recipe.launch.num_processes, recipe.launch.collective_timeout_s)
 
 
 def _ray(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
-         plain: bool) -> int:
+         plain: bool, job: dict[str, Any]) -> int:
     from runner.launch.payload import Payload
     from runner.launch.ray_backend import launch_ray
 
-    payload = Payload.of(recipe, source=source, overrides=overrides, cwd=os.getcwd(), plain=plain)
+    payload = Payload.of(recipe, source=source, overrides=overrides, cwd=os.getcwd(), plain=plain,
+                         job=job)
     return launch_ray(payload, recipe, plan)
 
 
@@ -44,15 +47,18 @@ BACKENDS: dict[str, Callable[..., int]] = {"local": _local, "torchrun": _torchru
 
 
 def launch(recipe: Recipe, plan: RunPlan, ctx: RankContext | None, *, source: str,
-           overrides: Sequence[str], plain: bool) -> int:
+           overrides: Sequence[str], plain: bool, job: dict[str, Any] | None = None) -> int:
     """Run a validated recipe: as rank ``ctx`` of an external launcher (``plan`` is then that
-    rank's plan), else through ``launch.backend`` (``plan`` is the driver's)."""
+    rank's plan), else through ``launch.backend`` (``plan`` is the driver's). ``job``: what the
+    ranks do (plain data; empty: train; ``runner.train.JOBS`` lists the others)."""
+    job = dict(job or {})
     if ctx is not None:
         from runner.launch.rank import run_rank
 
-        return run_rank(recipe, plan, ctx, source=source, overrides=overrides, plain=plain)
+        return run_rank(recipe, plan, ctx, source=source, overrides=overrides, plain=plain,
+                        job=job)
     return BACKENDS[recipe.launch.backend](recipe, plan, source=source, overrides=overrides,
-                                           plain=plain)
+                                           plain=plain, job=job)
 
 
 __all__ = ["BACKENDS", "launch"]

@@ -12,6 +12,7 @@ import json
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import tomli_w
@@ -28,14 +29,15 @@ class Payload:
     overrides: tuple[str, ...]
     cwd: str
     plain: bool
+    job: dict[str, Any] = attrs.field(factory=dict)  # what the ranks do; empty: train
 
     @classmethod
     def of(cls, recipe: Recipe, *, source: str, overrides: Sequence[str], cwd: str,
-           plain: bool) -> Payload:
+           plain: bool, job: dict[str, Any] | None = None) -> Payload:
         from runner.recipe.resolved import recipe_hash, resolved_document
 
         text = tomli_w.dumps(resolved_document(recipe, overrides, source))
-        return cls(text, recipe_hash(recipe), source, tuple(overrides), cwd, plain)
+        return cls(text, recipe_hash(recipe), source, tuple(overrides), cwd, plain, dict(job or {}))
 
     def write(self, path: Path) -> None:
         from runner.state.run_folder import writing

@@ -46,8 +46,9 @@ def leave(code: int) -> None:
 
 def run_rank(recipe: Recipe, plan: RunPlan, ctx: RankContext, *, source: str,
              overrides: Sequence[str], plain: bool, roles: Any = None,
-             stop: Callable[[], bool] | None = None) -> int:
-    """Join the ranks' process group, run the recipe's algorithm on this rank, leave.
+             stop: Callable[[], bool] | None = None, job: dict[str, Any] | None = None) -> int:
+    """Join the ranks' process group, run the recipe's algorithm on this rank (or the ``job``
+    the driver named: ``runner.train.JOBS``), leave.
 
     ``plan``: this rank's plan (``runner.launch.entry.rank_plan``; the driver's own where the
     driver is the only rank). ``roles``: the role actors this rank calls
@@ -61,6 +62,6 @@ def run_rank(recipe: Recipe, plan: RunPlan, ctx: RankContext, *, source: str,
     comm = Collective.start(ctx, timeout_s=recipe.launch.collective_timeout_s, use_cuda=use_cuda)
     try:
         return run_recipe(recipe, plan, ctx=ctx, comm=comm, source=source, overrides=overrides,
-                          plain=plain, actors=roles, stop=stop)
+                          plain=plain, actors=roles, stop=stop, job=job)
     finally:
         comm.close()

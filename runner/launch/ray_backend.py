@@ -103,7 +103,7 @@ class RankActor:
             recipe = enter_rank(payload)
             return run_rank(recipe, rank_plan(recipe, ctx), ctx, source=payload.source,
                             overrides=payload.overrides, plain=True, roles=roles,
-                            stop=context.is_canceled)
+                            stop=context.is_canceled, job=payload.job)
 
         errors = io.StringIO()
         with contextlib.redirect_stderr(errors):

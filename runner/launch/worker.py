@@ -65,7 +65,8 @@ def main(argv: Sequence[str]) -> int:
             raise RunnerError("a worker needs RANK and WORLD_SIZE in its environment")
         plan = rank_plan(recipe, ctx)
         return logged(lambda: run_rank(recipe, plan, ctx, source=payload.source,
-                                       overrides=payload.overrides, plain=payload.plain),
+                                       overrides=payload.overrides, plain=payload.plain,
+                                       job=payload.job),
                       traceback_path(plan.output_dir, ctx.rank))
 
     return guarded(run, launcher_prefix())

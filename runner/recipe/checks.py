@@ -274,6 +274,12 @@ def _eval_ranges(r: Recipe) -> list[Problem]:
         p.append(Problem("eval.num_samples", "greedy evaluation (eval.temperature = 0) gives the "
                          "same completion every time", got=e.num_samples,
                          hint="set eval.temperature > 0, or eval.num_samples = 1"))
+    for i, k in enumerate(e.pass_at):
+        p += _range(f"eval.pass_at[{i}]", k, 1 <= k <= e.num_samples,
+                    f"in 1..eval.num_samples ({e.num_samples})")
+    if e.pass_reward and e.pass_reward not in r.reward.functions:
+        p.append(Problem("eval.pass_reward", "is not one of reward.functions", got=e.pass_reward,
+                         hint=f"choose from {r.reward.functions}"))
     return p
 
 

@@ -344,6 +344,18 @@ class EvalConfig:
         "averaged over them."
     )
     temperature: float = key(0.0, "Sampling temperature of held-out completions; 0: greedy.")
+    pass_at: list[int] = key(
+        [], "With num_samples > 1: the k of every pass@k reported (unbiased estimate over the "
+        "num_samples completions of each prompt), each in 1..num_samples; empty: 1 and "
+        "num_samples."
+    )
+    pass_reward: str = key(
+        "", "The reward function (a name in reward.functions) whose value decides whether a "
+        "completion passes, for pass@k and majority voting; empty: the only function, else the "
+        "first built-in exact-match one (arithmetic_exact, exact_match, math_verify)."
+    )
+    pass_threshold: float = key(1.0, "A completion passes when pass_reward's value is at least "
+                                "this.")
 
 
 @attrs.frozen

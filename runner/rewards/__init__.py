@@ -39,19 +39,26 @@ class RewardSet:
     def score(self, completions: Sequence[str], items: Sequence[ObsBundle], *,
               step: int | None = None) -> tuple[list[float], dict[str, float]]:
         """(weighted total per completion, ``{"reward/NAME": mean of NAME's values}``)."""
+        total, values_of = self.score_each(completions, items, step=step)
+        return total, {f"reward/{name}": sum(values) / max(1, len(values))
+                       for name, values in values_of.items()}
+
+    def score_each(self, completions: Sequence[str], items: Sequence[ObsBundle], *,
+                   step: int | None = None) -> tuple[list[float], dict[str, list[float]]]:
+        """(weighted total per completion, ``{NAME: NAME's value per completion}``)."""
         per_function = call_all(self.names, self.functions, list(completions), list(items),
                                 timeout_s=self.timeout_s, step=step)
         total = [0.0] * len(completions)
-        parts = {}
+        values_of = {}
         for name, values, weight in zip(self.names, per_function, self.weights, strict=True):
-            parts[f"reward/{name}"] = sum(values) / max(1, len(values))
+            values_of[name] = [float(v) for v in values]
             total = [t + weight * v for t, v in zip(total, values, strict=True)]
         bad = next((i for i, t in enumerate(total) if not abs(t) <= FLOAT32_MAX), None)
         if bad is not None:
             raise RewardFailure(step, [("the weighted total (reward.weights)", bad,
                                         f"is {total[bad]:g} at item {bad}, not a finite float32; "
                                         "lower reward.weights or the rewards' scale")])
-        return total, parts
+        return total, values_of
 
 
 def held_out_reward_metrics(rewards: RewardSet, completions: Sequence[str],

@@ -225,7 +225,7 @@ def make_accelerator(device: str, precision: Precision) -> Accelerator:
     return Accelerator(cpu=device == "cpu", mixed_precision=precision.train)
 
 
-def _prompt_limit(recipe: Recipe, base: Path, packer: DataPacker, tokenizer: Any,
+def prompt_limit(recipe: Recipe, base: Path, packer: DataPacker, tokenizer: Any,
                   opened: OpenedData, streamed: Streamed, *, remote: bool) -> PromptLimit:
     """The engine's ``max_model_len`` and the check of every prompt that can be checked before
     the run (``runner.rollout.lengths.run_limit``). A Ray rollout actor sizes its engine
@@ -236,7 +236,7 @@ def _prompt_limit(recipe: Recipe, base: Path, packer: DataPacker, tokenizer: Any
     return run_limit(recipe, base, packer, tokenizer, sources, held_out, measure=not remote)
 
 
-class _Steps:
+class BuildSteps:
     """Runs the build in named roles, remembering the first that failed (and how)."""
 
     def __init__(self) -> None:
@@ -266,7 +266,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     precision = resolve(recipe, device)  # once per rank: the trained, frozen and engine dtypes
 
     seed_everything(recipe.run.seed, recipe.run.deterministic)
-    step = _Steps()
+    step = BuildSteps()
     # The writer locks the run folder before reading its checkpoints: a second run on the same
     # folder stops here, before it reads or writes anything there.
     lock = step("output", lambda: RunLock.acquire(plan.output_dir)) if ctx.is_main else None
@@ -311,7 +311,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     # Every rank checks every prompt it can before the run (and measures them for a derived
     # vllm max_model_len), before the handshake: a refused prompt stops every rank at once.
     remote = bool(actors is not None and actors.rollout)
-    limit = (step("rollout", lambda: _prompt_limit(recipe, base, engine_packer, tokenizer,
+    limit = (step("rollout", lambda: prompt_limit(recipe, base, engine_packer, tokenizer,
                                                    opened, streamed, remote=remote))
              if generates else None)
     fingerprint = data.cursor.fingerprint if data is not None else ""

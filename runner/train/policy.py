@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from runner.algorithms.logprobs import token_logprobs
 from runner.algorithms.masked import at_least_float32
 from runner.packers.base import PolicyBatch, RLPolicyInput
-from runner.recipe.schema import TrainConfig
+from runner.recipe.schema import Recipe, TrainConfig
 
 
 def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0, upcast: bool = True
@@ -136,3 +137,21 @@ def scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, A
     """The JSON-able part of a LambdaLR's state (the lambdas are rebuilt from the recipe)."""
     return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
 
+
+
+def checkpoint_policy(recipe: Recipe, ckpt: Path) -> Any:
+    """The policy a checkpoint folder of a run of ``recipe`` holds, as one model: its weights
+    (full fine-tuning), or its LoRA adapters merged into the base model's weights
+    (W + (alpha / r) B A)."""
+    from runner.models import load_causal_lm, resolve_model_path
+
+    m = recipe.model
+    if m.lora.rank == 0:
+        return load_causal_lm(ckpt / "model", dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    from runner.train.lora import apply_lora, load_adapters
+
+    base = load_causal_lm(resolve_model_path(m.path), dtype=m.dtype,
+                          trust_remote_code=m.trust_remote_code)
+    model = apply_lora(base, m.lora, recipe.run.seed)
+    load_adapters(model, ckpt / "model")
+    return model.merge_and_unload()

@@ -10,8 +10,9 @@ import attrs
 import torch
 
 from runner.ranks.collective import interleave
-from runner.recipe.schema import RolloutConfig
+from runner.recipe.schema import Recipe, RolloutConfig
 from runner.rewards import RewardSet
+from runner.rewards.passk import ANSWER_OF, majority_passes, pass_at_k, pass_function, pass_ks
 from runner.rollout.base import RolloutOutput, SamplingConfig
 from runner.train.assemble import RunContext
 from runner.train.batches import rank_mean
@@ -140,25 +141,90 @@ def score(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:
     return attrs.evolve(traj, rewards=tuple(values), reward_parts=parts)
 
 
+@attrs.frozen
+class HeldOut:
+    """This rank's held-out prompts with their completions (``n`` per prompt, prompt-major),
+    scored by the recipe's reward functions."""
+
+    items: list[ObsBundle]
+    texts: list[str]
+    totals: list[float]  # the weighted total per completion
+    values_of: dict[str, list[float]]  # each function's value per completion
+    n: int
+
+    def of_item(self, i: int) -> slice:
+        return slice(i * self.n, (i + 1) * self.n)
+
+
+def held_out_sampling(recipe: Recipe) -> SamplingConfig:
+    """``[eval]``'s sampling: greedy, one completion per prompt, by default."""
+    cfg, rollout = recipe.eval, recipe.rollout
+    greedy = cfg.temperature == 0
+    return attrs.evolve(sampling(rollout, 1 if greedy else cfg.num_samples, 0, greedy=greedy),
+                        max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens,
+                        temperature=cfg.temperature if not greedy else 1.0)
+
+
+def generate_held_out(rollout: Rollout, recipe: Recipe, items: Sequence[ObsBundle],
+                      rewards: RewardSet, rank: int, world: int, first: int = 0) -> HeldOut:
+    """Completions of this rank's held-out ``items`` (rank r holds positions r, r + world, ...;
+    ``items`` starts at this rank's ``first``-th), seeded by each prompt's global position, and
+    their rewards."""
+    params = held_out_sampling(recipe)
+    seeds = [item_seed(recipe.run.seed, 0, j * world + rank)
+             for j in range(first, first + len(items))]
+    traj = roll_out(rollout, items, params, seeds)
+    totals, values_of = rewards.score_each(traj.texts, traj.items)
+    return HeldOut(list(items), list(traj.texts), totals, values_of, params.n)
+
+
+def pass_names(recipe: Recipe) -> list[str]:
+    """The pass metrics of ``[eval]`` (pass@k for every k, maj@n where the pass function has
+    answers to vote on), in order; none with one completion per prompt or no pass function."""
+    cfg = recipe.eval
+    fn = pass_function(recipe.reward, cfg)
+    n = 1 if cfg.temperature == 0 else cfg.num_samples
+    if n < 2 or not fn:
+        return []
+    return [f"pass@{k}" for k in pass_ks(cfg)] + ([f"maj@{n}"] if fn in ANSWER_OF else [])
+
+
+def prompt_pass_scores(recipe: Recipe, held: HeldOut, i: int) -> dict[str, float]:
+    """Prompt ``i``'s pass@k and maj@n (``pass_names``): which of its completions pass, and the
+    estimates from them."""
+    cfg = recipe.eval
+    fn = pass_function(recipe.reward, cfg)
+    texts = held.texts[held.of_item(i)]
+    passed = [v >= cfg.pass_threshold for v in held.values_of[fn][held.of_item(i)]]
+    out = {f"pass@{k}": pass_at_k(len(passed), sum(passed), k) for k in pass_ks(cfg)}
+    if fn in ANSWER_OF:
+        out[f"maj@{len(passed)}"] = float(majority_passes(texts, passed, ANSWER_OF[fn]))
+    return out
+
+
 def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
     """Held-out completions (``[eval]``: greedy by default) scored by the recipe's own reward
     functions, each rank its shard, sums over ranks: ``eval/reward`` (the weighted total) and
-    ``eval/reward/NAME`` per function, means over every completion."""
-    cfg, items = run.svc.recipe.eval, run.state.val_items
+    ``eval/reward/NAME`` per function, means over every completion; with several completions
+    per prompt also ``eval/pass@k`` and ``eval/maj@n``, means over the prompts."""
+    recipe, items = run.svc.recipe, run.state.val_items
     total, parts = [], {f"reward/{n}": 0.0 for n in rewards.names}
+    passing = dict.fromkeys(pass_names(recipe), 0.0)
     if items:
-        greedy = cfg.temperature == 0
-        rollout = run.svc.recipe.rollout
-        params = attrs.evolve(sampling(rollout, 1 if greedy else cfg.num_samples, 0,
-                                       greedy=greedy),
-                              max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens,
-                              temperature=cfg.temperature if not greedy else 1.0)
-        seeds = position_seeds(run, run.svc.recipe.run.seed, 0, len(items))
-        traj = roll_out(run.rollout, items, params, seeds)
-        total, means = rewards.score(traj.texts, traj.items)
-        parts = {k: v * len(total) for k, v in means.items()}  # means -> sums
-    names = sorted(parts)
-    sums = run.svc.comm.sum([float(sum(total)), float(len(total)), *(parts[k] for k in names)])
-    n = max(1.0, sums[1])
-    return {"eval/reward": sums[0] / n, **{f"eval/{k}": v / n for k, v in zip(names, sums[2:],
-                                                                          strict=True)}}
+        held = generate_held_out(run.rollout, recipe, items, rewards, run.svc.rank.rank,
+                                 run.svc.rank.world_size)
+        total = held.totals
+        parts = {f"reward/{k}": (sum(v) / max(1, len(v))) * len(total)  # means -> sums
+                 for k, v in held.values_of.items()}
+        for i in range(len(items) if passing else 0):
+            for name, value in prompt_pass_scores(recipe, held, i).items():
+                passing[name] += value
+    names, pass_keys = sorted(parts), list(passing)
+    sums = run.svc.comm.sum([float(sum(total)), float(len(total)), float(len(items)),
+                             *(parts[k] for k in names), *(passing[k] for k in pass_keys)])
+    n, prompts = max(1.0, sums[1]), max(1.0, sums[2])
+    means = [v / n for v in sums[3:3 + len(names)]]
+    return {"eval/reward": sums[0] / n, **{f"eval/{k}": v for k, v in zip(names, means,
+                                                                          strict=True)},
+            **{f"eval/{k}": v / prompts for k, v in zip(pass_keys, sums[3 + len(names):],
+                                                          strict=True)}}
