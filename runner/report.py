@@ -311,8 +311,8 @@ def render(runs: list[Run]) -> str:
         elif not rows:
             parts.append("<p>The same resolved recipe.</p>")
         else:
-            parts.append('<table class="diff"><tr><th>key</th><th>first run</th><th>this run</th>'
-                         "</tr>" + "".join(
+            parts.append(f'<table class="diff"><tr><th>key</th><th>{escape(runs[0].name)}</th>'
+                         f"<th>{escape(run.name)}</th></tr>" + "".join(
                              f"<tr><td>{escape(k)}</td>"
                              + "".join("<td><em>(absent)</em></td>" if v is ... else
                                        f"<td>{_show(v)}</td>" for v in (a, b)) + "</tr>"
@@ -322,7 +322,8 @@ def render(runs: list[Run]) -> str:
     title = escape(safe_line("report: " + ", ".join(r.name for r in runs), 200))
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f'<style>{CSS}</style></head><body><h1>Run report</h1><p class="meta">{len(runs)} '
-            f'run(s), {len(keys)} metrics; written by posttrain-run {escape(__version__)}.</p>'
+            f'run{"s" * (len(runs) != 1)}, {len(keys)} metrics; written by posttrain-run '
+            f'{escape(__version__)}.</p>'
             + "".join(parts) + "</section></body></html>\n")
 
 
