@@ -41,7 +41,7 @@ GROUPS = {"eval": "Held-out evaluation (eval/)", "reward": "Reward (reward/)",
           "time": "Time split (time/, seconds)", "perf": "Throughput (perf/)", "other": "Other"}
 WIDTH, HEIGHT = 360, 220
 PLOT = (58.0, 12.0, WIDTH - 12.0, HEIGHT - 30.0)  # left, top, right, bottom of the plot area
-MAX_POINTS = 1200  # a longer series is thinned to the min and max of each of 600 buckets
+MAX_POINTS = 1200  # a longer series is thinned to the lowest and highest of each of 599 buckets
 
 
 @dataclass
@@ -166,16 +166,16 @@ def _num(value: float) -> str:
 
 
 def _thin(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """At most about ``MAX_POINTS`` points: the lowest and highest of each bucket, in order."""
+    """At most ``MAX_POINTS`` points: the first, the last, and the lowest and highest of each
+    of ``MAX_POINTS // 2 - 1`` buckets, in step order."""
     if len(points) <= MAX_POINTS:
         return points
-    size = math.ceil(len(points) / (MAX_POINTS // 2))
-    kept: list[tuple[int, float]] = []
+    size = math.ceil(len(points) / (MAX_POINTS // 2 - 1))
+    kept = {points[0], points[-1]}
     for i in range(0, len(points), size):
         bucket = points[i:i + size]
-        ends = {min(bucket, key=lambda p: p[1]), max(bucket, key=lambda p: p[1])}
-        kept.extend(sorted(ends))
-    return kept
+        kept |= {min(bucket, key=lambda p: p[1]), max(bucket, key=lambda p: p[1])}
+    return sorted(kept)
 
 
 def _chart(key: str, runs: list[Run]) -> str:

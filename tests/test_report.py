@@ -338,3 +338,16 @@ def test_a_headless_browser_draws_each_runs_lines(tmp_path):
         rows[run] = np.flatnonzero(mask.sum(axis=1) >= 200)
         assert rows[run].size, f"no line of run {run}'s colour {colour}"
     assert rows[0].min() > rows[1].max()  # loss 1.0 is drawn below loss 2.0
+
+
+def test_a_long_run_is_thinned_keeping_its_extremes(tmp_path):
+    rows = [{"step": s, "loss": 1.0 + 9 * (s == 4321) - 5 * (s == 777)} for s in range(10_000)]
+    page = Page(report.render([report.load_run(make_run(tmp_path / "long", rows))]))
+    fig = page.figures["loss"]
+    xy = points(fig["lines"][0])
+    pairs = list(zip(xy[::2], xy[1::2], strict=True))
+    assert len(pairs) <= report.MAX_POINTS and not fig["dots"]
+    assert pairs[0] == at(fig["svg"], [(0, 1.0)]) and pairs[-1] == at(fig["svg"], [(9999, 1.0)])
+    for spike in ((4321, 10.0), (777, -4.0)):
+        assert at(fig["svg"], [spike]) in [list(p) for p in pairs]
+    assert [x for x, _ in pairs] == sorted(x for x, _ in pairs)
