@@ -136,8 +136,8 @@ def group_of(key: str) -> str:
 
 
 def _nice(span: float) -> float:
-    """The step of about five ticks over ``span``: 1, 2 or 5 times a power of ten."""
-    raw = span / 5
+    """The step of four to seven ticks over ``span``: 1, 2 or 5 times a power of ten."""
+    raw = span / 6
     power = 10 ** math.floor(math.log10(raw))
     return next(m * power for m in (1, 2, 5, 10) if m * power >= raw * (1 - 1e-9))
 
@@ -152,7 +152,7 @@ def _tick_label(value: float, step: float) -> str:
     if value == 0:
         return "0"
     if not 1e-4 <= abs(step) < 1e6:
-        return f"{value:.2e}"
+        return f"{value:.3g}"
     return f"{value:.{max(0, -math.floor(math.log10(step) + 1e-9))}f}"
 
 
