@@ -68,6 +68,13 @@ def _read(path: Path) -> str:
         raise _refuse(f"{path} cannot be read: {exc.strerror or exc} [errno {exc.errno}]") from exc
 
 
+def _float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float
+        return math.inf if value > 0 else -math.inf
+
+
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in table.items():
@@ -90,15 +97,15 @@ def load_run(folder: Path) -> Run:
     for line in _read(metrics).splitlines():
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             row = None
         step = row.get("step") if isinstance(row, dict) else None
         if isinstance(step, float) and step.is_integer():
             step = int(step)
-        if not isinstance(step, int) or isinstance(step, bool):
+        if not isinstance(step, int) or isinstance(step, bool) or abs(step) > 2**53:
             skipped += bool(line.strip())
             continue
-        rows[step] = {k: float(v) for k, v in row.items() if k != "step" and
+        rows[step] = {k: _float(v) for k, v in row.items() if k != "step" and
                       isinstance(v, int | float) and not isinstance(v, bool)}
     series: dict[str, list[tuple[int, float]]] = {}
     for step in sorted(rows):

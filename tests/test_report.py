@@ -351,3 +351,19 @@ def test_a_long_run_is_thinned_keeping_its_extremes(tmp_path):
     for spike in ((4321, 10.0), (777, -4.0)):
         assert at(fig["svg"], [spike]) in [list(p) for p in pairs]
     assert [x for x, _ in pairs] == sorted(x for x, _ in pairs)
+
+
+def test_hostile_lines_are_skipped_and_huge_numbers_kept_out_of_the_axes(tmp_path):
+    lines = "[" * 100_000 + "\n" + '{"step": 1%s, "loss": 1}\n' % ("0" * 400) + \
+        '{"step": 2, "loss": 1%s}\n' % ("0" * 400) + '{"step": 3.0, "loss": 1e308}\n'
+    run = make_run(tmp_path / "r", [{"step": 1, "loss": 0.5}, {"step": 4, "loss": 0.25}],
+                   extra_lines=lines)
+    loaded = report.load_run(run)
+    assert loaded.skipped == 2
+    assert loaded.series["loss"] == [(1, 0.5), (2, math.inf), (3, 1e308), (4, 0.25)]
+    page = Page(report.render([loaded]))
+    fig = page.figures["loss"]
+    assert len(fig["nonfinite"]) == 2  # inf, and 1e308 (too large to scale) break the line
+    assert [points(line) for line in fig["lines"]] == []  # single points: dots
+    assert [[float(d["cx"]), float(d["cy"])] for d in fig["dots"]] == [
+        at(fig["svg"], [p]) for p in [(1, 0.5), (4, 0.25)]]
