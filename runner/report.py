@@ -118,7 +118,7 @@ def load_run(folder: Path) -> Run:
     if resolved.is_file():
         try:
             recipe = _flatten(tomllib.loads(_read(resolved)))
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, RecursionError) as exc:
             raise _refuse(f"{resolved} is not TOML ({exc})") from exc
     name = recipe.get("run.name")
     name = name if isinstance(name, str) and name else folder.resolve().name or str(folder)
