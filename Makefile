@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # The tests run on two workers, one test file per worker at a time (pytest-xdist).
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test lint schema models bench clean
+.PHONY: setup demo test lint schema models bench browser clean
 
 setup: $(STAMP)
 
@@ -53,6 +53,12 @@ bench: setup
 	$(BIN)/python benchmarks/bench_data.py
 	$(BIN)/python benchmarks/bench_rollout.py --engine hf --model builtin:tiny-arith
 	$(BIN)/python benchmarks/bench_steps.py recipes/grpo-arith.toml
+
+# A headless browser for the test that draws a `posttrain-run report` page (tests/test_report.py
+# skips it, saying so, where none is installed): Debian's chromium package, as root. Elsewhere any
+# Chromium or Chrome on PATH (chromium, chromium-browser, google-chrome) does.
+browser:
+	apt-get update && apt-get install -y chromium
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -65,6 +65,20 @@ def build_export_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_report_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain-run report",
+        description="Write one self-contained HTML file comparing runs: a chart of every logged "
+        "metric per step with the runs overlaid, the final metrics and each run's recipe "
+        "differences from the first.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="a run's folder (its run.output_dir); the first is the reference")
+    parser.add_argument("--out", default=None, metavar="FILE",
+                        help="the HTML file to write (default: report.html in the first run's "
+                        "folder)")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     line_buffered_stdout()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -148,6 +162,22 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def report_command(argv: list[str]) -> int:
+    args = build_report_parser().parse_args(argv)
+    return guarded(lambda: _report(args))
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from runner.report import report
+
+    out, runs, metrics = report([Path(d) for d in args.run_dirs],
+                                Path(args.out) if args.out else None)
+    print(safe_line(f"wrote {out} ({runs} run{'s' * (runs != 1)}, {metrics} metrics)"))
+    return EXIT_OK
+
+
 def _load(args: argparse.Namespace) -> tuple[Recipe, RankContext | None, RunPlan]:
     """The loading boundary: whatever a recipe file or an override holds, a recipe error. Under
     an external launcher this process is one of its ranks (the context), planned for its world."""
@@ -205,6 +235,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "eval": ("RECIPE [--checkpoint PATH|latest] [KEY=VALUE ...]", eval_command),
     "export": ("RUN_DIR [--step N] OUT_DIR", export_command),
+    "report": ("RUN_DIR [RUN_DIR ...] [--out FILE]", report_command),
 }
 
 
