@@ -26,6 +26,7 @@ intra-op thread, like the torchrun runs it is compared with.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -317,6 +318,29 @@ def test_separate_rollout_actor_killed_then_ctrl_c_then_equal_to_torchrun(cluste
     gaps = [r["rollout/logprob_gap"] for r in deterministic_rows(tmp_path)
             if "rollout/logprob_gap" in r]
     assert len(gaps) == N and max(gaps) < 1e-5, gaps
+
+
+def test_eval_through_a_separate_rollout_actor_equals_the_local_eval(cluster, torchrun_grpo,
+                                                                     tmp_path):
+    """posttrain-run eval on Ray, the engine in a rollout actor started from the base model (rank
+    0 pushes the checkpoint's weights to it): every prompt's rewards equal a local eval's."""
+    sampled = ("--checkpoint", "latest", "eval.num_samples=4", "eval.temperature=1.0")
+    command = ray_cli(GRPO, torchrun_grpo, cluster.address, *GRPO_SMALL, *SEPARATE, *sampled,
+                      "--out", str(tmp_path / "ray"))
+    done = subprocess.run([*command[:3], "eval", *command[3:]], cwd=REPO, capture_output=True,
+                          text=True, timeout=240, env=_env_for(cluster.address))
+    assert done.returncode == 0, done.stdout + done.stderr
+    local = [*CLI[:3], "eval", GRPO, f"run.output_dir={torchrun_grpo}", *GRPO_SMALL, *sampled,
+             "--out", str(tmp_path / "local")]
+    done = subprocess.run(local, cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env=ray_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    ray_eval, local_eval = (json.loads((tmp_path / name / "eval.json").read_text())
+                            for name in ("ray", "local"))
+    assert ray_eval["step"] == local_eval["step"] == N
+    assert [it["rewards"] for it in ray_eval["items"]] == [
+        it["rewards"] for it in local_eval["items"]]
+    assert ray_eval["metrics"] == local_eval["metrics"]
 
 
 @pytest.mark.vllm
