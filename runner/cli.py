@@ -86,9 +86,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _, command = SUBCOMMANDS[argv[0]]
         return command(argv[1:])
     args = build_parser().parse_args(argv)
+    return _recipe_command(lambda: _dispatch(args))
+
+
+def _recipe_command(body: Callable[[], int]) -> int:
+    """Run a command on a recipe where the user stands (the working directory importable), its
+    errors rendered; under an outside launcher as one of its ranks."""
     importable(os.getcwd())
     prefix = launcher_prefix()
-    code = guarded(lambda: _dispatch(args), prefix)
+    code = guarded(body, prefix)
     if prefix:  # one rank of several under an outside launcher: leave as the launcher's ranks do
         from runner.launch.rank import leave
 
@@ -118,14 +124,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
 
 def eval_command(argv: list[str]) -> int:
     args = build_eval_parser().parse_intermixed_args(argv)
-    importable(os.getcwd())
-    prefix = launcher_prefix()
-    code = guarded(lambda: _eval(args), prefix)
-    if prefix:
-        from runner.launch.rank import leave
-
-        leave(code)
-    return code
+    return _recipe_command(lambda: _eval(args))
 
 
 def _eval(args: argparse.Namespace) -> int:
