@@ -146,6 +146,9 @@ def test_training_logs_pass_at_k_with_several_held_out_samples(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/reward" in r]
     assert [r["step"] for r in evals] == [0, 2]
+    first, last = evals
+    assert (f"held-out pass@4: {first['eval/pass@4']:.3f} (step 0) -> "
+            f"{last['eval/pass@4']:.3f} (step 2)") in done.stdout  # the summary
     for row in evals:
         assert {"eval/pass@2", "eval/pass@4", "eval/maj@4"} <= row.keys()
         assert "eval/pass@1" not in row

@@ -66,7 +66,8 @@ def summary_rows(result: dict, plan: RunPlan, seconds: float) -> list[tuple[str,
     rows = [("steps", f"{result['step']}/{plan.max_steps}"), ("wall time", f"{seconds:.1f} s")]
     if plan.world_size > 1:
         rows.append(("ranks", f"{plan.world_size} ({plan.backend})"))
-    keys = sorted({k for r in evals for k in r if k.startswith("eval/reward")})
+    keys = sorted({k for r in evals for k in r
+                   if k.startswith(("eval/reward", "eval/pass@", "eval/maj@"))})
     for key in ("eval/preference_accuracy", *keys, "eval/reverse_kl", "eval/reverse_kl_exact"):
         having = [r for r in evals if key in r]
         if having:
