@@ -126,9 +126,9 @@ def _dispatch(args: argparse.Namespace) -> int:
                         f"{plan.max_steps} steps)"))
         return EXIT_OK
 
-    from runner.preflight import validate_extensions, validate_models
+    from runner.preflight import validate_extensions, validate_models, validate_trackers
 
-    problems = validate_extensions(recipe, args.overrides)
+    problems = validate_extensions(recipe, args.overrides) + validate_trackers(recipe)
     problems += validate_models(recipe) if not problems else []
     if problems:
         raise RecipeError(problems, source=args.recipe)
