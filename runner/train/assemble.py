@@ -338,9 +338,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
               if generates else None)
     rollout = Rollout(engine, engine_packer, limit) if generates else None
     svc = RunServices(recipe=recipe, plan=plan, rank=ctx, comm=comm, reporter=reporter,
-                      metrics=_metrics_log(recipe, plan, ctx, ckpt, reporter,
-                                           (overrides, source)),
-                      precision=precision,
+                      metrics=_metrics_log(plan, ctx, ckpt), precision=precision,
                       accelerator=accelerator, stop_poll=stop, lock=lock)
     reason = held_out_reason(recipe.data, recipe.algo.kind)
     if reason:
@@ -355,29 +353,31 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     # the base model.
     if rollout is not None and ckpt is not None and (remote or lora):
         run.sync_weights()
+    if ctx.is_main:  # last: a run that fails to build leaves no tracker run open
+        run.svc.metrics.trackers = start_trackers(recipe, plan, ckpt, reporter, overrides, source)
     return run
 
 
-def _metrics_log(recipe: Recipe, plan: RunPlan, ctx: RankContext,
-                 ckpt: LoadedCheckpoint | None, reporter: Reporter,
-                 given: tuple[Sequence[str], str]) -> MetricsLog:
-    """The run's metrics log, continuing a checkpoint's rows; rank 0's alone writes files and
-    reports to the trackers, whose runs are configured with the resolved recipe (of the
-    recipe, the ``given`` overrides and source file), as recipe.resolved.toml holds it."""
-    rows = ckpt.metrics_rows if ckpt else []
-    if not ctx.is_main:
-        return MetricsLog(None, rows)
-    trackers = None
-    names = trackers_of(recipe.logging)
+def _metrics_log(plan: RunPlan, ctx: RankContext, ckpt: LoadedCheckpoint | None) -> MetricsLog:
+    """The run's metrics log, continuing a checkpoint's rows; rank 0's alone writes files."""
+    return MetricsLog(plan.metrics_path if ctx.is_main else None,
+                      ckpt.metrics_rows if ckpt else [])
+
+
+def start_trackers(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint | None,
+                   reporter: Reporter, overrides: Sequence[str], source: str) -> Trackers | None:
+    """Rank 0's trackers (logging.report_to), continuing the runs the checkpoint names; each
+    tracker run's config is the resolved recipe, as recipe.resolved.toml holds it."""
     if recipe.logging.tensorboard:
         reporter.message('logging.tensorboard is deprecated: list "tensorboard" in '
                          "logging.report_to instead")
-    if names:
-        setup = TrackerSetup(plan.output_dir, recipe.run.name, recipe.logging.project,
-                             resolved_document(recipe, *given))
-        trackers = Trackers(names, setup, resume=ckpt.state.trackers if ckpt else None,
-                            rows=rows, say=reporter.message)
-    return MetricsLog(plan.metrics_path, rows, trackers)
+    names = trackers_of(recipe.logging)
+    if not names:
+        return None
+    setup = TrackerSetup(plan.output_dir, recipe.run.name, recipe.logging.project,
+                         resolved_document(recipe, overrides, source))
+    return Trackers(names, setup, resume=ckpt.state.trackers if ckpt else None,
+                    rows=ckpt.metrics_rows if ckpt else [], say=reporter.message)
 
 
 def build_roles(run: RunContext) -> Roles:

@@ -35,12 +35,11 @@ from typing import Any, Protocol
 import attrs
 
 from runner.errors import safe_line
+from runner.recipe.schema import FREEFORM_KEYS
 from runner.state.run_folder import no_follow
 
 PROGRESS_FILE = "trackers.json"
 LABELS = {"tensorboard": "TensorBoard", "wandb": "W&B", "mlflow": "MLflow"}
-# Tables of the recipe whose keys are the user's (MLflow parameters take them as one JSON value).
-_FREEFORM = ("data.factory_kwargs", "data.validation.factory_kwargs", "launch.ray_runtime_env")
 _MAX_REASON = 300  # characters of a library's error in the one-line warning
 
 
@@ -203,7 +202,7 @@ def mlflow_key(key: str, file_store: bool) -> str:
 
 def _flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """The recipe as MLflow parameters: ``table.key`` -> the value as text (lists and free-form
-    tables as JSON), cut to MLflow's length limit."""
+    tables, whose keys are the user's, as JSON), cut to MLflow's length limit."""
     try:
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as limit
     except ImportError:  # pragma: no cover - named so in every MLflow 2 and 3
@@ -211,7 +210,7 @@ def _flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and name not in _FREEFORM:
+        if isinstance(value, Mapping) and name not in FREEFORM_KEYS:
             out.update(_flat_params(value, name + "."))
             continue
         text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
