@@ -6,7 +6,6 @@ the run; bad input is a one-line recipe error."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import struct
@@ -105,12 +104,13 @@ def wandb_history(out: Path, run_id: str) -> tuple[list[tuple[int, dict]], list,
     return history, runs, config
 
 
-def mlflow_client(out: Path):
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # the runner's local store
-    os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+def local_mlflow_store(out: Path, monkeypatch) -> str:
+    """The runner's local MLflow store of run folder ``out``, made the tracking URI here."""
+    uri = (out / "mlruns").resolve().as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's file store, as the run
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    return uri
 
 
 def expected_rows(before: list[dict], after: list[dict], through: int) -> list[dict]:
@@ -169,12 +169,14 @@ def test_wandb_offline_run_holds_every_step_once_with_the_values_of_metrics_json
     assert len(config["resolved"]["recipe_hash"]) == 64
 
 
-def test_mlflow_local_store_holds_every_step_once_with_the_values_of_metrics_jsonl(resumed):
-    import mlflow
-
+def test_mlflow_local_store_holds_every_step_once_with_the_values_of_metrics_jsonl(
+        resumed, monkeypatch):
     out, run_id = resumed["out"], resumed["ids"]["mlflow"]
-    client = mlflow_client(out)
-    mlflow.set_tracking_uri(client.tracking_uri)
+    local_mlflow_store(out, monkeypatch)
+    import mlflow
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
     found = mlflow.search_runs(experiment_names=["trackers-test"], output_format="list")
     assert [r.info.run_id for r in found] == [run_id]  # the resume continued the same run
     assert found[0].info.run_name == "tracked" and found[0].info.status == "FINISHED"

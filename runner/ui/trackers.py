@@ -93,6 +93,7 @@ class TensorBoardTracker:
 # --- Weights & Biases ---------------------------------------------------------------------------
 
 _ID_CHARS = string.ascii_lowercase + string.digits  # W&B's run ids: 8 of these
+_EXIT_CODES = {"finished": 0, "stopped": 130, "failed": 1}  # the CLI's own exit codes
 
 
 class WandbTracker:
@@ -126,7 +127,7 @@ class WandbTracker:
         self._run.log(values, step=step)
 
     def close(self, outcome: str) -> None:
-        self._run.finish(exit_code=0 if outcome == "finished" else 1)
+        self._run.finish(exit_code=_EXIT_CODES.get(outcome, 1))
 
 
 # --- MLflow -------------------------------------------------------------------------------------
