@@ -369,3 +369,40 @@ def test_a_resume_skips_what_the_tracker_runs_have_and_fills_a_new_one(tmp_path,
     assert b.run_id == "b-1" and [s for s, _ in b.logged] == [4, 5, 6, 7]  # not its record
     assert c.run_id == "c-new" and [s for s, _ in c.logged] == list(range(8))  # filled first
     assert trackers.ids == {"a": "a-7", "b": "b-1", "c": "c-new"}
+
+
+def test_mlflow_resume_keeps_the_first_parameters_and_a_lost_run_starts_anew(
+        tmp_path, monkeypatch):
+    for name, value in (("MLFLOW_DISABLE_TELEMETRY", "true"), ("MLFLOW_ALLOW_FILE_STORE", "true"),
+                        ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"),
+                        ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")):
+        monkeypatch.setenv(name, value)  # the tracker's defaults, undone after the test
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    said: list[str] = []
+
+    def start(resume_id, max_steps):
+        config = {"run": {"name": "r", "max_steps": max_steps}, "data": {"factory_kwargs": {
+            "a b": [1, 2]}}}
+        return tr.MlflowTracker(tr.TrackerSetup(tmp_path, "r", "p", config), resume_id,
+                                said.append)
+
+    first = start(None, 3)
+    first.log({"eval/reward": 0.5, "eval/reward/x": 0.25}, 0)
+    first.close("stopped")
+    again = start(first.run_id, 9)
+    again.log({"eval/reward": 0.75}, 1)
+    again.close("finished")
+    assert again.resumed and again.run_id == first.run_id
+    run = again._client.get_run(first.run_id)
+    assert run.data.params == {"run.name": "r", "run.max_steps": "3",
+                               "data.factory_kwargs": '{"a b": [1, 2]}'}
+    assert run.info.status == "FINISHED"
+    history = again._client.get_metric_history(first.run_id, "eval.reward")
+    assert [(m.step, m.value) for m in history] == [(0, 0.5), (1, 0.75)]
+    lost = start("0123456789abcdef0123456789abcdef", 3)
+    assert not lost.resumed and lost.run_id not in ("", first.run_id)
+    assert said[-2] == (f"MLflow: run 0123456789abcdef0123456789abcdef of the checkpoint is not "
+                        f"in {(tmp_path / 'mlruns').resolve().as_uri()}; starting a new run with "
+                        "the checkpoint's rows")
+    lost.close("failed")
+    assert lost._client.get_run(lost.run_id).info.status == "FAILED"
