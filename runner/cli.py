@@ -129,7 +129,7 @@ def eval_command(argv: list[str]) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     recipe, ctx, plan = _load(args)
-    _validate(recipe, args)
+    _validate(recipe, args, trackers=False)  # an evaluation logs to no tracker
     from runner.evaluation import eval_job
     from runner.launch import launch
     from runner.ui.quiet import quiet_libraries
@@ -194,11 +194,13 @@ def _load(args: argparse.Namespace) -> tuple[Recipe, RankContext | None, RunPlan
         raise RecipeError([problem], source=args.recipe) from exc
 
 
-def _validate(recipe: Recipe, args: argparse.Namespace) -> None:
-    """Import every dotted path, bind its arguments and check the models: before any rank."""
-    from runner.preflight import validate_extensions, validate_models
+def _validate(recipe: Recipe, args: argparse.Namespace, *, trackers: bool = True) -> None:
+    """Import every dotted path, bind its arguments and check the models (and, for a run, that
+    the trackers' libraries are there): before any rank."""
+    from runner.preflight import validate_extensions, validate_models, validate_trackers
 
     problems = validate_extensions(recipe, args.overrides)
+    problems += validate_trackers(recipe) if trackers else []
     problems += validate_models(recipe) if not problems else []
     if problems:
         raise RecipeError(problems, source=args.recipe)

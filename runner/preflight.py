@@ -6,6 +6,7 @@ Nothing is constructed here (no dataset, no packer): construction belongs to the
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ import attrs
 
 from runner.errors import ExtensionError, Problem, show_value
 from runner.extensions import check_binds, load_callable
-from runner.recipe.checks import BUILTIN_REWARDS
+from runner.recipe.checks import BUILTIN_REWARDS, trackers_of
 from runner.recipe.schema import Recipe
 
 
@@ -90,6 +91,29 @@ def check_output_dir(output_dir: str, key: str = "run.output_dir") -> list[Probl
                         f"({exc.strerror or exc})", got=output_dir,
                         hint="choose a writable location for run.output_dir")]
     return []
+
+
+# tracker -> (the module it imports, the extra of this project that installs it)
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                    "mlflow": ("mlflow", "mlflow")}
+
+
+def validate_trackers(recipe: Recipe) -> list[Problem]:
+    """Every tracker the recipe reports to has its library installed (found, not imported)."""
+    problems = []
+    listed = recipe.logging.report_to
+    for name in trackers_of(recipe.logging):
+        module, extra = TRACKER_PACKAGES[name]
+        if importlib.util.find_spec(module) is not None:
+            continue
+        key, drop = "logging.report_to", f"remove {name!r} from logging.report_to"
+        if name not in listed:  # only the deprecated flag asks for it
+            key, drop = "logging.tensorboard", "set logging.tensorboard = false"
+        problems.append(Problem(key, f"{name!r} needs the {module} package, which is not "
+                                "installed", got=listed if name in listed else True,
+                                hint=f"pip install -e '.[{extra}]' (make setup installs it), "
+                                f"or {drop}"))
+    return problems
 
 
 def validate_models(recipe: Recipe) -> list[Problem]:

@@ -301,15 +301,17 @@ def _server_for(cmd: Sequence[str], env: dict[str, str], cwd: Path) -> Server | 
 
 
 # Variables a run may set apart from the server's: read by the runner while it runs, never by
-# the preloaded libraries on import (PYTEST_CURRENT_TEST changes with every test).
+# the preloaded libraries on import (PYTEST_CURRENT_TEST changes with every test). The trackers'
+# libraries (W&B, MLflow) are imported by the run itself, never preloaded.
 _RUN_TIME_ONLY = ("COLUMNS", "LINES", "POSTTRAIN_HOME")
+_RUN_TIME_PREFIXES = ("PYTEST_", "WANDB_", "MLFLOW_")
 
 
 def _key(env: dict[str, str]) -> str:
     """What must match for a run to fork from a server: the environment, less the variables
-    that only the run reads (``_RUN_TIME_ONLY`` and pytest's own)."""
+    that only the run reads (``_RUN_TIME_ONLY``, ``_RUN_TIME_PREFIXES``)."""
     return json.dumps({k: v for k, v in env.items()
-                       if not k.startswith("PYTEST_") and k not in _RUN_TIME_ONLY},
+                       if not k.startswith(_RUN_TIME_PREFIXES) and k not in _RUN_TIME_ONLY},
                       sort_keys=True)
 
 

@@ -15,6 +15,7 @@ from runner.recipe.schema import (
     DPOConfig,
     GRPOConfig,
     LaunchConfig,
+    LoggingConfig,
     OPDConfig,
     PPOConfig,
     Recipe,
@@ -205,6 +206,36 @@ def check_dotted_paths(r: Recipe) -> list[Problem]:
     return problems
 
 
+def trackers_of(logging: LoggingConfig) -> tuple[str, ...]:
+    """The trackers a run reports to besides metrics.jsonl (always written), in the order of
+    logging.report_to, each once; the deprecated ``logging.tensorboard = true`` adds
+    tensorboard."""
+    names = [n for n in logging.report_to if n != "jsonl"]
+    if logging.tensorboard:
+        names.append("tensorboard")
+    return tuple(dict.fromkeys(names))
+
+
+# Characters W&B refuses in a project name.
+_WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+
+
+def check_logging(r: Recipe) -> list[Problem]:
+    """A tracker run needs a project name (W&B's project, MLflow's experiment)."""
+    names, project = trackers_of(r.logging), r.logging.project
+    if not {"wandb", "mlflow"} & set(names):
+        return []
+    if not project.strip():
+        return [Problem("logging.project", "must name the W&B project / MLflow experiment",
+                        got=project, hint='e.g. project = "posttrain-runner"')]
+    bad = sorted({c for c in project if c in _WANDB_PROJECT_FORBIDDEN})
+    if "wandb" in names and bad:
+        return [Problem("logging.project", "W&B project names cannot hold "
+                        + " ".join(repr(c) for c in bad), got=project,
+                        hint="use letters, digits, '-', '_' and '.'")]
+    return []
+
+
 def _range(key: str, value: float, ok: bool, rule: str) -> list[Problem]:
     return [] if ok else [Problem(key, f"must be {rule}", got=value)]
 
@@ -380,6 +411,7 @@ RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
     check_launch,
     check_dotted_paths,
     check_ranges,
+    check_logging,
 )
 
 

@@ -29,6 +29,8 @@ def table(cls: type, help: str) -> Any:
 
 
 CursorResume = Literal["strict", "auto", "off"]
+# Where metrics rows go (logging.report_to); runner.ui.trackers implements each.
+Tracker = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 
 
 @attrs.frozen
@@ -406,7 +408,15 @@ class LaunchConfig:
 @attrs.frozen
 class LoggingConfig:
     every_steps: int = key(1, "Write metrics every N steps.")
-    tensorboard: bool = key(False, "Also write TensorBoard event files.")
+    report_to: list[Tracker] = key(
+        ["jsonl"], "Where metrics rows go (rank 0 only): jsonl (metrics.jsonl, always written), "
+        "tensorboard, wandb, mlflow. W&B runs offline unless WANDB_MODE says otherwise; MLflow "
+        "writes a local store under the run folder unless MLFLOW_TRACKING_URI is set.")
+    project: str = key(
+        "posttrain-runner", "The W&B project and the MLflow experiment of the run (the tracker "
+        "run is named run.name).")
+    tensorboard: bool = key(
+        False, "Deprecated: true is the same as listing \"tensorboard\" in logging.report_to.")
     sample_every: int = key(10, "Show a sample prompt and completion every N steps (0: never).")
     item_ids: bool = key(False, "Log the global ids of every step's items (metrics key "
                          "data/item_ids): which data each step trained on, on any number of ranks.")

@@ -9,7 +9,7 @@ Layout of ``<output_dir>/checkpoints/``::
       optimizer-NAME.*      optimizers of the extra modules
       rng.safetensors       every rank's torch (and CUDA) RNG state, ``torch.R`` / ``cuda.R``
       state.json            step, cursor, scheduler, world size and global batch, every rank's
-                            python/numpy RNG state
+                            python/numpy RNG state, the tracker run ids (W&B, MLflow)
       metrics.jsonl         the metrics rows written up to this step
       MANIFEST.json         size and sha256 of every file above (runner.state.integrity)
       COMPLETE              written last, inside the temporary folder, before the rename
@@ -72,6 +72,7 @@ class TrainingState:
     extra: dict[str, Any] = attrs.field(factory=dict)
     world_size: int = 1  # ranks that wrote it
     items_per_step: int | None = None  # the global batch (prompts or pairs) it was trained with
+    trackers: dict[str, str] = attrs.field(factory=dict)  # tracker -> the run id a resume continues
 
 
 # --- RNG ----------------------------------------------------------------------------------------
@@ -446,8 +447,11 @@ def _state(path: Path, raw: Any) -> tuple[Any, TrainingState]:
     wrong = [name for name, value, kinds in (
         ("step", state.step, int), ("world_size", state.world_size, int),
         ("cursor", state.cursor, dict | None), ("scheduler", state.scheduler, dict),
-        ("extra", state.extra, dict), ("items_per_step", state.items_per_step, int | None))
+        ("extra", state.extra, dict), ("items_per_step", state.items_per_step, int | None),
+        ("trackers", state.trackers, dict))
         if isinstance(value, bool) or not isinstance(value, kinds)]
+    if not wrong and not all(isinstance(v, str) for v in state.trackers.values()):
+        wrong = ["trackers"]
     if wrong:
         name = wrong[0]
         raise CheckpointUnreadable(path, f"state.json: {name!r} is "

@@ -49,14 +49,17 @@ def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collect
     with make_reporter(plain) if ctx.is_main else SilentReporter() as reporter:
         run = assemble(recipe, plan, ctx=ctx, comm=comm, reporter=reporter, source=source,
                        overrides=overrides, actors=actors, stop=stop)
+        outcome = "failed"
         try:
             result = loop(run) | {"metrics": run.svc.metrics.rows}
             comm.barrier()  # leave together: no rank tears its connections down under another
+            outcome = "finished"
         except AgreedStop:
+            outcome = "stopped"
             comm.barrier()  # a stop after the same step on every rank: leave together too
             raise
         finally:
-            run.close()
+            run.close(outcome)
         reporter.finish(summary_rows(result, plan, time.monotonic() - started))
     return 0
 

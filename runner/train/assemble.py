@@ -24,10 +24,10 @@ from runner.packers.base import DataPacker
 from runner.precision import Precision, device_type, resolve
 from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
-from runner.recipe.checks import batch_key
+from runner.recipe.checks import batch_key, trackers_of
 from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
-from runner.recipe.resolved import write_resolved
+from runner.recipe.resolved import resolved_document, write_resolved
 from runner.recipe.schema import Recipe
 from runner.rewards import RewardSet, build_rewards
 from runner.rollout.lengths import PromptLimit
@@ -57,6 +57,7 @@ from runner.train.streams import OPEN, OpenedData, Streamed
 from runner.train.teacher import Teacher
 from runner.types import ObsBundle
 from runner.ui import MetricsLog, Reporter
+from runner.ui.trackers import Trackers, TrackerSetup
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -146,8 +147,9 @@ class RunContext:
         self.svc.comm.barrier()
         return path
 
-    def close(self) -> None:
-        self.svc.metrics.close()
+    def close(self, outcome: str = "finished") -> None:
+        """``outcome`` (finished, stopped or failed) is what the trackers record."""
+        self.svc.metrics.close(outcome)
         if self.rollout is not None:
             self.rollout.close()
         if self.svc.lock is not None:
@@ -163,6 +165,7 @@ def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[st
         scheduler=scheduler_state(run.policy.scheduler),
         extra={name: {"scheduler": scheduler_state(t.scheduler)} for name, t in extra.items()},
         world_size=plan.world_size, items_per_step=plan.items_per_step,
+        trackers=run.svc.metrics.tracker_ids(),
     )
     return save_checkpoint(
         plan.checkpoint_dir, step, model=run.policy.unwrapped(), tokenizer=run.tokenizer,
@@ -335,7 +338,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
               if generates else None)
     rollout = Rollout(engine, engine_packer, limit) if generates else None
     svc = RunServices(recipe=recipe, plan=plan, rank=ctx, comm=comm, reporter=reporter,
-                      metrics=_metrics_log(recipe, plan, ctx, ckpt), precision=precision,
+                      metrics=_metrics_log(plan, ctx, ckpt), precision=precision,
                       accelerator=accelerator, stop_poll=stop, lock=lock)
     reason = held_out_reason(recipe.data, recipe.algo.kind)
     if reason:
@@ -350,16 +353,31 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     # the base model.
     if rollout is not None and ckpt is not None and (remote or lora):
         run.sync_weights()
+    if ctx.is_main:  # last: a run that fails to build leaves no tracker run open
+        run.svc.metrics.trackers = start_trackers(recipe, plan, ckpt, reporter, overrides, source)
     return run
 
 
-def _metrics_log(recipe: Recipe, plan: RunPlan, ctx: RankContext,
-                 ckpt: LoadedCheckpoint | None) -> MetricsLog:
+def _metrics_log(plan: RunPlan, ctx: RankContext, ckpt: LoadedCheckpoint | None) -> MetricsLog:
     """The run's metrics log, continuing a checkpoint's rows; rank 0's alone writes files."""
-    tensorboard = recipe.logging.tensorboard and ctx.is_main
     return MetricsLog(plan.metrics_path if ctx.is_main else None,
-                      ckpt.metrics_rows if ckpt else [],
-                      plan.output_dir / "tensorboard" if tensorboard else None)
+                      ckpt.metrics_rows if ckpt else [])
+
+
+def start_trackers(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint | None,
+                   reporter: Reporter, overrides: Sequence[str], source: str) -> Trackers | None:
+    """Rank 0's trackers (logging.report_to), continuing the runs the checkpoint names; each
+    tracker run's config is the resolved recipe, as recipe.resolved.toml holds it."""
+    if recipe.logging.tensorboard:
+        reporter.message('logging.tensorboard is deprecated: list "tensorboard" in '
+                         "logging.report_to instead")
+    names = trackers_of(recipe.logging)
+    if not names:
+        return None
+    setup = TrackerSetup(plan.output_dir, recipe.run.name, recipe.logging.project,
+                         resolved_document(recipe, overrides, source))
+    return Trackers(names, setup, resume=ckpt.state.trackers if ckpt else None,
+                    rows=ckpt.metrics_rows if ckpt else [], say=reporter.message)
 
 
 def build_roles(run: RunContext) -> Roles:

@@ -1,21 +1,24 @@
-"""metrics.jsonl (always) and TensorBoard (when asked): one row per logged step.
+"""metrics.jsonl (always) and the trackers of logging.report_to: one row per logged step.
 
 Keys under ``time/`` and ``perf/`` are wall-clock measurements; everything else is a pure
 function of the run's inputs, which is what the exact-resume tests compare.
 
 The file is never written through a symbolic link. A write that fails (a full disk, a
 read-only folder, a link in its place) raises ``RuntimeFailure`` naming the
-writer's role, the step and the file.
+writer's role, the step and the file. A tracker never stops the run (``runner.ui.trackers``).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import RuntimeFailure
 from runner.state.run_folder import no_follow
+
+if TYPE_CHECKING:
+    from runner.ui.trackers import Trackers
 
 TIMING_PREFIXES = ("time/", "perf/")
 WRITER_ROLE = "policy"  # rank 0 of the policy writes metrics (and checkpoints)
@@ -26,29 +29,19 @@ def is_timing(key: str) -> bool:
 
 
 class MetricsLog:
-    """Appends rows to ``metrics.jsonl``; keeps them in memory for checkpoints. With no path
-    (every rank but rank 0) it only keeps them."""
+    """Appends rows to ``metrics.jsonl`` and hands each to the run's trackers; keeps them in
+    memory for checkpoints. With no path (every rank but rank 0) it only keeps them."""
 
     def __init__(self, path: Path | None, rows: list[dict[str, Any]] | None = None,
-                 tensorboard_dir: Path | None = None) -> None:
+                 trackers: Trackers | None = None) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = list(rows or [])
-        self._tb = None
+        self.trackers = trackers
         if path is None:
             return
         # Rewrite from the rows we resume with: drops rows a killed run wrote after its checkpoint.
         step = int(self.rows[-1]["step"]) if self.rows and "step" in self.rows[-1] else None
         self._append(self.rows, "w", step)
-        if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:
-                from runner.errors import Problem, RecipeError
-
-                raise RecipeError([Problem("logging.tensorboard", "needs the tensorboard package",
-                                           got=True, hint="pip install tensorboard, or set "
-                                           "logging.tensorboard = false")]) from exc
-            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
     def _append(self, rows: list[dict[str, Any]], mode: str, step: int | None) -> None:
         text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
@@ -66,13 +59,14 @@ class MetricsLog:
             step = row.get("step")
             self._append([row], "a", int(step) if isinstance(step, int) else None)
         self.rows.append(row)
-        if self._tb is not None:
-            step = int(row["step"])
-            for key, value in row.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(row)
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+    def tracker_ids(self) -> dict[str, str]:
+        """The tracker run ids a checkpoint keeps, so that a resume continues those runs."""
+        return dict(self.trackers.ids) if self.trackers is not None else {}
+
+    def close(self, outcome: str = "finished") -> None:
+        """``outcome``: finished, stopped (resumable) or failed, as the trackers record it."""
+        if self.trackers is not None:
+            self.trackers.close(outcome)
