@@ -178,3 +178,96 @@ def _kwargs_from_recipe(problem: Problem, key: str, kwargs: dict[str, Any],
             f"its own {key}), not from the command line: replace the whole table on the command "
             f"line too, {table}={{...}} with the new factory's arguments, or {table}={{}} for none")
     return attrs.evolve(problem, hint=hint)
+
+
+@attrs.frozen
+class StateEstimate:
+    """Per rank, the bytes of every model's state (``runner.models.memory``) in the layout a
+    run of the recipe uses (``layout``) and in the other; the device's memory where it
+    reports it."""
+
+    layout: str  # "DDP" (every rank a full copy) or "FSDP" (sharded over the ranks)
+    world: int
+    full: dict[str, Any]  # role -> StateBytes with every rank holding a full copy
+    device_bytes: int | None
+    device: str
+
+    def per_rank(self, sharded: bool) -> int:
+        return sum((s.sharded(self.world) if sharded else s).total for s in self.full.values())
+
+    def rows(self) -> list[tuple[str, str]]:
+        from runner.models.memory import gib
+
+        def line(sharded: bool) -> str:
+            parts = [f"{role} {gib((s.sharded(self.world) if sharded else s).total)}"
+                     for role, s in self.full.items()]
+            return f"{gib(self.per_rank(sharded))} ({', '.join(parts)})"
+
+        policy = self.full["policy"]
+        rows = [("policy state (full copy)", f"parameters {gib(policy.params)} + gradients "
+                 f"{gib(policy.grads)} + AdamW {gib(policy.optimizer)}"),
+                ("model state per rank, DDP", line(False) + (" <- this run" if self.layout ==
+                                                               "DDP" else "")),
+                (f"model state per rank, FSDP over {self.world}",
+                 line(True) + (" <- this run" if self.layout == "FSDP" else ""))]
+        memory = (f"{gib(self.device_bytes)} ({self.device})" if self.device_bytes
+                  else f"not reported ({self.device}): not checked")
+        return rows + [("device memory", memory)]
+
+    def problems(self) -> list[Problem]:
+        """The layout's estimate over the device's memory: refused, naming the keys to change."""
+        need = self.per_rank(self.layout == "FSDP")
+        if not self.device_bytes or need <= self.device_bytes:
+            return []
+        from runner.models.memory import gib
+
+        return [Problem("launch.num_processes", f"the model state alone needs about {gib(need)} "
+                        f"per rank ({self.layout} over {self.world} rank(s)), more than the "
+                        f"{gib(self.device_bytes)} of {self.device}", got=self.world,
+                        hint="shard it over more ranks (launch.num_processes), train adapters "
+                        "(model.lora.rank), or use a smaller model (model.path)")]
+
+
+def estimate_state(recipe: Recipe, world: int) -> StateEstimate:
+    """The per-rank state of the models a run of ``recipe`` on ``world`` ranks builds, from
+    their folders' safetensors headers (nothing is loaded)."""
+    from runner.models import resolve_model_path
+    from runner.models.memory import (
+        DTYPE_BYTES,
+        count,
+        frozen_bytes,
+        lora_count,
+        tensor_shapes,
+        trained_bytes,
+    )
+    from runner.precision import device_type, resolve
+    from runner.recipe.plan import planned_roles
+
+    roles = planned_roles(recipe)
+    m = recipe.model
+    dtype = DTYPE_BYTES[m.dtype]
+    frozen_dtype = 2 if resolve(recipe).train == "bf16" else dtype
+    shapes = tensor_shapes(resolve_model_path(m.path))
+    n = count(shapes)
+    trained = lora_count(shapes, m.lora.rank, m.lora.target_modules) if m.lora.rank else n
+    full: dict[str, Any] = {"policy": trained_bytes(n, trained, dtype)}
+    a = recipe.algo
+    if "critic" in roles:
+        critic = count(tensor_shapes(resolve_model_path(a.critic_path, key="algo.critic_path"))
+                       ) if a.critic_path else n
+        full["critic"] = trained_bytes(critic, critic, dtype)
+    # Under Ray's separate placement the frozen models live in role actors of their own.
+    on_ranks = not (recipe.launch.backend == "ray" and recipe.launch.placement == "separate")
+    if "reference" in roles and on_ranks:
+        full["reference"] = frozen_bytes(n, frozen_dtype)
+    if "teacher" in roles and on_ranks:
+        teacher = tensor_shapes(resolve_model_path(a.teacher_path, key="algo.teacher_path"))
+        full["teacher"] = frozen_bytes(count(teacher), frozen_dtype)
+    device_bytes, device = None, device_type(recipe)
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            device_bytes = torch.cuda.get_device_properties(0).total_memory
+            device = f"cuda:0, {torch.cuda.get_device_name(0)}"
+    return StateEstimate("DDP", world, full, device_bytes, device)

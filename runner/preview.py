@@ -23,7 +23,16 @@ def plan_sections(recipe: Recipe, plan: RunPlan) -> list[tuple[str, list[tuple[s
     return [("Plan", plan.rows() + precision_rows(recipe)
              + [("recipe hash", recipe_hash(recipe)[:16])]),
             ("Data", describe_data(recipe)),
-            ("Model and packing", packing_rows(recipe))]
+            ("Model and packing", packing_rows(recipe)),
+            ("Memory (estimated from the model folders)", memory_rows(recipe, plan))]
+
+
+def memory_rows(recipe: Recipe, plan: RunPlan) -> list[tuple[str, str]]:
+    """Per rank, the bytes of the models' parameters, gradients and optimizer state, with and
+    without sharding, and the device's memory where it reports it."""
+    from runner.preflight import estimate_state
+
+    return estimate_state(recipe, plan.world_size).rows()
 
 
 def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:
