@@ -130,14 +130,14 @@ def eval_command(argv: list[str]) -> int:
 def _eval(args: argparse.Namespace) -> int:
     recipe, ctx, plan = _load(args)
     _validate(recipe, args, trackers=False)  # an evaluation logs to no tracker
-    from runner.evaluation import eval_job
+    from runner.evaluation import eval_job, eval_plan
     from runner.launch import launch
     from runner.ui.quiet import quiet_libraries
 
     quiet_libraries()
     job = eval_job(recipe, plan, checkpoint=args.checkpoint, out=args.out,
                    save_completions=args.save_completions)
-    return launch(recipe, plan, ctx, source=args.recipe, overrides=args.overrides,
+    return launch(recipe, eval_plan(plan), ctx, source=args.recipe, overrides=args.overrides,
                   plain=args.plain, job=job)
 
 

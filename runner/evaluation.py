@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from runner.errors import Problem, RecipeError
 from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
@@ -23,6 +25,15 @@ from runner.state.checkpoint import LoadedCheckpoint, checkpoint_step
 
 SOURCE = "eval"
 _STEP_FOLDER = re.compile(r"step-\d+")
+
+
+# what an evaluation builds of a run's roles (no reference, critic or teacher)
+EVAL_ROLES = ("driver", "policy", "rollout", "reward")
+
+
+def eval_plan(plan: RunPlan) -> RunPlan:
+    """The run's plan with only the roles an evaluation builds (Ray starts no frozen actor)."""
+    return attrs.evolve(plan, roles=tuple(r for r in plan.roles if r in EVAL_ROLES))
 
 
 def eval_job(recipe: Recipe, plan: RunPlan, *, checkpoint: str = "", out: str = "",

@@ -173,3 +173,15 @@ def test_eval_refusals_are_one_line_with_exit_2(run_dir, tmp_path):
         assert done.returncode == 2, (args, done.stdout + done.stderr)
         assert expected in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def test_an_evaluation_plans_no_frozen_role():
+    """Ray starts no reference or teacher actor for an evaluation (its plan lists none)."""
+    from runner.evaluation import eval_plan
+    from runner.launch.ray_roles import frozen_roles
+    from runner.recipe import load_recipe, make_plan
+
+    for name in ("ppo-arith", "opd-arith"):
+        plan = make_plan(load_recipe(REPO / "recipes" / f"{name}.toml", []), world_size=2)
+        assert frozen_roles(plan.roles) and not frozen_roles(eval_plan(plan).roles)
+        assert {"rollout", "reward"} <= set(eval_plan(plan).roles)

@@ -182,7 +182,7 @@ def test_a_driver_without_a_ray_token_is_told_where_the_token_goes(monkeypatch, 
         recipe = load_recipe("recipes/grpo-arith.toml", [
             "launch.backend=ray", "launch.num_processes=2", f"launch.ray_address={address}"])
         with pytest.raises(RunnerError) as err:
-            ray_backend._init_ray(recipe)
+            ray_backend._init_ray(recipe, ())
         assert str(err.value) == (
             f"launch.ray_address: cannot join the Ray cluster at '{address}': Failed to connect "
             "to Ray cluster. No Ray token was found here: a cluster with token authentication "
@@ -190,7 +190,7 @@ def test_a_driver_without_a_ray_token_is_told_where_the_token_goes(monkeypatch, 
             "head) to ~/.ray/auth_token, or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN")
         monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user turned authentication off
         with pytest.raises(RunnerError) as err:
-            ray_backend._init_ray(recipe)
+            ray_backend._init_ray(recipe, ())
         assert str(err.value).endswith("Failed to connect to Ray cluster")
 
 

@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from runner.errors import RunnerError
@@ -111,7 +111,7 @@ class RankActor:
         return code, errors.getvalue()
 
 
-def _init_ray(recipe: Recipe) -> Any:
+def _init_ray(recipe: Recipe, roles: Sequence[str]) -> Any:
     """Join ``launch.ray_address``, or start a local cluster on 127.0.0.1 sized from the recipe."""
     launch = recipe.launch
     local = not launch.ray_address
@@ -134,7 +134,7 @@ def _init_ray(recipe: Recipe) -> Any:
         with_token = _use_cluster_token()
     options: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
     if local:
-        actors = _role_actors(recipe)
+        actors = _role_actors(recipe, roles)
         cpus = launch.num_processes * launch.cpus_per_rank + actors * launch.cpus_per_role_actor
         gpus = launch.num_processes * launch.gpus_per_rank + actors * launch.gpus_per_role_actor
         options.update(num_cpus=max(1, int(-(-cpus // 1))), num_gpus=int(-(-gpus // 1)),
@@ -177,13 +177,14 @@ def _use_cluster_token() -> bool:
         log.setLevel(level)
 
 
-def _role_actors(recipe: Recipe) -> int:
-    """How many role actors the run has: rollout actors, then one per frozen role."""
+def _role_actors(recipe: Recipe, roles: Sequence[str]) -> int:
+    """How many role actors the run has: rollout actors, then one per frozen role of
+    ``roles`` (the plan's)."""
     if recipe.launch.placement != "separate":
         return 0
     from runner.launch.ray_roles import frozen_roles
 
-    return recipe.launch.rollout_actors + len(frozen_roles(recipe))
+    return recipe.launch.rollout_actors + len(frozen_roles(roles))
 
 
 def _probe(address: str, timeout_s: float) -> None:
@@ -201,7 +202,7 @@ def _probe(address: str, timeout_s: float) -> None:
                           "the address") from None
 
 
-def _placement(ray: Any, recipe: Recipe) -> Any:
+def _placement(ray: Any, recipe: Recipe, roles: Sequence[str]) -> Any:
     """One placement group: a bundle per rank, then one per role actor."""
     from ray.util.placement_group import placement_group
 
@@ -209,7 +210,7 @@ def _placement(ray: Any, recipe: Recipe) -> Any:
     rank = {"CPU": launch.cpus_per_rank, "GPU": launch.gpus_per_rank}
     bundles = [{k: v for k, v in rank.items() if v}] * launch.num_processes
     actor = {"CPU": launch.cpus_per_role_actor, "GPU": launch.gpus_per_role_actor}
-    bundles += [{k: v for k, v in actor.items() if v}] * _role_actors(recipe)
+    bundles += [{k: v for k, v in actor.items() if v}] * _role_actors(recipe, roles)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     strategy = "STRICT_PACK" if len(nodes) <= 1 else "PACK"
     group = placement_group(bundles, strategy=strategy)
@@ -346,7 +347,7 @@ def check_versions(driver: Mapping[str, str], hellos: Mapping[str, Mapping[str, 
 def launch_ray(payload: Payload, recipe: Recipe, plan: RunPlan) -> int:
     """Run the payload's recipe on ``launch.num_processes`` rank actors; the exit code.
     ``plan``: the driver's plan (where the ranks write their checkpoints)."""
-    ray = _init_ray(recipe)
+    ray = _init_ray(recipe, plan.roles)
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     launch, world = recipe.launch, recipe.launch.num_processes
@@ -356,7 +357,7 @@ def launch_ray(payload: Payload, recipe: Recipe, plan: RunPlan) -> int:
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     stdout = sys.stdout = _Stamped(sys.stdout)
     try:
-        group = _placement(ray, recipe)
+        group = _placement(ray, recipe, plan.roles)
 
         def at(bundle: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
@@ -377,9 +378,9 @@ def launch_ray(payload: Payload, recipe: Recipe, plan: RunPlan) -> int:
             n = launch.rollout_actors
             rollout = start_rollout_actors(ray, payload, recipe, env,
                                            [at(world + i) for i in range(n)])
-            frozen = start_frozen_actors(ray, payload, recipe, env,
+            frozen = start_frozen_actors(ray, payload, recipe, plan.roles, env,
                                          [at(world + n + i)
-                                          for i in range(len(frozen_roles(recipe)))])
+                                          for i in range(len(frozen_roles(plan.roles)))])
             extra = ({f"rollout actor {i}": a for i, a in enumerate(rollout)}
                      | {f"{role} actor": a for role, a in frozen})
             roles = RoleActors(tuple(rollout), launch.collective_timeout_s, tuple(frozen))

@@ -27,7 +27,6 @@ import attrs
 from runner.errors import ActorDied, RunnerError
 from runner.launch.payload import Payload
 from runner.packers.base import as_engine_prompt
-from runner.recipe.plan import planned_roles
 from runner.recipe.schema import Recipe
 
 FROZEN_ROLES = ("reference", "teacher")  # served by a FrozenActor under 'separate'
@@ -208,19 +207,19 @@ class RemoteEngine:
         """The driver stops the actors when the run ends."""
 
 
-def frozen_roles(recipe: Recipe) -> list[str]:
-    """The frozen roles the plan lists for this recipe (each gets an actor under 'separate')."""
-    return [role for role in planned_roles(recipe) if role in FROZEN_ROLES]
+def frozen_roles(roles: Sequence[str]) -> list[str]:
+    """The frozen roles of a plan's ``roles`` (each gets an actor under 'separate')."""
+    return [role for role in roles if role in FROZEN_ROLES]
 
 
-def start_frozen_actors(ray: Any, payload: Payload, recipe: Recipe, env: dict[str, Any],
-                        placements: list[Any]) -> list[tuple[str, Any]]:
+def start_frozen_actors(ray: Any, payload: Payload, recipe: Recipe, roles: Sequence[str],
+                        env: dict[str, Any], placements: list[Any]) -> list[tuple[str, Any]]:
     launch = recipe.launch
     cls = ray.remote(FrozenActor)
     return [(role, cls.options(num_cpus=launch.cpus_per_role_actor,
                                num_gpus=launch.gpus_per_role_actor, runtime_env=env,
                                scheduling_strategy=where, max_restarts=0).remote(role, payload))
-            for role, where in zip(frozen_roles(recipe), placements, strict=True)]
+            for role, where in zip(frozen_roles(roles), placements, strict=True)]
 
 
 def start_rollout_actors(ray: Any, payload: Payload, recipe: Recipe, env: dict[str, Any],
