@@ -314,6 +314,22 @@ def _eval_ranges(r: Recipe) -> list[Problem]:
     return p
 
 
+def _off_policy_ranges(r: Recipe) -> list[Problem]:
+    """algo.max_off_policy_steps: >= 0; overlapping runs for now with the in-process hf engine,
+    on local or torchrun ranks."""
+    k = r.algo.max_off_policy_steps
+    p = _range("algo.max_off_policy_steps", k, k >= 0, ">= 0 (0: synchronous)")
+    if k >= 1 and r.rollout.engine != "hf":
+        p.append(Problem("algo.max_off_policy_steps", "overlaps rollouts with training with "
+                         "rollout.engine = 'hf' only for now", got=k,
+                         hint="set rollout.engine = 'hf', or algo.max_off_policy_steps = 0"))
+    if k >= 1 and r.launch.backend == "ray":
+        p.append(Problem("algo.max_off_policy_steps", "overlaps rollouts with training on "
+                         "local or torchrun ranks only for now", got=k,
+                         hint="use launch.backend = 'torchrun', or algo.max_off_policy_steps = 0"))
+    return p
+
+
 def _grpo_ranges(r: Recipe) -> list[Problem]:
     a = r.algo
     p = _range("algo.group_size", a.group_size, a.group_size >= 2, ">= 2 (advantages compare "
@@ -331,6 +347,7 @@ def _grpo_ranges(r: Recipe) -> list[Problem]:
     if not r.reward.functions:
         p.append(Problem("reward.functions", "GRPO needs at least one reward function", got=[]))
     p += _engine_is_ranges(r)
+    p += _off_policy_ranges(r)
     if a.engine_is_correction and a.old_logprobs == "engine":
         p.append(Problem("algo.engine_is_correction", "compares the policy's behaviour logprobs "
                          "with the engine's, but algo.old_logprobs = 'engine' makes them the same",

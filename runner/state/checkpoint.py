@@ -73,6 +73,8 @@ class TrainingState:
     world_size: int = 1  # ranks that wrote it
     items_per_step: int | None = None  # the global batch (prompts or pairs) it was trained with
     trackers: dict[str, str] = attrs.field(factory=dict)  # tracker -> the run id a resume continues
+    # per rank, the batches sampled ahead and not yet trained (algo.max_off_policy_steps >= 1)
+    in_flight: list[Any] = attrs.field(factory=list)
 
 
 # --- RNG ----------------------------------------------------------------------------------------
@@ -448,7 +450,7 @@ def _state(path: Path, raw: Any) -> tuple[Any, TrainingState]:
         ("step", state.step, int), ("world_size", state.world_size, int),
         ("cursor", state.cursor, dict | None), ("scheduler", state.scheduler, dict),
         ("extra", state.extra, dict), ("items_per_step", state.items_per_step, int | None),
-        ("trackers", state.trackers, dict))
+        ("trackers", state.trackers, dict), ("in_flight", state.in_flight, list))
         if isinstance(value, bool) or not isinstance(value, kinds)]
     if not wrong and not all(isinstance(v, str) for v in state.trackers.values()):
         wrong = ["trackers"]

@@ -101,6 +101,7 @@ class RunContext:
     rollout: Rollout | None
     roles: Roles = attrs.field(factory=Roles)
     actors: RoleProvider | None = None  # roles served outside this rank (Ray role actors)
+    producer: Any = None  # the batches sampled ahead (runner.train.pipeline.Producer), if any
 
     def frozen(self, role: str, path: Path, pad_free: bool = False) -> FrozenScorer:
         """The frozen model of ``role`` ("reference" or "teacher") loaded from ``path``, scoring
@@ -141,9 +142,10 @@ class RunContext:
         """Checkpoint ``step``: every rank's RNG state goes to rank 0, which writes; the ranks
         leave together once the checkpoint is complete."""
         rngs = self.svc.comm.gather(capture_rng())
+        flights = self.svc.comm.gather(self.producer.to_json()) if self.producer else []
         path = None
         if self.svc.rank.is_main:
-            path = write_checkpoint(self, step, rngs, extra or {})
+            path = write_checkpoint(self, step, rngs, extra or {}, flights)
         self.svc.comm.barrier()
         return path
 
@@ -156,8 +158,8 @@ class RunContext:
             self.svc.lock.release()
 
 
-def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable]
-                     ) -> Path:
+def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable],
+                     in_flight: list[Any] | None = None) -> Path:
     cursor, plan = run.state.data.cursor, run.svc.plan
     state = TrainingState(
         step=step,
@@ -165,7 +167,7 @@ def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[st
         scheduler=scheduler_state(run.policy.scheduler),
         extra={name: {"scheduler": scheduler_state(t.scheduler)} for name, t in extra.items()},
         world_size=plan.world_size, items_per_step=plan.items_per_step,
-        trackers=run.svc.metrics.tracker_ids(),
+        trackers=run.svc.metrics.tracker_ids(), in_flight=list(in_flight or []),
     )
     return save_checkpoint(
         plan.checkpoint_dir, step, model=run.policy.unwrapped(), tokenizer=run.tokenizer,

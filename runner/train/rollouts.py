@@ -87,6 +87,28 @@ def sample(run: RunContext, n_prompts: int, n_samples: int, step: int) -> Trajec
     return traj
 
 
+def sample_ahead(run: RunContext, n_prompts: int, n_samples: int, step: int
+                 ) -> tuple[Trajectory, list[int]]:
+    """``sample`` without any collective call (a producer thread runs it): the trajectory and
+    the source index of each completion's item."""
+    indexed = run.state.data.next_indexed(n_prompts // run.svc.rank.world_size)
+    items = [item for _, item in indexed]
+    seeds = position_seeds(run, run.svc.recipe.run.seed, step, len(items))
+    traj = roll_out(run.rollout, items, sampling(run.svc.recipe.rollout, n_samples, 0), seeds)
+    per_item = len(traj.completions) // max(1, len(items))
+    return traj, [i for i, _ in indexed for _ in range(per_item)]
+
+
+def with_item_ids(run: RunContext, traj: Trajectory, indices: Sequence[int], n_samples: int
+                  ) -> Trajectory:
+    """The step's global item ids on ``traj`` (with ``logging.item_ids``): gathered from every
+    rank's ``indices`` (one per completion), as ``sample`` gathers them."""
+    if not run.svc.recipe.logging.item_ids:
+        return traj
+    ids = interleave(run.svc.comm.gather(list(indices[::n_samples])))
+    return attrs.evolve(traj, item_ids=tuple(ids))
+
+
 def item_ids_metric(traj: Trajectory) -> dict[str, list[int]]:
     return {"data/item_ids": list(traj.item_ids)} if traj.item_ids else {}
 

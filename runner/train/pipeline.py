@@ -1,0 +1,168 @@
+"""Rollouts that overlap training (``algo.max_off_policy_steps = k >= 1``).
+
+The schedule is fixed, so an overlapped run is as reproducible as a synchronous one: the batch
+of step ``t`` is sampled by the engine holding the policy of version ``v = max(0, t - 1 - k)``
+(a version counts the optimizer steps behind the weights). While step ``t`` trains, a producer
+thread samples the batch of step ``t + k`` with the engine's weights of version ``t - 1``;
+the new weights reach the engine only after that batch is complete, so no batch is sampled with
+two versions. The producer draws from the same data cursor, in the same order, as the
+synchronous loop, and each item's sampling seed comes from its step and position, as there.
+
+A checkpoint after step ``t`` holds the batches of steps ``t + 1 .. t + k`` (each rank's: token
+ids, the engine's logprobs, the item indices, the version) and the cursor where the producer
+stands, so a resumed run trains exactly the batches the uninterrupted run trains. The producer
+makes no collective call: whatever needs every rank (the item ids of the log) is gathered when
+the batch is trained.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from runner.errors import RunnerError, RuntimeFailure
+from runner.rollout.base import Completion
+from runner.train.trajectory import Trajectory
+from runner.types import ObsBundle
+
+
+@attrs.frozen
+class Produced:
+    """One rank's batch of one step, sampled ahead by the engine of policy ``version``."""
+
+    step: int
+    version: int
+    traj: Trajectory
+    indices: tuple[int, ...]  # the source index of each completion's item
+    seconds: float  # the producer's time sampling it (0 once read back from a checkpoint)
+
+    def to_json(self) -> dict[str, Any]:
+        t = self.traj
+        return {"step": self.step, "version": self.version, "indices": list(self.indices),
+                "prompt_ids": [list(p) for p in t.prompt_ids],
+                "completions": [[list(c.token_ids), c.text, list(c.logprobs), c.finish_reason]
+                                for c in t.completions]}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], item: Callable[[int], ObsBundle]) -> Produced:
+        """A batch read back from a checkpoint; its items read again from the source."""
+        items: dict[int, ObsBundle] = {}
+        indices = tuple(int(i) for i in raw["indices"])
+        for i in indices:
+            if i not in items:
+                items[i] = item(i)
+        completions = tuple(Completion(tuple(ids), text, tuple(lps), reason)
+                            for ids, text, lps, reason in raw["completions"])
+        traj = Trajectory(tuple(items[i] for i in indices),
+                          tuple(tuple(p) for p in raw["prompt_ids"]), completions)
+        return cls(int(raw["step"]), int(raw["version"]), traj, indices, 0.0)
+
+
+# what a producer samples: step -> (the trajectory, its items' source indices)
+Sampler = Callable[[int], tuple[Trajectory, list[int]]]
+
+
+class Producer:
+    """The batches of the next ``k`` steps, sampled ahead on a thread of this rank.
+
+    ``take(t)`` returns step ``t``'s batch (sampling it here when none is ahead: the first
+    steps, or after a resume without batches in flight); ``start(t)`` samples step ``t``'s batch
+    on the producer thread with the engine's current weights (version ``version``); ``wait()``
+    returns once that batch is complete, raising what the producer raised.
+    """
+
+    def __init__(self, sample: Sampler, k: int, in_flight: list[Produced] | None = None
+                 ) -> None:
+        self.sample, self.k = sample, k
+        self.ahead: deque[Produced] = deque(in_flight or [])
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+
+    def _produce(self, step: int, version: int) -> Produced:
+        started = time.perf_counter()
+        traj, indices = self.sample(step)
+        return Produced(step, version, traj, tuple(indices), time.perf_counter() - started)
+
+    def _last(self) -> int:
+        return self.ahead[-1].step if self.ahead else 0
+
+    def take(self, step: int) -> Produced:
+        """Step ``step``'s batch; the batches up to ``step + k - 1`` are ahead afterwards
+        (those missing are sampled here, by the engine of version ``step - 1``)."""
+        self.wait()
+        for missing in range(max(step, self._last() + 1), step + self.k):
+            self.ahead.append(self._produce(missing, step - 1))
+        got = self.ahead.popleft()
+        if got.step != step:
+            raise RunnerError(f"the producer's next batch is of step {got.step}, not {step}")
+        return got
+
+    def start(self, step: int, version: int) -> None:
+        """Sample step ``step``'s batch on the producer thread (unless it is ahead already)."""
+        if step <= self._last():
+            return
+
+        def body() -> None:
+            try:
+                self.ahead.append(self._produce(step, version))
+            except RunnerError as exc:  # handed to the training thread, which raises it
+                self._failed = exc
+            except Exception as exc:  # noqa: BLE001 - the same, named
+                failure = RuntimeFailure("producer", step, f"sampling failed: "
+                                         f"{type(exc).__name__}: {exc}")
+                failure.__cause__ = exc
+                self._failed = failure
+
+        self._thread = threading.Thread(target=body, name=f"producer-step-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The batches ahead (the producer is idle: called between steps)."""
+        return [p.to_json() for p in self.ahead]
+
+
+def make_producer(run: Any, sample: Sampler, k: int) -> Producer | None:
+    """This rank's producer for ``k >= 1`` (with the batches a checkpoint holds for this rank);
+    None for the synchronous loop, which refuses a checkpoint with batches in flight."""
+    from runner.errors import Problem, RecipeError
+
+    ckpt = run.state.ckpt
+    flights = ckpt.state.in_flight if ckpt is not None else []
+    held = flights[run.svc.rank.rank] if flights else []
+    if k == 0 and not held:
+        return None
+    if k == 0 or (flights and len(flights) != run.svc.rank.world_size):
+        why = (f"holds {len(held)} batch(es) sampled ahead by "
+               f"{len(flights)} rank(s)")
+        raise RecipeError([Problem(
+            "algo.max_off_policy_steps", f"the checkpoint {ckpt.path.name} {why}, which this "
+            f"run (max_off_policy_steps = {k}, {run.svc.rank.world_size} rank(s)) would not "
+            "train", got=k, hint="resume with the max_off_policy_steps and number of ranks "
+            "that wrote it")])
+    source = run.state.data.source
+    return Producer(sample, k, [Produced.from_json(raw, source.item) for raw in held])
+
+
+def staleness_metrics(run: Any, produced: Produced, step: int, k: int) -> dict[str, float]:
+    """``rollout/staleness_mean`` and ``_max`` over every rank's batch: the optimizer steps
+    between the policy that sampled it and the one it trains (at most ``k``)."""
+    staleness = step - 1 - produced.version
+    if not 0 <= staleness <= k:
+        raise RunnerError(f"step {step} would train on a batch of policy version "
+                          f"{produced.version}, {staleness} steps old (at most {k} allowed)")
+    every = run.svc.comm.gather(staleness)
+    return {"rollout/staleness_mean": sum(every) / len(every),
+            "rollout/staleness_max": float(max(every))}

@@ -1,0 +1,125 @@
+"""Rollouts that overlap training (``algo.max_off_policy_steps``): the fixed schedule's
+staleness, runs bitwise reproducible, the same items in the same order as the synchronous loop,
+SIGKILL and resume with batches in flight bitwise equal to the uninterrupted run, two torchrun
+ranks, refusals, and a producer that fails ending the step with its name."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runner.errors import RuntimeFailure
+from runner.train.pipeline import Producer
+from runner.train.trajectory import Trajectory
+from tests.multiproc import run_ranks
+from tests.resume_helpers import (
+    assert_same_run,
+    deterministic_rows,
+    kill_at_random_points,
+    run_cli,
+)
+
+GRPO = "recipes/grpo-arith.toml"
+STEPS = 5
+SMALL = ("algo.prompts_per_step=4", "algo.group_size=4", "rollout.max_new_tokens=4",
+         "data.validation.size=8", "train.eval_every=2", "checkpoint.every_steps=1",
+         "checkpoint.keep_last=10", "logging.sample_every=0", "logging.item_ids=true",
+         "algo.engine_is_correction=true", "train.lr=3e-3")
+K1 = ("algo.max_off_policy_steps=1",)
+
+
+def _trained(out) -> list[dict]:
+    return [r for r in deterministic_rows(out) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted k = 1 run, and the synchronous run of the same recipe."""
+    runs = {}
+    for name, extra in (("k1", K1), ("k0", ())):
+        out = tmp_path_factory.mktemp(name)
+        done = run_cli(GRPO, out, f"run.max_steps={STEPS}", *SMALL, *extra)
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[name] = out
+    return runs
+
+
+def test_staleness_follows_the_schedule_and_the_items_are_the_synchronous_runs(straight):
+    rows = _trained(straight["k1"])
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0] + [1.0] * (STEPS - 1)
+    assert [r["rollout/staleness_mean"] for r in rows] == [0.0] + [1.0] * (STEPS - 1)
+    # the producer reads the one cursor in the same order: every step trains the same items
+    sync = _trained(straight["k0"])
+    assert [r["data/item_ids"] for r in rows] == [r["data/item_ids"] for r in sync]
+    assert all("rollout/staleness_max" not in r for r in sync)
+    # the first batch is on-policy, so its step equals the synchronous run's; later ones differ
+    assert rows[0]["loss"] == sync[0]["loss"]
+    assert rows[-1]["loss"] != sync[-1]["loss"]
+
+
+def test_two_runs_are_bitwise_equal(straight, tmp_path):
+    done = run_cli(GRPO, tmp_path, f"run.max_steps={STEPS}", *SMALL, *K1)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_run(tmp_path, straight["k1"], STEPS, ("model/model.safetensors",
+                                                      "optimizer.safetensors"))
+
+
+@pytest.mark.slow
+def test_killed_with_batches_in_flight_then_resumed_equals_the_uninterrupted_run(straight,
+                                                                                  tmp_path):
+    """SIGKILL at random points (mid-checkpoint write, mid-step with the producer sampling or
+    holding a batch), then resumes: rows, weights, optimizer state and state.json (with the
+    batches in flight) bitwise the uninterrupted run's."""
+    where = kill_at_random_points(GRPO, tmp_path, STEPS, (*SMALL, *K1), random.Random(2), 2)
+    assert where and not all(w.endswith("(the run had finished)") for w in where), where
+    done = run_cli(GRPO, tmp_path, f"run.max_steps={STEPS}", *SMALL, *K1)
+    assert done.returncode == 0, (where, done.stdout + done.stderr)
+    assert "resuming" in done.stdout, where
+    assert_same_run(tmp_path, straight["k1"], STEPS, ("model/model.safetensors",
+                                                      "optimizer.safetensors"))
+
+
+@pytest.mark.multiproc
+def test_two_torchrun_ranks_with_k_2(straight, tmp_path):
+    done = run_ranks(GRPO, tmp_path, 2, "run.max_steps=3", *SMALL, "algo.max_off_policy_steps=2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = _trained(tmp_path)
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 2.0]
+    sync = _trained(straight["k0"])[:3]
+    assert [r["data/item_ids"] for r in rows] == [r["data/item_ids"] for r in sync]
+
+
+def test_refusals(straight, tmp_path):
+    for extra, expected in ((("rollout.engine=vllm",), "rollout.engine = 'hf' only"),
+                            (("launch.backend=ray", "launch.num_processes=2"),
+                             "local or torchrun ranks only")):
+        done = run_cli(GRPO, tmp_path, *SMALL, *K1, *extra)
+        assert done.returncode == 2 and expected in done.stderr, done.stderr
+    # a checkpoint with a batch in flight is not resumed by the synchronous loop (its items
+    # would be skipped)
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(straight["k1"], copy)
+    shutil.rmtree(copy / "checkpoints" / f"step-{STEPS:06d}")
+    done = run_cli(GRPO, copy, f"run.max_steps={STEPS}", *SMALL)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "algo.max_off_policy_steps" in done.stderr and "sampled ahead" in done.stderr
+
+
+def test_a_failing_producer_ends_the_step_naming_itself():
+    def sample(step: int) -> tuple[Trajectory, list[int]]:
+        if step == 3:
+            raise ValueError("the engine went away")
+        return Trajectory((), (), ()), []
+
+    producer = Producer(sample, 1)
+    assert producer.take(1).step == 1
+    producer.start(2, version=0)
+    assert producer.take(2).version == 0
+    producer.start(3, version=1)
+    with pytest.raises(RuntimeFailure, match="producer at step 3: sampling failed: ValueError: "
+                       "the engine went away"):
+        producer.wait()
