@@ -123,3 +123,23 @@ def test_a_failing_producer_ends_the_step_naming_itself():
     with pytest.raises(RuntimeFailure, match="producer at step 3: sampling failed: ValueError: "
                        "the engine went away"):
         producer.wait()
+
+
+@pytest.mark.slow
+def test_ppo_with_k_1_killed_and_resumed_equals_its_uninterrupted_run(tmp_path):
+    """PPO (policy and critic) with a batch in flight: the staleness schedule, and a kill
+    after a checkpoint resumed bitwise (the critic's weights too)."""
+    ppo = ("recipes/ppo-arith.toml", "algo.prompts_per_step=4", "rollout.max_new_tokens=4",
+           "data.validation.enabled=false", "checkpoint.every_steps=1", "checkpoint.keep_last=10",
+           "logging.sample_every=0", "logging.item_ids=true", *K1)
+    straight = tmp_path / "straight"
+    done = run_cli(ppo[0], straight, "run.max_steps=4", *ppo[1:])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [r["rollout/staleness_max"] for r in _trained(straight)] == [0.0, 1.0, 1.0, 1.0]
+    out = tmp_path / "killed"
+    where = kill_at_random_points(ppo[0], out, 4, ppo[1:], random.Random(2), 1)
+    assert where and not where[0].endswith("(the run had finished)"), where
+    done = run_cli(ppo[0], out, "run.max_steps=4", *ppo[1:])
+    assert done.returncode == 0, (where, done.stdout + done.stderr)
+    assert_same_run(out, straight, 4, ("model/model.safetensors",
+                                       "extra_models/critic/model.safetensors"))

@@ -394,7 +394,7 @@ def _ppo_ranges(r: Recipe) -> list[Problem]:
                          f"({rollouts})", got=a.minibatches))
     if not r.reward.functions:
         p.append(Problem("reward.functions", "PPO needs at least one reward function", got=[]))
-    return p + _engine_is_ranges(r)
+    return p + _engine_is_ranges(r) + _off_policy_ranges(r)
 
 
 def _opd_ranges(r: Recipe) -> list[Problem]:

@@ -242,6 +242,10 @@ class PPOConfig:
         "correcting for an engine that computes with other numerics (e.g. bf16 weights)."
     )
     engine_is_cap: float = key(2.0, "Upper bound (>= 1) of the engine importance weight.")
+    max_off_policy_steps: int = key(
+        0, "0: sample, then train (synchronous). k >= 1: a producer samples the batches of the "
+        "next k steps while the current one trains (as for GRPO)."
+    )
 
 
 @attrs.frozen

@@ -18,7 +18,6 @@ uninterrupted one exactly, and the same global batch trains the same way on any 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import attrs
@@ -40,16 +39,15 @@ from runner.train.batches import (
     train_minibatch_keeping,
 )
 from runner.train.loop import run_loop
-from runner.train.pipeline import make_producer, staleness_metrics
+from runner.train.pipeline import make_producer
 from runner.train.policy import completion_grid
 from runner.train.rollouts import (
     evaluate,
     sample,
     sample_ahead,
     shared_prefixes,
-    staged_step,
+    stages,
     step_metrics,
-    with_item_ids,
 )
 from runner.train.rollouts import score as reward_trajectory
 from runner.train.seeds import step_seed
@@ -63,8 +61,7 @@ def run(run: RunContext) -> dict[str, Any]:
     assert rewards is not None
     run.producer = make_producer(run, lambda step: sample_ahead(
         run, algo.prompts_per_step, algo.group_size, step), algo.max_off_policy_steps)
-    step_fn = one_step if run.producer is None else overlapped_step
-    return run_loop(run, lambda step: step_fn(run, algo, rewards, step),
+    return run_loop(run, lambda step: one_step(run, algo, rewards, step),
                     (lambda: evaluate(run, rewards)) if run.state.has_held_out else None)
 
 
@@ -220,8 +217,8 @@ def _with_rows(old_BT: torch.Tensor, kept: list[tuple[torch.Tensor, Kept]]) -> t
 
 def one_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int) -> dict[str, Any]:
     """produce -> score -> consume, then the new weights to the engine; the step's metrics."""
-    scored, metrics, seconds = staged_step(
-        run, lambda: produce(run, algo, step),
+    scored, metrics, seconds = stages(
+        run, step, algo.group_size, lambda: produce(run, algo, step),
         lambda traj: score(run, algo, rewards, traj, step),
         lambda s: consume(run, algo, s) | _prefix_metrics(run, s))
     traj, every = scored.traj, run.svc.recipe.logging.sample_every
@@ -238,31 +235,3 @@ def _prefix_metrics(run: RunContext, scored: ScoredBatch) -> dict[str, float]:
     return {"prefix_tokens_filtered":
             sum(gather_rows(run.svc.comm, layout, scored.ignore_prefix)) / layout.global_rows}
 
-
-def overlapped_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int
-                    ) -> dict[str, Any]:
-    """A step whose batch was sampled ahead (``algo.max_off_policy_steps``): the producer
-    samples step ``step + k``'s batch while this one is scored and trained; the new weights go
-    to the engine once that batch is complete."""
-    producer, k = run.producer, algo.max_off_policy_steps
-    t0 = time.perf_counter()
-    produced = producer.take(step)
-    if step + k <= run.svc.plan.max_steps:
-        producer.start(step + k, version=step - 1)
-    t1 = time.perf_counter()
-    traj = with_item_ids(run, produced.traj, produced.indices, algo.group_size)
-    scored = score(run, algo, rewards, traj, step)
-    t2 = time.perf_counter()
-    metrics = consume(run, algo, scored) | _prefix_metrics(run, scored)
-    t3 = time.perf_counter()
-    producer.wait()
-    t4 = time.perf_counter()
-    run.sync_weights()
-    t5 = time.perf_counter()
-    seconds = {"rollout": produced.seconds, "rollout_wait": t1 - t0, "reward": t2 - t1,
-               "update": t3 - t2, "producer_wait": t4 - t3, "sync": t5 - t4}
-    every = run.svc.recipe.logging.sample_every
-    if every and step % every == 0:
-        run.svc.reporter.sample(step, str(traj.items[0].prompt), traj.texts[0], traj.rewards[0])
-    return (step_metrics(run, traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics
-            | staleness_metrics(run, produced, step, k))

@@ -46,9 +46,10 @@ from runner.train.batches import (
 )
 from runner.train.critic import CRITIC
 from runner.train.loop import run_loop
+from runner.train.pipeline import make_producer
 from runner.train.policy import completion_grid
 from runner.train.roles import Trainable
-from runner.train.rollouts import evaluate, sample, staged_step, step_metrics
+from runner.train.rollouts import evaluate, sample, sample_ahead, stages, step_metrics
 from runner.train.rollouts import score as reward_trajectory
 from runner.train.seeds import step_seed
 from runner.train.trajectory import Trajectory
@@ -59,6 +60,8 @@ def run(run: RunContext) -> dict[str, Any]:
     assert isinstance(algo, PPOConfig)
     rewards, critic = run.roles.rewards, run.roles.critic
     assert rewards is not None and critic is not None
+    run.producer = make_producer(run, lambda step: sample_ahead(
+        run, algo.prompts_per_step, algo.samples_per_prompt, step), algo.max_off_policy_steps)
     return run_loop(run, lambda step: one_step(run, algo, rewards, critic, step),
                     (lambda: evaluate(run, rewards)) if run.state.has_held_out else None,
                     save=lambda step: run.save(step, {CRITIC: critic}))
@@ -173,8 +176,8 @@ def consume(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredP
 def one_step(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainable,
              step: int) -> dict[str, Any]:
     """produce -> score -> consume, then the new weights to the engine; the step's metrics."""
-    scored, metrics, seconds = staged_step(
-        run, lambda: produce(run, algo, step),
+    scored, metrics, seconds = stages(
+        run, step, algo.samples_per_prompt, lambda: produce(run, algo, step),
         lambda traj: score(run, algo, rewards, critic, traj, step),
         lambda s: consume(run, algo, critic, s))
     return step_metrics(run, scored.traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics

@@ -136,6 +136,47 @@ def staged_step(run: RunContext, produce: Callable[[], Trajectory],
                              "sync": t4 - t3}
 
 
+def staged_step_ahead(run: RunContext, step: int, n_samples: int,
+                      score: Callable[[Trajectory], Scored],
+                      consume: Callable[[Scored], dict[str, Any]]
+                      ) -> tuple[Scored, dict[str, Any], dict[str, float]]:
+    """``staged_step`` with the batch sampled ahead (``algo.max_off_policy_steps = k``): the
+    producer (``run.producer``) samples step ``step + k``'s batch while this one is scored and
+    trained; the new weights go to the engine once that batch is complete. The metrics include
+    the batch's staleness; the seconds: the producer's sampling of this batch ("rollout"), the
+    wait for it ("rollout_wait"), score, update, the wait for the next ("producer_wait"),
+    sync."""
+    from runner.train.pipeline import staleness_metrics
+
+    producer, k = run.producer, run.svc.recipe.algo.max_off_policy_steps
+    t0 = time.perf_counter()
+    produced = producer.take(step)
+    if step + k <= run.svc.plan.max_steps:
+        producer.start(step + k, version=step - 1)
+    t1 = time.perf_counter()
+    scored = score(with_item_ids(run, produced.traj, produced.indices, n_samples))
+    t2 = time.perf_counter()
+    metrics = consume(scored) | staleness_metrics(run, produced, step, k)
+    t3 = time.perf_counter()
+    producer.wait()
+    t4 = time.perf_counter()
+    run.sync_weights()
+    t5 = time.perf_counter()
+    return scored, metrics, {"rollout": produced.seconds, "rollout_wait": t1 - t0,
+                             "reward": t2 - t1, "update": t3 - t2, "producer_wait": t4 - t3,
+                             "sync": t5 - t4}
+
+
+def stages(run: RunContext, step: int, n_samples: int, produce: Callable[[], Trajectory],
+           score: Callable[[Trajectory], Scored], consume: Callable[[Scored], dict[str, Any]]
+           ) -> tuple[Scored, dict[str, Any], dict[str, float]]:
+    """A rollout step's stages: synchronous, or with its batch sampled ahead when the run has a
+    producer (``algo.max_off_policy_steps >= 1``)."""
+    if run.producer is None:
+        return staged_step(run, produce, score, consume)
+    return staged_step_ahead(run, step, n_samples, score, consume)
+
+
 def step_metrics(run: RunContext, traj: Trajectory, rewards_all: Sequence[float],
                  seconds: Mapping[str, float], train_passes: int) -> dict[str, Any]:
     """The part of a step's metrics every rollout loop (GRPO, PPO, OPD) logs alike.
