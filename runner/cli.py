@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] and argv[0] in SUBCOMMANDS:
         _, command = SUBCOMMANDS[argv[0]]
         return command(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     return _recipe_command(lambda: _dispatch(args))
 
 

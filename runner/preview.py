@@ -20,7 +20,7 @@ def plan_sections(recipe: Recipe, plan: RunPlan) -> list[tuple[str, list[tuple[s
     """The (title, rows) sections of the dry-run."""
     from runner.data.preview import describe_data
 
-    return [("Plan", plan.rows() + precision_rows(recipe)
+    return [("Plan", plan.rows() + pipeline_rows(recipe) + precision_rows(recipe)
              + [("recipe hash", recipe_hash(recipe)[:16])]),
             ("Data", describe_data(recipe)),
             ("Model and packing", packing_rows(recipe)),
@@ -33,6 +33,22 @@ def memory_rows(recipe: Recipe, plan: RunPlan) -> list[tuple[str, str]]:
     from runner.preflight import estimate_state
 
     return estimate_state(recipe, plan.world_size).rows()
+
+
+def pipeline_rows(recipe: Recipe) -> list[tuple[str, str]]:
+    """How far rollouts run ahead of training (``algo.max_off_policy_steps``), and where."""
+    k = getattr(recipe.algo, "max_off_policy_steps", None)
+    if k is None:
+        return []
+    if k == 0:
+        return [("rollouts ahead", "0: each step samples, then trains (synchronous)")]
+    import torch
+
+    return [("rollouts ahead", f"{k} batch(es): step t trains a batch sampled by the policy of "
+             f"step t - {k} or later, while a producer thread of each rank samples step "
+             f"t + {k}'s batch with its own engine"),
+            ("producer threads", f"the producer and the training share this process's "
+             f"{torch.get_num_threads()} torch thread(s)")]
 
 
 def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:

@@ -143,3 +143,10 @@ def test_ppo_with_k_1_killed_and_resumed_equals_its_uninterrupted_run(tmp_path):
     assert done.returncode == 0, (where, done.stdout + done.stderr)
     assert_same_run(out, straight, 4, ("model/model.safetensors",
                                        "extra_models/critic/model.safetensors"))
+
+
+def test_dry_run_shows_the_pipeline(tmp_path):
+    done = run_cli(GRPO, tmp_path, "--dry-run", *K1)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rollouts ahead" in done.stdout and "1 batch(es)" in done.stdout
+    assert "producer threads" in done.stdout
