@@ -79,13 +79,20 @@ def build_report_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options may stand anywhere among the overrides (``RECIPE k=v --dry-run k=v``); after
+    ``--`` every word is the recipe or an override (argparse's intermixed parsing does not keep
+    that rule, so such a command line is parsed the plain way)."""
+    return parser.parse_args(argv) if "--" in argv else parser.parse_intermixed_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     line_buffered_stdout()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:
         _, command = SUBCOMMANDS[argv[0]]
         return command(argv[1:])
-    args = build_parser().parse_intermixed_args(argv)
+    args = _parse(build_parser(), argv)
     return _recipe_command(lambda: _dispatch(args))
 
 
@@ -123,7 +130,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
 
 
 def eval_command(argv: list[str]) -> int:
-    args = build_eval_parser().parse_intermixed_args(argv)
+    args = _parse(build_eval_parser(), argv)
     return _recipe_command(lambda: _eval(args))
 
 
