@@ -34,6 +34,7 @@ SHOWN = (
     ("loss", "loss"), ("kl", "kl"),
     ("reverse_kl", "reverse kl"), ("accuracy", "pref acc"), ("reward_margin", "margin"),
     ("value_loss", "value loss"), ("clip_frac", "clip frac"),
+    ("rollout/staleness_max", "staleness"),
     ("perf/rollout_tok_s", "rollout tok/s"), ("perf/train_tok_s", "train tok/s"),
 )
 SPLIT = ("time/rollout", "time/reward", "time/update", "time/sync")
