@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     results: dict[int, list[tuple[float, float]]] = {0: [], 1: [], 2: []}
     for _ in range(args.rounds):
         for k in results:

@@ -47,8 +47,11 @@ def pipeline_rows(recipe: Recipe) -> list[tuple[str, str]]:
     return [("rollouts ahead", f"{k} batch(es): step t trains a batch sampled by the policy of "
              f"step t - {k} or later, while a producer thread of each rank samples step "
              f"t + {k}'s batch with its own engine"),
-            ("producer threads", f"the producer and the training share this process's "
-             f"{torch.get_num_threads()} torch thread(s)")]
+            ("producer threads", f"the producer samples with {n} torch thread(s) "
+             f"(rollout.producer_threads), the training with {torch.get_num_threads()}"
+             if (n := recipe.rollout.producer_threads) else
+             f"the producer and the training each use torch's {torch.get_num_threads()} "
+             "thread(s) (rollout.producer_threads = 0)")]
 
 
 def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:

@@ -150,3 +150,20 @@ def test_dry_run_shows_the_pipeline(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rollouts ahead" in done.stdout and "1 batch(es)" in done.stdout
     assert "producer threads" in done.stdout
+
+
+def test_the_producer_samples_with_its_own_thread_count():
+    import torch
+
+    main = torch.get_num_threads()
+    seen = []
+
+    def sample(step: int) -> tuple[Trajectory, list[int]]:
+        seen.append(torch.get_num_threads())
+        return Trajectory((), (), ()), []
+
+    producer = Producer(sample, 1, threads=1)
+    producer.take(1)  # sampled here, on the training thread
+    producer.start(2, version=0)
+    producer.wait()
+    assert seen == [main, 1] and torch.get_num_threads() == main

@@ -319,6 +319,8 @@ def _off_policy_ranges(r: Recipe) -> list[Problem]:
     on local or torchrun ranks."""
     k = r.algo.max_off_policy_steps
     p = _range("algo.max_off_policy_steps", k, k >= 0, ">= 0 (0: synchronous)")
+    p += _range("rollout.producer_threads", r.rollout.producer_threads,
+                r.rollout.producer_threads >= 0, ">= 0 (0: torch's default)")
     if k >= 1 and r.rollout.engine != "hf":
         p.append(Problem("algo.max_off_policy_steps", "overlaps rollouts with training with "
                          "rollout.engine = 'hf' only for now", got=k,

@@ -300,6 +300,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = key(0.3, "vllm on GPU: fraction of GPU memory for the engine.")
     enable_sleep_mode: bool = key(False, "vllm on GPU: free engine memory between rollouts.")
     vllm_kv_cache_gb: float = key(1.0, "vllm on CPU: KV cache size in GiB.")
+    producer_threads: int = key(
+        0, "With algo.max_off_policy_steps >= 1: the torch threads the producer thread samples "
+        "with; 0: as many as the training (torch's default). The training keeps its own."
+    )
 
 
 @attrs.frozen

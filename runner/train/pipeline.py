@@ -76,9 +76,9 @@ class Producer:
     returns once that batch is complete, raising what the producer raised.
     """
 
-    def __init__(self, sample: Sampler, k: int, in_flight: list[Produced] | None = None
-                 ) -> None:
-        self.sample, self.k = sample, k
+    def __init__(self, sample: Sampler, k: int, in_flight: list[Produced] | None = None,
+                 threads: int = 0) -> None:
+        self.sample, self.k, self.threads = sample, k, threads
         self.ahead: deque[Produced] = deque(in_flight or [])
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
@@ -108,6 +108,10 @@ class Producer:
             return
 
         def body() -> None:
+            if self.threads:  # this thread's own (OpenMP keeps the count per thread)
+                import torch
+
+                torch.set_num_threads(self.threads)
             try:
                 self.ahead.append(self._produce(step, version))
             except RunnerError as exc:  # handed to the training thread, which raises it
@@ -153,7 +157,8 @@ def make_producer(run: Any, sample: Sampler, k: int) -> Producer | None:
             "train", got=k, hint="resume with the max_off_policy_steps and number of ranks "
             "that wrote it")])
     source = run.state.data.source
-    return Producer(sample, k, [Produced.from_json(raw, source.item) for raw in held])
+    return Producer(sample, k, [Produced.from_json(raw, source.item) for raw in held],
+                    threads=run.svc.recipe.rollout.producer_threads)
 
 
 def staleness_metrics(run: Any, produced: Produced, step: int, k: int) -> dict[str, float]:
