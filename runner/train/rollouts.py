@@ -77,14 +77,8 @@ def sample(run: RunContext, n_prompts: int, n_samples: int, step: int) -> Trajec
     """This rank's share of the step's ``n_prompts`` prompts from the global cursor, with
     ``n_samples`` completions each, seeded by each prompt's global position in the batch: the
     rollout every GRPO / PPO / OPD step starts with."""
-    indexed = run.state.data.next_indexed(n_prompts // run.svc.rank.world_size)
-    items = [item for _, item in indexed]
-    seeds = position_seeds(run, run.svc.recipe.run.seed, step, len(items))
-    traj = roll_out(run.rollout, items, sampling(run.svc.recipe.rollout, n_samples, 0), seeds)
-    if run.svc.recipe.logging.item_ids:
-        ids = interleave(run.svc.comm.gather([i for i, _ in indexed]))
-        traj = attrs.evolve(traj, item_ids=tuple(ids))
-    return traj
+    traj, indices = sample_ahead(run, n_prompts, n_samples, step)
+    return with_item_ids(run, traj, indices, n_samples)
 
 
 def sample_ahead(run: RunContext, n_prompts: int, n_samples: int, step: int
