@@ -1,0 +1,188 @@
+"""``train.sharding = "fsdp"`` (FSDP2 per transformer block, torchrun ranks, gloo on 127.0.0.1).
+
+- 2 sharded ranks and 2 DDP ranks train the same GRPO run: in float64 their weights agree to
+  1e-10 relative after every step (only the order of float additions differs);
+- a checkpoint's model folder is one consolidated Hugging Face folder (from_pretrained loads it)
+  and its optimizer state one safetensors file per rank, listed in the manifest;
+- a job SIGKILLed after a checkpoint resumes bitwise like the uninterrupted sharded run, and
+  the resume unpickles nothing (a guard in every process of it records any unpickling of a file);
+- the recipe checks refuse what fsdp does not support yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from runner.errors import RecipeError
+from runner.recipe import load_recipe
+from runner.state.checkpoint import step_dirname
+from tests.conftest import REPO
+from tests.multiproc import item_ids, run_ranks, start_ranks
+from tests.resume_helpers import (
+    CLI,
+    _env,
+    assert_same_run,
+    deterministic_rows,
+    final_weights,
+    wait_for_checkpoint,
+)
+
+GRPO = "recipes/grpo-arith.toml"
+N = 3
+# Padded batches in float64, as tests/test_torchrun.py compares world sizes (RMSNorm computes in
+# float32 whatever the dtype; padding-free layouts would share prompts within micro-batches).
+# Two micro-batches per optimizer step: the first backward runs with gradient sync off.
+RUN = (f"run.max_steps={N}", "algo.prompts_per_step=4", "algo.group_size=4",
+       "algo.minibatches=2", "train.grad_accum_steps=2", "rollout.max_new_tokens=4",
+       "data.validation.size=8", "train.eval_every=3", "checkpoint.every_steps=1",
+       "checkpoint.keep_last=5", "logging.sample_every=0", "logging.item_ids=true",
+       "model.dtype=float64", "train.padding_free=false")
+FSDP = "train.sharding=fsdp"
+SHARDS = ("optimizer-rank-00000-of-00002.safetensors", "optimizer-rank-00001-of-00002.safetensors")
+FILES = ("model/model.safetensors", *SHARDS)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{"none": folder, "fsdp": folder}``: the same 3 float64 steps on 2 ranks each way."""
+    root = tmp_path_factory.mktemp("fsdp")
+    made = {}
+    for sharding in ("none", "fsdp"):
+        out = root / sharding
+        done = run_ranks(GRPO, out, 2, *RUN, f"train.sharding={sharding}")
+        assert done.returncode == 0, done.stdout + done.stderr
+        made[sharding] = out
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_and_ddp_agree_in_float64(runs):
+    ddp, fsdp = runs["none"], runs["fsdp"]
+    assert item_ids(ddp) == item_ids(fsdp) and len(item_ids(fsdp)) == N
+    rows = {name: [r for r in deterministic_rows(out) if "loss" in r]
+            for name, out in runs.items()}
+    assert len(rows["fsdp"]) == N
+    for a, b in zip(rows["none"], rows["fsdp"], strict=True):
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-10 * a["grad_norm"]  # the whole model's
+        assert a["reward/mean"] == b["reward/mean"]
+    for step in range(1, N + 1):
+        one, two = final_weights(ddp, step), final_weights(fsdp, step)
+        assert one.keys() == two.keys()  # the tied LM head is not written twice
+        assert all(t.dtype == torch.float64 for t in two.values())
+        worst = max(_rel(two[k], one[k]) for k in one if one[k].norm() > 0)
+        assert worst < 1e-10, (step, worst)
+    start, end = final_weights(fsdp, 1), final_weights(fsdp, N)
+    assert any(not torch.equal(start[k], end[k]) for k in start)  # training moved the weights
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_checkpoint_layout(runs):
+    """The optimizer state is one safetensors file per rank (each holding its half of every
+    sharded slot), indexed by optimizer.json and covered by the manifest; nothing pickled."""
+    from safetensors import safe_open
+
+    folder = runs["fsdp"] / "checkpoints" / step_dirname(N)
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    assert set(SHARDS) <= files and "optimizer.safetensors" not in files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))], files
+    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    assert set(SHARDS) <= manifest["files"].keys()
+    index = json.loads((folder / "optimizer.json").read_text())
+    assert index["files"] == list(SHARDS)
+    handles = [safe_open(folder / f, "pt") for f in SHARDS]
+    full = final_weights(runs["fsdp"], N)
+    for key, slots in index["state"].items():
+        param = index["params"][key]
+        assert param["shape"] == list(full[param["name"]].shape)
+        assert slots["exp_avg"] == "shard0"
+        halves = [h.get_tensor(f"{key}.exp_avg") for h in handles]
+        assert sum(h.shape[0] for h in halves) == param["shape"][0]
+        assert all(h.shape[0] < param["shape"][0] for h in halves if param["shape"][0] > 1)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_model_folder_loads_with_transformers(runs):
+    from transformers import AutoModelForCausalLM
+
+    folder = runs["fsdp"] / "checkpoints" / step_dirname(N) / "model"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    saved = final_weights(runs["fsdp"], N)
+    ddp = final_weights(runs["none"], N)
+    params = dict(model.named_parameters())
+    assert params.keys() == saved.keys()
+    for name, p in params.items():
+        assert torch.equal(p.detach(), saved[name]), name
+        assert _rel(p.detach(), ddp[name]) < 1e-10 or ddp[name].norm() == 0
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+def _guard_env(tmp_path) -> tuple[dict[str, str], object]:
+    """An environment whose every Python process records each file it unpickles in the log
+    returned (tests/unpickle_guard/sitecustomize.py)."""
+    log = tmp_path / "unpickled.log"
+    env = {**_env(), "PYTHONPATH": f"{REPO / 'tests' / 'unpickle_guard'}{os.pathsep}{REPO}",
+           "FSDP_TEST_UNPICKLE_LOG": str(log)}
+    return env, log
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_sigkill_after_a_checkpoint_resumes_bitwise_unpickling_nothing(runs, tmp_path):
+    """The whole job (driver and ranks) is SIGKILLed once checkpoint 1 is complete; the rerun
+    resumes from it and ends bitwise like the uninterrupted sharded run (metrics, state, weights
+    and every rank's optimizer shard), with no file unpickled by any of its processes."""
+    out = tmp_path / "run"
+    proc = start_ranks(GRPO, out, 2, *RUN, FSDP)
+    wait_for_checkpoint(proc, out, 1)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    time.sleep(0.5)
+    env, log = _guard_env(tmp_path)
+    done = subprocess.run([*CLI, GRPO, f"run.output_dir={out}", "launch.backend=torchrun",
+                           "launch.num_processes=2", *RUN, FSDP], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = [line for line in done.stdout.splitlines() if line.startswith("resuming")]
+    assert len(resumed) == 1 and f"(step {N})" not in resumed[0], done.stdout  # mid-run
+    lines = log.read_text().splitlines()
+    assert len([line for line in lines if line.startswith("guarded ")]) >= 3  # driver + 2 ranks
+    assert [line for line in lines if not line.startswith("guarded ")] == [], log.read_text()
+    assert_same_run(out, runs["fsdp"], N, FILES)
+
+
+# --- what fsdp does not run yet ----------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, says", [
+    (("model.lora.rank=4",), "LoRA"),
+    (("algo.kind=ppo",), "critic"),
+    (("launch.backend=ray",), "Ray"),
+    (("train.precision=fp16",), "fp16"),
+])
+def test_unsupported_combinations_are_refused(overrides, says):
+    recipe = "recipes/ppo-arith.toml" if "algo.kind=ppo" in overrides else GRPO
+    rest = tuple(o for o in overrides if o != "algo.kind=ppo")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(REPO / recipe, [FSDP, *rest])
+    lines = [p for p in info.value.problems if p.key == "train.sharding"]
+    assert len(lines) == 1 and says in lines[0].message, info.value.lines()
+
+
+def test_sharding_defaults_to_none_and_fsdp_loads():
+    assert load_recipe(REPO / GRPO).train.sharding == "none"
+    recipe = load_recipe(REPO / GRPO, [FSDP, "launch.backend=torchrun", "launch.num_processes=2"])
+    assert recipe.train.sharding == "fsdp"
