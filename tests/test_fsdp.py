@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -163,6 +164,35 @@ def test_fsdp_sigkill_after_a_checkpoint_resumes_bitwise_unpickling_nothing(runs
     assert len([line for line in lines if line.startswith("guarded ")]) >= 3  # driver + 2 ranks
     assert [line for line in lines if not line.startswith("guarded ")] == [], log.read_text()
     assert_same_run(out, runs["fsdp"], N, FILES)
+
+
+def _rewind(src, dst, step: int) -> None:
+    """``dst``: a copy of the run folder ``src`` whose newest checkpoint is ``step``."""
+    shutil.copytree(src, dst)
+    root = dst / "checkpoints"
+    for later in range(step + 1, N + 1):
+        shutil.rmtree(root / step_dirname(later))
+    (root / "latest").write_text(step_dirname(step))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("written, world, sharding", [
+    ("fsdp", 1, "fsdp"),  # the two optimizer shards put together and cut for one rank
+    ("fsdp", 2, "none"),  # the shards put together for DDP's whole optimizer
+    ("none", 2, "fsdp"),  # DDP's whole optimizer state cut into shards
+])
+def test_resume_across_world_size_and_sharding(runs, tmp_path, written, world, sharding):
+    """2 steps written by 2 ranks (``written``), the third on ``world`` ranks with
+    ``sharding``: the same items and, in float64, the straight run's weights to 1e-10."""
+    out = tmp_path / "run"
+    _rewind(runs[written], out, 2)
+    done = run_ranks(GRPO, out, world, *RUN, f"train.sharding={sharding}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(step 2)" in done.stdout
+    assert item_ids(out) == item_ids(runs[written])
+    one, two = final_weights(out, N), final_weights(runs[written], N)
+    assert max(_rel(one[k], two[k]) for k in two if two[k].norm() > 0) < 1e-10
 
 
 # --- what fsdp does not run yet ----------------------------------------------------------------

@@ -174,7 +174,7 @@ def load_optimizer_shards(optimizer: torch.optim.Optimizer, folder: Path, index:
     if len(params) != len(index["params"]):
         raise ValueError(f"the checkpoint's optimizer has {len(index['params'])} parameters, "
                          f"this model {len(params)}")
-    own = len(files) == world
+    own = len(files) == world and all(isinstance(p, DTensor) for p in params)
     handles = [safe_open(folder / f, "pt") for f in (files[rank:rank + 1] if own else files)]
     state: dict[int, dict[str, Any]] = {}
     for key, slots in index["state"].items():
@@ -185,7 +185,7 @@ def load_optimizer_shards(optimizer: torch.optim.Optimizer, folder: Path, index:
             if kind == REPLICATED:
                 value = handles[0].get_tensor(name)
             elif kind == SHARDED:
-                if own and isinstance(p, DTensor):
+                if own:
                     value = DTensor.from_local(handles[0].get_tensor(name), p.device_mesh,
                                                p.placements, shape=p.shape, stride=p.stride())
                 else:
