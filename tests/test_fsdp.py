@@ -216,3 +216,8 @@ def test_sharding_defaults_to_none_and_fsdp_loads():
     assert load_recipe(REPO / GRPO).train.sharding == "none"
     recipe = load_recipe(REPO / GRPO, [FSDP, "launch.backend=torchrun", "launch.num_processes=2"])
     assert recipe.train.sharding == "fsdp"
+    from runner.recipe.plan import make_plan
+
+    rows = dict(make_plan(recipe).rows())
+    assert rows["launch"] == "torchrun, 2 process(es), policy sharded (FSDP2)"
+    assert dict(make_plan(load_recipe(REPO / GRPO)).rows())["launch"] == "local, 1 process(es)"
