@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -131,6 +132,24 @@ def test_fsdp_model_folder_loads_with_transformers(runs):
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_bf16_keeps_fp32_master_weights(tmp_path):
+    """Under ``train.precision = "bf16"`` the blocks compute in bf16 (MixedPrecisionPolicy), but
+    the weights and the optimizer state stay float32: that is what the checkpoint holds."""
+    from safetensors.torch import load_file
+
+    done = run_ranks(GRPO, tmp_path, 2, *RUN[1:-2], "run.max_steps=1", FSDP,
+                     "train.precision=bf16")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [r for r in deterministic_rows(tmp_path) if "loss" in r]
+    assert len(rows) == 1 and rows[0]["grad_norm"] > 0
+    folder = tmp_path / "checkpoints" / step_dirname(1)
+    assert {t.dtype for t in final_weights(tmp_path, 1).values()} == {torch.float32}
+    for shard in SHARDS:
+        assert {t.dtype for t in load_file(folder / shard).values()} == {torch.float32}
+
+
 def _guard_env(tmp_path) -> tuple[dict[str, str], object]:
     """An environment whose every Python process records each file it unpickles in the log
     returned (tests/unpickle_guard/sitecustomize.py)."""
@@ -193,6 +212,39 @@ def test_resume_across_world_size_and_sharding(runs, tmp_path, written, world, s
     assert item_ids(out) == item_ids(runs[written])
     one, two = final_weights(out, N), final_weights(runs[written], N)
     assert max(_rel(one[k], two[k]) for k in two if two[k].norm() > 0) < 1e-10
+
+
+_ONE_PROCESS = """
+import torch
+from runner.models import load_causal_lm, resolve_model_path
+from runner.train.sharding import blocks_of, full_named_weights, full_state_dict, shard_model
+path = resolve_model_path("builtin:tiny-arith")
+plain = load_causal_lm(path, dtype="float32", trust_remote_code=False)
+model = load_causal_lm(path, dtype="float32", trust_remote_code=False)
+blocks = blocks_of(model)
+assert [type(b).__name__ for b in blocks] == ["Qwen2DecoderLayer"] * len(model.model.layers)
+shard_model(model, bf16=True)
+with torch.no_grad():
+    logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+assert logits.dtype == torch.bfloat16, logits.dtype  # computed in bf16
+named = dict(full_named_weights(model))  # after a forward without backward
+assert named.keys() == dict(plain.named_parameters()).keys()
+for name, p in plain.named_parameters():
+    assert named[name].dtype == torch.float32 and torch.equal(named[name], p.detach()), name
+state = full_state_dict(model, keep=True)
+assert "lm_head.weight" not in state and torch.equal(state["model.norm.weight"],
+                                                     plain.model.norm.weight.detach())
+print("ok")
+"""
+
+
+def test_one_process_fsdp_gathers_the_fp32_weights_after_a_forward():
+    """World size 1 (an in-memory process group): the blocks are found by _no_split_modules,
+    bf16 compute, and what leaves the model after a forward without backward (the root then
+    holds unsharded bf16 parameters) is the fp32 weights, whole, tied LM head written once."""
+    done = subprocess.run([sys.executable, "-c", _ONE_PROCESS], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 # --- what fsdp does not run yet ----------------------------------------------------------------

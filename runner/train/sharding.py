@@ -84,10 +84,21 @@ def scalar(t: Any) -> float:
     return float(full(t)) if isinstance(t, torch.Tensor) else float(t)
 
 
+def resharded(model: Any) -> Any:
+    """``model`` with every FSDP unit's parameters back to their fp32 shards: a forward without
+    backward leaves the root's unsharded (in the compute dtype) until the next backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def full_named_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` of every parameter, gathered one at a time as the consumer asks
     (every rank must consume the whole generator, in step)."""
-    for name, p in model.named_parameters():
+    for name, p in resharded(model).named_parameters():
         yield name, full(p.detach())
 
 
@@ -97,7 +108,7 @@ def full_state_dict(model: Any, keep: bool) -> dict[str, torch.Tensor]:
     embeddings, not the LM head that shares them), as ``save_pretrained`` writes it."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=True).items():  # tied: the same Parameter
+    for name, t in resharded(model).state_dict(keep_vars=True).items():  # tied: the same Parameter
         if id(t) in seen:
             continue
         seen.add(id(t))
