@@ -96,7 +96,8 @@ def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | 
     if sharded:
         from runner.train.sharding import shard_model
 
-        model = shard_model(model, bf16=accelerator.mixed_precision == "bf16")
+        model = shard_model(model, bf16=accelerator.mixed_precision == "bf16",
+                            device=accelerator.device)
         optimizer = make_optimizer(model, recipe.train, lr)
     else:
         optimizer = make_optimizer(model, recipe.train, lr)

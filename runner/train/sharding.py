@@ -34,13 +34,15 @@ def is_sharded(model: Any) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def ensure_process_group() -> None:
+def ensure_process_group(device: torch.device) -> None:
     """FSDP2 needs a default process group; a single process gets an in-memory one (nothing
-    listens on any address)."""
+    listens on any address): gloo on CPU, NCCL on CUDA."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device if device.type == "cuda" else None)
 
 
 def blocks_of(model: Any) -> list[torch.nn.Module]:
@@ -54,12 +56,19 @@ def blocks_of(model: Any) -> list[torch.nn.Module]:
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 
-def shard_model(model: Any, bf16: bool) -> Any:
-    """``model`` sharded in place, block by block and then the root (fp32 master weights; with
-    ``bf16`` the forward and backward compute in bf16 and gradients are reduced in fp32)."""
+def shard_model(model: Any, bf16: bool, device: torch.device | str = "cpu") -> Any:
+    """``model`` moved to ``device`` and sharded in place over every rank of the default process
+    group, block by block and then the root (fp32 master weights; with ``bf16`` the forward and
+    backward compute in bf16 and gradients are reduced in fp32). The mesh is named explicitly:
+    FSDP2's default one would take the accelerator even for a run on the CPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    ensure_process_group()
+    device = torch.device(device)
+    ensure_process_group(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    model.to(device)
     blocks = blocks_of(model)
     if not blocks:
         raise ValueError(f"train.sharding = 'fsdp': found no transformer blocks in "
@@ -67,8 +76,8 @@ def shard_model(model: Any, bf16: bool) -> Any:
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if bf16 else MixedPrecisionPolicy())
     for block in blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
