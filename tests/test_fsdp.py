@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from runner.errors import RecipeError
+from runner.errors import RecipeError, RuntimeFailure
 from runner.recipe import load_recipe
 from runner.state.checkpoint import step_dirname
 from tests.conftest import REPO
@@ -245,6 +245,81 @@ def test_one_process_fsdp_gathers_the_fp32_weights_after_a_forward():
     done = subprocess.run([sys.executable, "-c", _ONE_PROCESS], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def _tiny_trained():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    opt.step()
+    return model, opt
+
+
+def _staged_halves(root, model, opt):
+    """What two sharded ranks stage for a checkpoint, made from a whole optimizer in one process:
+    every moment cut in two on dim 0 (as FSDP2 shards), the step whole on both."""
+    from runner.train.sharding import optimizer_shard, stage_optimizer_shard
+
+    index, whole = optimizer_shard(opt, model)
+    halves: list[dict[str, torch.Tensor]] = [{}, {}]
+    for key, slots in index["state"].items():
+        for slot in slots:
+            t = whole[f"{key}.{slot}"]
+            if slot == "step":
+                for h in halves:
+                    h[f"{key}.{slot}"] = t.clone()
+            else:
+                slots[slot] = "shard0"
+                for h, part in zip(halves, torch.chunk(t, 2), strict=False):
+                    h[f"{key}.{slot}"] = part.clone()
+                if len(torch.chunk(t, 2)) == 1:  # a single row: the second rank's share is empty
+                    halves[1][f"{key}.{slot}"] = t[:0].clone()
+    return index, [stage_optimizer_shard(root, 1, r, h) for r, h in enumerate(halves)]
+
+
+def test_sharded_optimizer_files_round_trip_and_a_failed_write_removes_them(tmp_path,
+                                                                              monkeypatch):
+    """save_checkpoint moves the staged shards in under their names, the manifest lists them;
+    load_checkpoint returns the index and a whole optimizer put together from the shards equals
+    the one saved, bitwise. A write that fails removes the staged shards too."""
+    from runner.state.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+    from runner.train.sharding import load_optimizer_shards
+
+    model, opt = _tiny_trained()
+    index, staged = _staged_halves(tmp_path, model, opt)
+    state = TrainingState(step=1, cursor=None, scheduler={"last_epoch": 1}, world_size=2)
+    path = save_checkpoint(tmp_path, 1, model=model, tokenizer=None, optimizer=opt, state=state,
+                           metrics_rows=[], optimizer_shards=(index, staged),
+                           model_state={k: v.detach() for k, v in model.state_dict().items()})
+    assert not any(p.exists() for p in staged)
+    manifest = json.loads((path / "MANIFEST.json").read_text())["files"]
+    assert set(SHARDS) <= manifest.keys() and "optimizer.safetensors" not in manifest
+    loaded = load_checkpoint(path).optimizer_state
+    assert loaded["sharded"]["files"] == list(SHARDS) and loaded["folder"] == path
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    load_optimizer_shards(fresh, path, loaded["sharded"], rank=0, world=1)
+    a, b = opt.state_dict(), fresh.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    for i, slots in a["state"].items():
+        for slot, value in slots.items():
+            assert torch.equal(value, b["state"][i][slot]), (i, slot)
+
+    index, staged = _staged_halves(tmp_path, model, opt)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(model), "save_pretrained", full_disk)
+    with pytest.raises(RuntimeFailure, match="No space left"):
+        save_checkpoint(tmp_path, 2, model=model, tokenizer=None, optimizer=opt, state=state,
+                        metrics_rows=[], optimizer_shards=(index, staged), model_state={})
+    assert not any(p.exists() for p in staged)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
 
 
 # --- what fsdp does not run yet ----------------------------------------------------------------

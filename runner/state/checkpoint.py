@@ -153,7 +153,7 @@ def _fsync_dir(path: Path) -> None:
 def _fail_cleanly(write: Callable[..., Path]) -> Callable[..., Path]:
     """A failed write (full disk, read-only folder) becomes one ``RuntimeFailure`` naming the
     step, the checkpoint and the file of it being written; the temporary folder (and pointer)
-    of this process are removed first."""
+    of this process, and the ranks' optimizer shards staged for it, are removed first."""
 
     @functools.wraps(write)
     def wrapper(root: Path, step: int, **parts: Any) -> Path:
@@ -161,7 +161,9 @@ def _fail_cleanly(write: Callable[..., Path]) -> Callable[..., Path]:
             return write(root, step, **parts)
         except (OSError, SafetensorError, RuntimeError, _FileWriteError) as exc:
             partial_dir = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
-            for partial in (partial_dir, root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"):
+            staged = parts.get("optimizer_shards") or ((), ())
+            for partial in (partial_dir, root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}",
+                            *staged[1]):
                 if partial.is_dir():
                     shutil.rmtree(partial, ignore_errors=True)
                 elif partial.exists():
