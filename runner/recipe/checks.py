@@ -403,6 +403,7 @@ _ALGO_RANGES: dict[str, Callable[[Recipe], list[Problem]]] = {
     "opd": _opd_ranges,
 }
 
+
 def check_sharding(r: Recipe) -> list[Problem]:
     """``train.sharding = "fsdp"`` where this version shards correctly: the full-model policy of
     GRPO, DPO or OPD, on local or torchrun ranks of one machine (every rank writes its optimizer
