@@ -28,12 +28,6 @@ SHARDED = "shard0"  # layout of a slot saved as each rank's dim-0 shard (a DTens
 REPLICATED = "tensor"  # a slot every rank holds whole (AdamW's step)
 
 
-def is_sharded(model: Any) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def ensure_process_group(device: torch.device) -> None:
     """FSDP2 needs a default process group; a single process gets an in-memory one (nothing
     listens on any address): gloo on CPU, NCCL on CUDA."""
@@ -47,11 +41,13 @@ def ensure_process_group(device: torch.device) -> None:
 
 def blocks_of(model: Any) -> list[torch.nn.Module]:
     """The transformer blocks of ``model``: modules whose class name the model lists in
-    ``_no_split_modules``, else the entries of ``model.model.layers``."""
+    ``_no_split_modules``, else the entries of ``model.model.layers``. Deeper ones first (a
+    block inside another, as in some vision towers, must be sharded before its parent)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    found = [(name.count("."), m) for name, m in model.named_modules()
+             if type(m).__name__ in names and m is not model]
     if found:
-        return found
+        return [m for _, m in sorted(found, key=lambda d: -d[0])]  # stable: siblings in order
     layers = getattr(getattr(model, "model", None), "layers", None)
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
