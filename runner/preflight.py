@@ -180,6 +180,9 @@ def _kwargs_from_recipe(problem: Problem, key: str, kwargs: dict[str, Any],
     return attrs.evolve(problem, hint=hint)
 
 
+SHARDED_ROLES = ("policy",)  # what train.sharding = "fsdp" shards
+
+
 @attrs.frozen
 class StateEstimate:
     """Per rank, the bytes of every model's state (``runner.models.memory``) in the layout a
@@ -192,15 +195,20 @@ class StateEstimate:
     device_bytes: int | None
     device: str
 
+    def part(self, role: str, sharded: bool) -> Any:
+        """A role's bytes per rank: FSDP shards the policy (train.sharding); the frozen
+        models stay whole on every rank."""
+        s = self.full[role]
+        return s.sharded(self.world) if sharded and role in SHARDED_ROLES else s
+
     def per_rank(self, sharded: bool) -> int:
-        return sum((s.sharded(self.world) if sharded else s).total for s in self.full.values())
+        return sum(self.part(role, sharded).total for role in self.full)
 
     def rows(self) -> list[tuple[str, str]]:
         from runner.models.memory import gib
 
         def line(sharded: bool) -> str:
-            parts = [f"{role} {gib((s.sharded(self.world) if sharded else s).total)}"
-                     for role, s in self.full.items()]
+            parts = [f"{role} {gib(self.part(role, sharded).total)}" for role in self.full]
             return f"{gib(self.per_rank(sharded))} ({', '.join(parts)})"
 
         policy = self.full["policy"]
@@ -224,8 +232,9 @@ class StateEstimate:
         return [Problem("launch.num_processes", f"the model state alone needs about {gib(need)} "
                         f"per rank ({self.layout} over {self.world} rank(s)), more than the "
                         f"{gib(self.device_bytes)} of {self.device}", got=self.world,
-                        hint="shard it over more ranks (launch.num_processes), train adapters "
-                        "(model.lora.rank), or use a smaller model (model.path)")]
+                        hint="shard the policy (train.sharding = 'fsdp') over more ranks "
+                        "(launch.num_processes), train adapters (model.lora.rank), or use a "
+                        "smaller model (model.path)")]
 
 
 def estimate_state(recipe: Recipe, world: int) -> StateEstimate:
@@ -270,4 +279,5 @@ def estimate_state(recipe: Recipe, world: int) -> StateEstimate:
         if torch.cuda.is_available():
             device_bytes = torch.cuda.get_device_properties(0).total_memory
             device = f"cuda:0, {torch.cuda.get_device_name(0)}"
-    return StateEstimate("DDP", world, full, device_bytes, device)
+    layout = "FSDP" if recipe.train.sharding == "fsdp" else "DDP"
+    return StateEstimate(layout, world, full, device_bytes, device)

@@ -50,7 +50,8 @@ def test_ppo_on_two_ranks_by_hand():
     assert ref in (4 * n, 2 * n)
     assert est.full["policy"] == est.full["critic"] == StateBytes(4 * n, 4 * n, 8 * n)
     assert est.per_rank(False) == 32 * n + ref
-    assert n % 2 == 0 and est.per_rank(True) == (32 * n + ref) // 2  # halves, none rounded
+    # FSDP shards the policy alone (PPO's critic and the reference stay whole on each rank)
+    assert n % 2 == 0 and est.per_rank(True) == 8 * n + 16 * n + ref
     assert est.layout == "DDP" and est.problems() == []  # the CPU reports no device memory
     rows = dict(est.rows())
     assert "<- this run" in rows["model state per rank, DDP"]
@@ -76,3 +77,14 @@ def test_dry_run_shows_the_memory_section(run_cli):
     assert rc == 0, err
     assert "Memory (estimated from the model folders)" in out
     assert "model state per rank, FSDP over 1" in out
+
+
+def test_a_sharded_run_is_estimated_sharded():
+    recipe = load_recipe(REPO / "recipes/grpo-arith.toml", [
+        "launch.backend=torchrun", "launch.num_processes=2", "train.sharding=fsdp",
+        "algo.kl_beta=0.1"])
+    est = estimate_state(recipe, 2)
+    n = count(tensor_shapes(resolve_model_path(recipe.model.path)))
+    assert est.layout == "FSDP"
+    assert est.per_rank(True) == 8 * n + est.full["reference"].params
+    assert "<- this run" in dict(est.rows())["model state per rank, FSDP over 2"]

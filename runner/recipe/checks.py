@@ -422,12 +422,38 @@ _ALGO_RANGES: dict[str, Callable[[Recipe], list[Problem]]] = {
     "opd": _opd_ranges,
 }
 
+
+def check_sharding(r: Recipe) -> list[Problem]:
+    """``train.sharding = "fsdp"`` where this version shards correctly: the full-model policy of
+    GRPO, DPO or OPD, on local or torchrun ranks of one machine (every rank writes its optimizer
+    shard into the checkpoint folder), in fp32 / bf16 / the model's own dtype."""
+    if r.train.sharding != "fsdp":
+        return []
+    hint = "set train.sharding = 'none' (each rank a full copy)"
+    problems = []
+    if r.model.lora.rank > 0:
+        problems.append(Problem("train.sharding", "fsdp does not shard LoRA adapters yet",
+                                got="fsdp", hint=f"{hint}, or model.lora.rank = 0"))
+    if r.algo.kind == "ppo":
+        problems.append(Problem("train.sharding", "fsdp does not shard PPO's critic yet",
+                                got="fsdp", hint=hint))
+    if r.launch.backend == "ray":
+        problems.append(Problem("train.sharding", "fsdp runs on launch.backend 'local' or "
+                                "'torchrun' (one machine) in this version, not on Ray",
+                                got="fsdp", hint=f"{hint}, or launch.backend = 'torchrun'"))
+    if r.train.precision == "fp16":
+        problems.append(Problem("train.sharding", "fsdp has no fp16 loss scaling; use "
+                                "train.precision 'bf16' or 'no'", got="fsdp", hint=hint))
+    return problems
+
+
 RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
     check_prompt_source,
     check_dpo_source,
     check_algorithm_keys,
     check_validation_source,
     check_launch,
+    check_sharding,
     check_dotted_paths,
     check_ranges,
     check_logging,

@@ -56,12 +56,14 @@ class RunPlan:
     checkpoint_dir: Path
     metrics_path: Path
     resolved_path: Path
+    sharding: str = "none"  # train.sharding
 
     def rows(self) -> list[tuple[str, str]]:
         """Rows for the dry-run table."""
         return [
             ("algorithm", self.algo),
-            ("launch", f"{self.backend}, {self.world_size} process(es)"),
+            ("launch", f"{self.backend}, {self.world_size} process(es)"
+                       + (", policy sharded (FSDP2)" if self.sharding == "fsdp" else "")),
             ("roles", ", ".join(self.roles)),
             ("rollout engine", self._engine_row()),
             ("steps", str(self.max_steps)),
@@ -122,4 +124,5 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         checkpoint_dir=out / "checkpoints",
         metrics_path=out / "metrics.jsonl",
         resolved_path=out / "recipe.resolved.toml",
+        sharding=recipe.train.sharding,
     )

@@ -338,6 +338,12 @@ class TrainConfig:
         "and optimizer state; log-softmax and losses in fp32). auto: bf16 where bf16 matrix "
         "products are native (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else no."
     )
+    sharding: Literal["none", "fsdp"] = key(
+        "none", "How the policy is spread over the ranks. none: each rank holds a full copy "
+        "(DDP); fsdp: FSDP2 per transformer block, parameters, gradients and optimizer state "
+        "sharded over the ranks (checkpoints: a consolidated model folder, the optimizer state "
+        "one safetensors file per rank)."
+    )
     eval_every: int = key(10, "Evaluate on the held-out set every N steps (0: only start and end).")
     padding_free: bool = key(
         True, "Score and train without padding when the DataPacker allows it (can_pack): each "

@@ -6,6 +6,9 @@ Layout of ``<output_dir>/checkpoints/``::
       model/                the policy as a Hugging Face folder (safetensors) + tokenizer files
       extra_models/NAME/    other trained modules (e.g. the PPO critic), safetensors
       optimizer.safetensors optimizer tensors;   optimizer.json  its param groups and layout
+      optimizer-rank-RRRRR-of-WWWWW.safetensors   instead, under train.sharding = "fsdp": each
+                            rank's optimizer shards; optimizer.json then also lists the files,
+                            the parameters' names and global shapes (runner.train.sharding)
       optimizer-NAME.*      optimizers of the extra modules
       rng.safetensors       every rank's torch (and CUDA) RNG state, ``torch.R`` / ``cuda.R``
       state.json            step, cursor, scheduler, world size and global batch, every rank's
@@ -33,7 +36,7 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ from runner.errors import RuntimeFailure
 from runner.state import integrity
 
 COMPLETE = "COMPLETE"
+SHARD_FILE = "optimizer-rank-{rank:05d}-of-{world:05d}.safetensors"  # train.sharding = "fsdp"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 WRITER_ROLE = "policy"  # the role that writes checkpoints (rank 0 of the policy)
@@ -151,7 +155,7 @@ def _fsync_dir(path: Path) -> None:
 def _fail_cleanly(write: Callable[..., Path]) -> Callable[..., Path]:
     """A failed write (full disk, read-only folder) becomes one ``RuntimeFailure`` naming the
     step, the checkpoint and the file of it being written; the temporary folder (and pointer)
-    of this process are removed first."""
+    of this process, and the ranks' optimizer shards staged for it, are removed first."""
 
     @functools.wraps(write)
     def wrapper(root: Path, step: int, **parts: Any) -> Path:
@@ -159,7 +163,9 @@ def _fail_cleanly(write: Callable[..., Path]) -> Callable[..., Path]:
             return write(root, step, **parts)
         except (OSError, SafetensorError, RuntimeError, _FileWriteError) as exc:
             partial_dir = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
-            for partial in (partial_dir, root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"):
+            staged = parts.get("optimizer_shards") or ((), ())
+            for partial in (partial_dir, root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}",
+                            *staged[1]):
                 if partial.is_dir():
                     shutil.rmtree(partial, ignore_errors=True)
                 elif partial.exists():
@@ -219,18 +225,28 @@ def save_checkpoint(
     extra_optimizers: dict[str, torch.optim.Optimizer] | None = None,
     keep_last: int = 2,
     rng_per_rank: list[dict[str, Any]] | None = None,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_shards: tuple[dict[str, Any], list[Path]] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically; returns its folder.
 
     ``rng_per_rank`` holds every rank's ``capture_rng()`` (default: this process's alone).
+    A sharded policy's writer gives ``model_state`` (the whole tensors, gathered) and
+    ``optimizer_shards``: the optimizer's index and every rank's shard file, written beside the
+    checkpoints under a temporary name and moved in here (in rank order), instead of
+    ``optimizer``'s own state.
     """
     root.mkdir(parents=True, exist_ok=True)
-    _remove_stale(root)
+    _remove_stale(root, keep=optimizer_shards[1] if optimizer_shards is not None else ())
     final = root / step_dirname(step)
     tmp = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
     tmp.mkdir()
     with _file(tmp / "model"):
-        model.save_pretrained(tmp / "model", safe_serialization=True)
+        if model_state is None:
+            model.save_pretrained(tmp / "model", safe_serialization=True)
+        else:
+            model.save_pretrained(tmp / "model", state_dict=model_state,
+                                  safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "model")
     for name, module in (extra_modules or {}).items():
@@ -238,7 +254,16 @@ def save_checkpoint(
         with _file(out := tmp / "extra_models" / name / "model.safetensors"):
             save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
                       out)
-    for prefix, opt in [("optimizer", optimizer)] + [
+    if optimizer_shards is not None:
+        index, staged = optimizer_shards
+        names = []
+        for rank, shard in enumerate(staged):
+            names.append(SHARD_FILE.format(rank=rank, world=len(staged)))
+            with _file(tmp / names[-1]):
+                os.replace(shard, tmp / names[-1])
+        _write_json(tmp / "optimizer.json", {**index, "files": names})
+    own = [] if optimizer_shards is not None else [("optimizer", optimizer)]
+    for prefix, opt in own + [
             (f"optimizer-{name}", o) for name, o in (extra_optimizers or {}).items()]:
         opt_meta, opt_tensors = optimizer_to_files(opt)
         with _file(tmp / f"{prefix}.safetensors"):
@@ -267,10 +292,13 @@ def save_checkpoint(
     return final
 
 
-def _remove_stale(root: Path) -> None:
+def _remove_stale(root: Path, keep: Sequence[Path] = ()) -> None:
     """Remove temporary folders left by writers that no longer run (the writer's pid ends the
-    name): a folder another live process is writing is never touched."""
+    name): a folder another live process is writing is never touched, nor the files of
+    ``keep`` (the ranks' optimizer shards staged for this checkpoint)."""
     for stale in root.glob(TMP_PREFIX + "*"):
+        if stale in keep:
+            continue
         pid = stale.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
             continue
@@ -386,8 +414,21 @@ class LoadedCheckpoint:
 
 
 def _load_optimizer(path: Path, prefix: str) -> dict[str, Any]:
-    return optimizer_from_files(json.loads((path / f"{prefix}.json").read_text()),
-                                load_file(path / f"{prefix}.safetensors"))
+    """An optimizer's whole state; for per-rank shards (``files`` in its JSON) the index alone,
+    as ``{"sharded": index, "folder": path}``, every shard's header checked (each rank reads its
+    own when its optimizer is built)."""
+    meta = json.loads((path / f"{prefix}.json").read_text())
+    if isinstance(meta, dict) and "files" in meta:
+        files = meta["files"]
+        if not (isinstance(files, list) and files and all(
+                isinstance(f, str) and f == SHARD_FILE.format(rank=r, world=len(files))
+                for r, f in enumerate(files))):
+            raise ValueError(f"{prefix}.json: 'files' does not list the per-rank shards")
+        for name in files:
+            with safe_open(path / name, "pt") as handle:
+                list(handle.keys())
+        return {"sharded": meta, "folder": path}
+    return optimizer_from_files(meta, load_file(path / f"{prefix}.safetensors"))
 
 
 class CheckpointUnreadable(RuntimeFailure):

@@ -136,6 +136,9 @@ class RunContext:
             return
         if self.svc.rank.is_main:
             self.rollout.update_weights(self.policy.named_weights())
+        elif self.policy.sharded:  # the gathers are collectives: every rank takes part
+            for _ in self.policy.named_weights():
+                pass
         self.svc.comm.barrier()
 
     def save(self, step: int, extra: dict[str, Trainable] | None = None) -> Path | None:
@@ -143,11 +146,27 @@ class RunContext:
         leave together once the checkpoint is complete."""
         rngs = self.svc.comm.gather(capture_rng())
         flights = self.svc.comm.gather(self.producer.to_json()) if self.producer else []
+        sharded = self._sharded_parts(step) if self.policy.sharded else None
         path = None
         if self.svc.rank.is_main:
-            path = write_checkpoint(self, step, rngs, extra or {}, flights)
+            path = write_checkpoint(self, step, rngs, extra or {}, sharded, flights)
         self.svc.comm.barrier()
         return path
+
+    def _sharded_parts(self, step: int) -> ShardedParts:
+        """A sharded policy's part of a checkpoint, made by every rank: the whole weights
+        (gathered one tensor at a time, kept by rank 0) and each rank's optimizer shard,
+        staged beside the checkpoints for rank 0 to move in."""
+        from runner.train.sharding import full_state_dict, optimizer_shard, stage_optimizer_shard
+
+        is_main = self.svc.rank.is_main
+        weights = full_state_dict(self.policy.model, keep=is_main)
+        index, tensors = optimizer_shard(self.policy.optimizer, self.policy.model)
+        staged = stage_optimizer_shard(self.svc.plan.checkpoint_dir, step, self.svc.rank.rank,
+                                       tensors)
+        del tensors
+        paths = [Path(p) for p in self.svc.comm.gather(str(staged))]
+        return ShardedParts(weights, index, paths)
 
     def close(self, outcome: str = "finished") -> None:
         """``outcome`` (finished, stopped or failed) is what the trackers record."""
@@ -158,8 +177,18 @@ class RunContext:
             self.svc.lock.release()
 
 
+@attrs.frozen
+class ShardedParts:
+    """What a sharded policy's ranks made for rank 0's checkpoint write."""
+
+    weights: dict[str, Any]  # the whole tensors, by state-dict name
+    optimizer_index: dict[str, Any]  # runner.train.sharding.optimizer_shard
+    optimizer_files: list[Path]  # every rank's staged shard, in rank order
+
+
 def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable],
-                     in_flight: list[Any] | None = None) -> Path:
+                     sharded: ShardedParts | None = None, in_flight: list[Any] | None = None
+                     ) -> Path:
     cursor, plan = run.state.data.cursor, run.svc.plan
     state = TrainingState(
         step=step,
@@ -174,7 +203,9 @@ def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[st
         optimizer=run.policy.optimizer, state=state, metrics_rows=run.svc.metrics.rows,
         extra_modules={name: t.unwrapped() for name, t in extra.items()},
         keep_last=run.svc.recipe.checkpoint.keep_last, rng_per_rank=rngs,
-        extra_optimizers={name: t.optimizer for name, t in extra.items()})
+        extra_optimizers={name: t.optimizer for name, t in extra.items()},
+        model_state=sharded.weights if sharded else None,
+        optimizer_shards=(sharded.optimizer_index, sharded.optimizer_files) if sharded else None)
 
 
 def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedCheckpoint | None:
@@ -333,7 +364,9 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     pad_free = recipe.train.padding_free and getattr(packer, "can_pack", False)
     policy = prepare_trainable(accelerator, model, recipe, pad_free=pad_free,
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
-                               ckpt_scheduler=ckpt.state.scheduler if ckpt else None)
+                               ckpt_scheduler=ckpt.state.scheduler if ckpt else None,
+                               sharded=recipe.train.sharding == "fsdp", rank=ctx.rank,
+                               world=ctx.world_size)
     engine = ((actors.rollout_engine(ctx) if remote and actors is not None
                else make_engine(recipe, model_dir, dtype=precision.engine_dtype,
                                 max_model_len=limit.max_model_len if limit else None))

@@ -28,13 +28,14 @@ from runner.types import ObsBundle
 @attrs.define
 class Trainable:
     """A trained module with its optimizer and schedule, prepared by Accelerate (DDP across
-    ranks when there are several)."""
+    ranks when there are several), or sharded with FSDP2 (``sharded``, runner.train.sharding)."""
 
     model: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     accelerator: Any
     pad_free: bool = False  # score padded batches packed (runner.train.packing)
+    sharded: bool = False  # train.sharding = "fsdp": parameters are DTensor shards
 
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,13 +65,18 @@ class Trainable:
                                   self.accelerator.mixed_precision == "bf16")
 
     def unwrapped(self) -> Any:
-        return self.accelerator.unwrap_model(self.model)
+        return self.model if self.sharded else self.accelerator.unwrap_model(self.model)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights a rollout engine loads: the model's own parameter names (LoRA adapters
-        merged into the layers they adapt)."""
+        merged into the layers they adapt). Sharded: each gathered whole as the consumer asks
+        for it, one at a time (every rank must consume all of them, in step)."""
         from runner.train.lora import is_lora, merged_weights
 
+        if self.sharded:
+            from runner.train.sharding import full_named_weights
+
+            return full_named_weights(self.model)
         model = self.unwrapped()
         if is_lora(model):
             return merged_weights(model)
@@ -80,16 +86,41 @@ class Trainable:
 def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | None = None,
                       ckpt_optimizer: dict[str, Any] | None = None,
                       ckpt_scheduler: dict[str, Any] | None = None,
-                      pad_free: bool = False) -> Trainable:
+                      pad_free: bool = False, sharded: bool = False,
+                      rank: int = 0, world: int = 1) -> Trainable:
+    """``sharded``: FSDP2 (runner.train.sharding) instead of Accelerate's DDP; the optimizer is
+    built after sharding, so its state is sharded too. ``ckpt_optimizer`` is a checkpoint's
+    whole optimizer state, or the index of a sharded one (``{"sharded": index, "folder": ...}``,
+    this rank's shard read by ``rank`` of ``world``)."""
     model.train()
-    optimizer = make_optimizer(model, recipe.train, lr)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if sharded:
+        from runner.train.sharding import shard_model
+
+        model = shard_model(model, bf16=accelerator.mixed_precision == "bf16",
+                            device=accelerator.device)
+        optimizer = make_optimizer(model, recipe.train, lr)
+    else:
+        optimizer = make_optimizer(model, recipe.train, lr)
+        model, optimizer = accelerator.prepare(model, optimizer)
     if ckpt_optimizer is not None:
-        optimizer.load_state_dict(ckpt_optimizer)
+        _load_optimizer(optimizer, ckpt_optimizer, sharded, rank, world)
     scheduler = make_scheduler(optimizer, recipe.train, recipe.run.max_steps)
     if ckpt_scheduler is not None:
         scheduler.load_state_dict({**scheduler.state_dict(), **ckpt_scheduler})
-    return Trainable(model, optimizer, scheduler, accelerator, pad_free)
+    return Trainable(model, optimizer, scheduler, accelerator, pad_free, sharded)
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], sharded: bool,
+                    rank: int, world: int) -> None:
+    from runner.train import sharding
+
+    if "sharded" in saved:  # written by sharded ranks: per-rank safetensors files
+        sharding.load_optimizer_shards(getattr(optimizer, "optimizer", optimizer),
+                                       saved["folder"], saved["sharded"], rank, world)
+    elif sharded:
+        optimizer.load_state_dict(sharding.distribute_full_state(optimizer, saved))
+    else:
+        optimizer.load_state_dict(saved)
 
 
 def optimizer_step(trainables: Sequence[Trainable],
@@ -109,7 +140,7 @@ def optimizer_step(trainables: Sequence[Trainable],
         loss = loss_fn()
         losses_finite = losses_finite and bool(torch.isfinite(loss.detach()).all())
         if i < len(micro_losses) - 1:
-            with acc.no_sync(trainables[0].model):
+            with _no_sync(acc, trainables[0]):
                 if len(trainables) > 1:
                     with _no_sync_all(acc, trainables[1:]):
                         acc.backward(loss)
@@ -117,8 +148,8 @@ def optimizer_step(trainables: Sequence[Trainable],
                     acc.backward(loss)
         else:
             acc.backward(loss)
-    norms = [float(acc.clip_grad_norm_(t.model.parameters(), max_grad_norm))
-             if max_grad_norm > 0 else _grad_norm(t) for t in trainables]
+    norms = [_clip(acc, t, max_grad_norm) if max_grad_norm > 0 else _grad_norm(t)
+             for t in trainables]
     # Gradients are averaged over ranks by now, so every rank sees the same norms and stops
     # together; the update (and any checkpoint of it) never happens.
     if not losses_finite or not all(math.isfinite(n) for n in norms):
@@ -132,15 +163,50 @@ def optimizer_step(trainables: Sequence[Trainable],
     return norms[0] if max_grad_norm > 0 else float("nan")
 
 
+def _clip(acc: Any, t: Trainable, max_grad_norm: float) -> float:
+    """Clip ``t``'s gradients to ``max_grad_norm`` and return their total norm before clipping.
+    Sharded gradients are DTensors: torch's clip reduces their norm over the ranks (the whole
+    model's norm, the same on every rank)."""
+    if t.sharded:
+        from runner.train.sharding import scalar
+
+        return scalar(torch.nn.utils.clip_grad_norm_(t.model.parameters(), max_grad_norm))
+    return float(acc.clip_grad_norm_(t.model.parameters(), max_grad_norm))
+
+
 def _grad_norm(t: Trainable) -> float:
     """The total 2-norm of the gradients (computed only to check they are finite)."""
     grads = [p.grad for p in t.model.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    if not grads:
+        return 0.0
+    if t.sharded:
+        from runner.train.sharding import scalar
+
+        return scalar(torch.nn.utils.get_total_norm(grads))
+    return float(torch.nn.utils.get_total_norm(grads))
+
+
+class _sync_off:
+    """FSDP2's counterpart of DDP's ``no_sync``: gradients accumulate unsharded and are
+    reduce-scattered on the next backward that syncs (the last micro-batch's)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.set_requires_gradient_sync(True)
+
+
+def _no_sync(acc: Any, t: Trainable) -> Any:
+    return _sync_off(t.model) if t.sharded else acc.no_sync(t.model)
 
 
 class _no_sync_all:
     def __init__(self, acc: Any, trainables: Sequence[Trainable]) -> None:
-        self.contexts = [acc.no_sync(t.model) for t in trainables]
+        self.contexts = [_no_sync(acc, t) for t in trainables]
 
     def __enter__(self) -> None:
         for c in self.contexts:

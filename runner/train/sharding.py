@@ -1,0 +1,235 @@
+"""``train.sharding = "fsdp"``: the policy sharded with torch's FSDP2 (``fully_shard``).
+
+Each transformer block (a module whose class the model lists in ``_no_split_modules``, else each
+entry of ``model.model.layers``) is one FSDP unit, the root (embeddings, final norm, LM head)
+another. Parameters, gradients and the optimizer state are ``DTensor`` shards on dim 0.
+
+``fully_shard`` is called directly, not through Accelerate's FSDP plugin: the plugin wraps
+through its own ``prepare`` with CUDA assumptions in places, while the direct call runs the same
+on CPU/gloo and on CUDA/NCCL and leaves the wrapping units, the mixed-precision policy and the
+gradient-sync switch of accumulation in this module's hands.
+
+What leaves a rank (weights to the rollout engine, the checkpoint's model folder) is gathered
+one parameter at a time (``DTensor.full_tensor()``: a collective every rank takes part in), so
+no rank holds two full copies. The optimizer state is checkpointed per rank, without pickle:
+``optimizer-rank-RRRRR-of-WWWWW.safetensors`` (each rank's local shards) and ``optimizer.json``
+(param groups, slot layout, parameter names and global shapes, the files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHARDED = "shard0"  # layout of a slot saved as each rank's dim-0 shard (a DTensor)
+REPLICATED = "tensor"  # a slot every rank holds whole (AdamW's step)
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """FSDP2 needs a default process group; a single process gets an in-memory one (nothing
+    listens on any address): gloo on CPU, NCCL on CUDA."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device if device.type == "cuda" else None)
+
+
+def blocks_of(model: Any) -> list[torch.nn.Module]:
+    """The transformer blocks of ``model``: modules whose class name the model lists in
+    ``_no_split_modules``, else the entries of ``model.model.layers``. Deeper ones first (a
+    block inside another, as in some vision towers, must be sharded before its parent)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [(name.count("."), m) for name, m in model.named_modules()
+             if type(m).__name__ in names and m is not model]
+    if found:
+        return [m for _, m in sorted(found, key=lambda d: -d[0])]  # stable: siblings in order
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+
+
+def shard_model(model: Any, bf16: bool, device: torch.device | str = "cpu") -> Any:
+    """``model`` moved to ``device`` and sharded in place over every rank of the default process
+    group, block by block and then the root (fp32 master weights; with ``bf16`` the forward and
+    backward compute in bf16 and gradients are reduced in fp32). The mesh is named explicitly:
+    FSDP2's default one would take the accelerator even for a run on the CPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = torch.device(device)
+    ensure_process_group(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    model.to(device)
+    blocks = blocks_of(model)
+    if not blocks:
+        raise ValueError(f"train.sharding = 'fsdp': found no transformer blocks in "
+                         f"{type(model).__name__} (no _no_split_modules, no model.layers)")
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if bf16 else MixedPrecisionPolicy())
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective: every rank must call it), or ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def scalar(t: Any) -> float:
+    """A Python float of a (possibly DTensor) scalar."""
+    return float(full(t)) if isinstance(t, torch.Tensor) else float(t)
+
+
+def resharded(model: Any) -> Any:
+    """``model`` with every FSDP unit's parameters back to their fp32 shards: a forward without
+    backward leaves the root's unsharded (in the compute dtype) until the next backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
+def full_named_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` of every parameter, gathered one at a time as the consumer asks
+    (every rank must consume the whole generator, in step)."""
+    for name, p in resharded(model).named_parameters():
+        yield name, full(p.detach())
+
+
+def full_state_dict(model: Any, keep: bool) -> dict[str, torch.Tensor]:
+    """The model's state dict as full CPU tensors, gathered one at a time (every rank takes part;
+    only where ``keep`` are they kept). A tied tensor is kept under its first name only (the
+    embeddings, not the LM head that shares them), as ``save_pretrained`` writes it."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in resharded(model).state_dict(keep_vars=True).items():  # tied: the same Parameter
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        whole = full(t.detach())
+        if keep:
+            out[name] = whole.cpu()
+        del whole
+    return out
+
+
+# --- the optimizer state, per rank ---------------------------------------------------------------
+
+def optimizer_shard(optimizer: torch.optim.Optimizer, model: Any
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(the index: param groups, slot layout, names and global shapes; this rank's tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    sd = optimizer.state_dict()
+    names = _param_names(optimizer, model)
+    tensors: dict[str, torch.Tensor] = {}
+    layout: dict[str, dict[str, Any]] = {}
+    for index, slots in sd["state"].items():
+        layout[str(index)] = {}
+        for slot, value in slots.items():
+            if isinstance(value, DTensor):
+                tensors[f"{index}.{slot}"] = value.to_local().detach().cpu().clone()
+                layout[str(index)][slot] = SHARDED
+            elif isinstance(value, torch.Tensor):
+                tensors[f"{index}.{slot}"] = value.detach().cpu().clone()
+                layout[str(index)][slot] = REPLICATED
+            else:
+                layout[str(index)][slot] = value
+    params = {str(i): {"name": n, "shape": list(p.shape)} for i, (n, p) in enumerate(names)}
+    return {"param_groups": sd["param_groups"], "state": layout, "params": params}, tensors
+
+
+def _param_names(optimizer: torch.optim.Optimizer, model: Any
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """The optimizer's parameters in its state-dict order, with their names in ``model``."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [(by_id.get(id(p), ""), p) for g in optimizer.param_groups for p in g["params"]]
+
+
+def stage_optimizer_shard(root: Path, step: int, rank: int, tensors: dict[str, torch.Tensor]
+                          ) -> Path:
+    """Write this rank's shard beside the checkpoints under a temporary name ending in this
+    process's id (``save_checkpoint`` moves it into the checkpoint; a writer that died leaves
+    it to the next save's cleanup)."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from runner.state.checkpoint import TMP_PREFIX, step_dirname
+
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / f"{TMP_PREFIX}optimizer-{step_dirname(step)}-rank{rank}-{os.getpid()}"
+    save_file(tensors, out)
+    return out
+
+
+def load_optimizer_shards(optimizer: torch.optim.Optimizer, folder: Path, index: dict[str, Any],
+                          rank: int, world: int) -> None:
+    """Load a sharded optimizer checkpoint into ``optimizer`` (of a sharded or a whole model).
+
+    The same world size and a sharded model read this rank's file alone; otherwise each slot is
+    put together from every rank's file (one slot at a time) and cut to this rank's share.
+    Nothing is unpickled: tensors come from safetensors, the rest from JSON.
+    """
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    files = index["files"]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(params) != len(index["params"]):
+        raise ValueError(f"the checkpoint's optimizer has {len(index['params'])} parameters, "
+                         f"this model {len(params)}")
+    own = len(files) == world and all(isinstance(p, DTensor) for p in params)
+    handles = [safe_open(folder / f, "pt") for f in (files[rank:rank + 1] if own else files)]
+    state: dict[int, dict[str, Any]] = {}
+    for key, slots in index["state"].items():
+        p = params[int(key)]
+        state[int(key)] = {}
+        for slot, kind in slots.items():
+            name = f"{key}.{slot}"
+            if kind == REPLICATED:
+                value = handles[0].get_tensor(name)
+            elif kind == SHARDED:
+                if own:
+                    value = DTensor.from_local(handles[0].get_tensor(name), p.device_mesh,
+                                               p.placements, shape=p.shape, stride=p.stride())
+                else:
+                    whole = torch.cat([h.get_tensor(name) for h in handles])
+                    value = (distribute_tensor(whole, p.device_mesh, p.placements,
+                                               src_data_rank=None)
+                             if isinstance(p, DTensor) else whole)
+            else:
+                value = kind
+            state[int(key)][slot] = value
+    groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
+              for g in index["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def distribute_full_state(optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+                          ) -> dict[str, Any]:
+    """A whole-model optimizer state dict (``train.sharding = "none"``'s checkpoint) cut to this
+    rank's shards of ``optimizer``'s sharded parameters."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, slots in sd["state"].items():
+        p = params[int(index)]
+        state[index] = {
+            slot: (distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+                   if isinstance(p, DTensor) and isinstance(v, torch.Tensor)
+                   and tuple(v.shape) == tuple(p.shape) else v)
+            for slot, v in slots.items()}
+    return {**sd, "state": state}

@@ -1,0 +1,350 @@
+"""``train.sharding = "fsdp"`` (FSDP2 per transformer block, torchrun ranks, gloo on 127.0.0.1).
+
+- 2 sharded ranks and 2 DDP ranks train the same GRPO run: in float64 their weights agree to
+  1e-10 relative after every step (only the order of float additions differs);
+- a checkpoint's model folder is one consolidated Hugging Face folder (from_pretrained loads it)
+  and its optimizer state one safetensors file per rank, listed in the manifest;
+- a job SIGKILLed after a checkpoint resumes bitwise like the uninterrupted sharded run, and
+  the resume unpickles nothing (a guard in every process of it records any unpickling of a file);
+- the recipe checks refuse what fsdp does not support yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from runner.errors import RecipeError, RuntimeFailure
+from runner.recipe import load_recipe
+from runner.state.checkpoint import step_dirname
+from tests.conftest import REPO
+from tests.multiproc import item_ids, run_ranks, start_ranks
+from tests.resume_helpers import (
+    CLI,
+    _env,
+    assert_same_run,
+    deterministic_rows,
+    final_weights,
+    wait_for_checkpoint,
+)
+
+GRPO = "recipes/grpo-arith.toml"
+N = 3
+# Padded batches in float64, as tests/test_torchrun.py compares world sizes (RMSNorm computes in
+# float32 whatever the dtype; padding-free layouts would share prompts within micro-batches).
+# Two micro-batches per optimizer step: the first backward runs with gradient sync off.
+RUN = (f"run.max_steps={N}", "algo.prompts_per_step=4", "algo.group_size=4",
+       "algo.minibatches=2", "train.grad_accum_steps=2", "rollout.max_new_tokens=4",
+       "data.validation.size=8", "train.eval_every=3", "checkpoint.every_steps=1",
+       "checkpoint.keep_last=5", "logging.sample_every=0", "logging.item_ids=true",
+       "model.dtype=float64", "train.padding_free=false")
+FSDP = "train.sharding=fsdp"
+SHARDS = ("optimizer-rank-00000-of-00002.safetensors", "optimizer-rank-00001-of-00002.safetensors")
+FILES = ("model/model.safetensors", *SHARDS)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{"none": folder, "fsdp": folder}``: the same 3 float64 steps on 2 ranks each way."""
+    root = tmp_path_factory.mktemp("fsdp")
+    made = {}
+    for sharding in ("none", "fsdp"):
+        out = root / sharding
+        done = run_ranks(GRPO, out, 2, *RUN, f"train.sharding={sharding}")
+        assert done.returncode == 0, done.stdout + done.stderr
+        made[sharding] = out
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_and_ddp_agree_in_float64(runs):
+    ddp, fsdp = runs["none"], runs["fsdp"]
+    assert item_ids(ddp) == item_ids(fsdp) and len(item_ids(fsdp)) == N
+    rows = {name: [r for r in deterministic_rows(out) if "loss" in r]
+            for name, out in runs.items()}
+    assert len(rows["fsdp"]) == N
+    for a, b in zip(rows["none"], rows["fsdp"], strict=True):
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-10 * a["grad_norm"]  # the whole model's
+        assert a["reward/mean"] == b["reward/mean"]
+    for step in range(1, N + 1):
+        one, two = final_weights(ddp, step), final_weights(fsdp, step)
+        assert one.keys() == two.keys()  # the tied LM head is not written twice
+        assert all(t.dtype == torch.float64 for t in two.values())
+        worst = max(_rel(two[k], one[k]) for k in one if one[k].norm() > 0)
+        assert worst < 1e-10, (step, worst)
+    start, end = final_weights(fsdp, 1), final_weights(fsdp, N)
+    assert any(not torch.equal(start[k], end[k]) for k in start)  # training moved the weights
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_checkpoint_layout(runs):
+    """The optimizer state is one safetensors file per rank (each holding its half of every
+    sharded slot), indexed by optimizer.json and covered by the manifest; nothing pickled."""
+    from safetensors import safe_open
+
+    folder = runs["fsdp"] / "checkpoints" / step_dirname(N)
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    assert set(SHARDS) <= files and "optimizer.safetensors" not in files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))], files
+    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    assert set(SHARDS) <= manifest["files"].keys()
+    index = json.loads((folder / "optimizer.json").read_text())
+    assert index["files"] == list(SHARDS)
+    handles = [safe_open(folder / f, "pt") for f in SHARDS]
+    full = final_weights(runs["fsdp"], N)
+    for key, slots in index["state"].items():
+        param = index["params"][key]
+        assert param["shape"] == list(full[param["name"]].shape)
+        assert slots["exp_avg"] == "shard0"
+        halves = [h.get_tensor(f"{key}.exp_avg") for h in handles]
+        assert sum(h.shape[0] for h in halves) == param["shape"][0]
+        assert all(h.shape[0] < param["shape"][0] for h in halves if param["shape"][0] > 1)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_model_folder_loads_with_transformers(runs):
+    from transformers import AutoModelForCausalLM
+
+    folder = runs["fsdp"] / "checkpoints" / step_dirname(N) / "model"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    saved = final_weights(runs["fsdp"], N)
+    ddp = final_weights(runs["none"], N)
+    params = dict(model.named_parameters())
+    assert params.keys() == saved.keys()
+    for name, p in params.items():
+        assert torch.equal(p.detach(), saved[name]), name
+        assert _rel(p.detach(), ddp[name]) < 1e-10 or ddp[name].norm() == 0
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_bf16_keeps_fp32_master_weights(tmp_path):
+    """Under ``train.precision = "bf16"`` the blocks compute in bf16 (MixedPrecisionPolicy), but
+    the weights and the optimizer state stay float32: that is what the checkpoint holds."""
+    from safetensors.torch import load_file
+
+    done = run_ranks(GRPO, tmp_path, 2, *RUN[1:-2], "run.max_steps=1", FSDP,
+                     "train.precision=bf16")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [r for r in deterministic_rows(tmp_path) if "loss" in r]
+    assert len(rows) == 1 and rows[0]["grad_norm"] > 0
+    folder = tmp_path / "checkpoints" / step_dirname(1)
+    assert {t.dtype for t in final_weights(tmp_path, 1).values()} == {torch.float32}
+    for shard in SHARDS:
+        assert {t.dtype for t in load_file(folder / shard).values()} == {torch.float32}
+
+
+def _guard_env(tmp_path) -> tuple[dict[str, str], object]:
+    """An environment whose every Python process records each file it unpickles in the log
+    returned (tests/unpickle_guard/sitecustomize.py)."""
+    log = tmp_path / "unpickled.log"
+    env = {**_env(), "PYTHONPATH": f"{REPO / 'tests' / 'unpickle_guard'}{os.pathsep}{REPO}",
+           "FSDP_TEST_UNPICKLE_LOG": str(log)}
+    return env, log
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_sigkill_after_a_checkpoint_resumes_bitwise_unpickling_nothing(runs, tmp_path):
+    """The whole job (driver and ranks) is SIGKILLed once checkpoint 1 is complete; the rerun
+    resumes from it and ends bitwise like the uninterrupted sharded run (metrics, state, weights
+    and every rank's optimizer shard), with no file unpickled by any of its processes."""
+    out = tmp_path / "run"
+    proc = start_ranks(GRPO, out, 2, *RUN, FSDP)
+    wait_for_checkpoint(proc, out, 1)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    time.sleep(0.5)
+    env, log = _guard_env(tmp_path)
+    done = subprocess.run([*CLI, GRPO, f"run.output_dir={out}", "launch.backend=torchrun",
+                           "launch.num_processes=2", *RUN, FSDP], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = [line for line in done.stdout.splitlines() if line.startswith("resuming")]
+    assert len(resumed) == 1 and f"(step {N})" not in resumed[0], done.stdout  # mid-run
+    lines = log.read_text().splitlines()
+    assert len([line for line in lines if line.startswith("guarded ")]) >= 3  # driver + 2 ranks
+    assert [line for line in lines if not line.startswith("guarded ")] == [], log.read_text()
+    assert_same_run(out, runs["fsdp"], N, FILES)
+
+
+def _rewind(src, dst, step: int) -> None:
+    """``dst``: a copy of the run folder ``src`` whose newest checkpoint is ``step``."""
+    shutil.copytree(src, dst)
+    root = dst / "checkpoints"
+    for later in range(step + 1, N + 1):
+        shutil.rmtree(root / step_dirname(later))
+    (root / "latest").write_text(step_dirname(step))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("written, world, sharding", [
+    ("fsdp", 1, "fsdp"),  # the two optimizer shards put together and cut for one rank
+    ("fsdp", 2, "none"),  # the shards put together for DDP's whole optimizer
+    ("none", 2, "fsdp"),  # DDP's whole optimizer state cut into shards
+])
+def test_resume_across_world_size_and_sharding(runs, tmp_path, written, world, sharding):
+    """2 steps written by 2 ranks (``written``), the third on ``world`` ranks with
+    ``sharding``: the same items and, in float64, the straight run's weights to 1e-10."""
+    out = tmp_path / "run"
+    _rewind(runs[written], out, 2)
+    done = run_ranks(GRPO, out, world, *RUN, f"train.sharding={sharding}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(step 2)" in done.stdout
+    assert item_ids(out) == item_ids(runs[written])
+    one, two = final_weights(out, N), final_weights(runs[written], N)
+    assert max(_rel(one[k], two[k]) for k in two if two[k].norm() > 0) < 1e-10
+
+
+_ONE_PROCESS = """
+import torch
+from runner.models import load_causal_lm, resolve_model_path
+from runner.train.sharding import blocks_of, full_named_weights, full_state_dict, shard_model
+path = resolve_model_path("builtin:tiny-arith")
+plain = load_causal_lm(path, dtype="float32", trust_remote_code=False)
+model = load_causal_lm(path, dtype="float32", trust_remote_code=False)
+blocks = blocks_of(model)
+assert [type(b).__name__ for b in blocks] == ["Qwen2DecoderLayer"] * len(model.model.layers)
+shard_model(model, bf16=True)
+with torch.no_grad():
+    logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+assert logits.dtype == torch.bfloat16, logits.dtype  # computed in bf16
+named = dict(full_named_weights(model))  # after a forward without backward
+assert named.keys() == dict(plain.named_parameters()).keys()
+for name, p in plain.named_parameters():
+    assert named[name].dtype == torch.float32 and torch.equal(named[name], p.detach()), name
+state = full_state_dict(model, keep=True)
+assert "lm_head.weight" not in state and torch.equal(state["model.norm.weight"],
+                                                     plain.model.norm.weight.detach())
+print("ok")
+"""
+
+
+def test_one_process_fsdp_gathers_the_fp32_weights_after_a_forward():
+    """World size 1 (an in-memory process group): the blocks are found by _no_split_modules,
+    bf16 compute, and what leaves the model after a forward without backward (the root then
+    holds unsharded bf16 parameters) is the fp32 weights, whole, tied LM head written once."""
+    done = subprocess.run([sys.executable, "-c", _ONE_PROCESS], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def _tiny_trained():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    opt.step()
+    return model, opt
+
+
+def _staged_halves(root, model, opt):
+    """What two sharded ranks stage for a checkpoint, made from a whole optimizer in one process:
+    every moment cut in two on dim 0 (as FSDP2 shards), the step whole on both."""
+    from runner.train.sharding import optimizer_shard, stage_optimizer_shard
+
+    index, whole = optimizer_shard(opt, model)
+    halves: list[dict[str, torch.Tensor]] = [{}, {}]
+    for key, slots in index["state"].items():
+        for slot in slots:
+            t = whole[f"{key}.{slot}"]
+            if slot == "step":
+                for h in halves:
+                    h[f"{key}.{slot}"] = t.clone()
+            else:
+                slots[slot] = "shard0"
+                for h, part in zip(halves, torch.chunk(t, 2), strict=False):
+                    h[f"{key}.{slot}"] = part.clone()
+                if len(torch.chunk(t, 2)) == 1:  # a single row: the second rank's share is empty
+                    halves[1][f"{key}.{slot}"] = t[:0].clone()
+    return index, [stage_optimizer_shard(root, 1, r, h) for r, h in enumerate(halves)]
+
+
+def test_sharded_optimizer_files_round_trip_and_a_failed_write_removes_them(tmp_path,
+                                                                              monkeypatch):
+    """save_checkpoint moves the staged shards in under their names, the manifest lists them;
+    load_checkpoint returns the index and a whole optimizer put together from the shards equals
+    the one saved, bitwise. A write that fails removes the staged shards too."""
+    from runner.state.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+    from runner.train.sharding import load_optimizer_shards
+
+    model, opt = _tiny_trained()
+    index, staged = _staged_halves(tmp_path, model, opt)
+    state = TrainingState(step=1, cursor=None, scheduler={"last_epoch": 1}, world_size=2)
+    path = save_checkpoint(tmp_path, 1, model=model, tokenizer=None, optimizer=opt, state=state,
+                           metrics_rows=[], optimizer_shards=(index, staged),
+                           model_state={k: v.detach() for k, v in model.state_dict().items()})
+    assert not any(p.exists() for p in staged)
+    manifest = json.loads((path / "MANIFEST.json").read_text())["files"]
+    assert set(SHARDS) <= manifest.keys() and "optimizer.safetensors" not in manifest
+    loaded = load_checkpoint(path).optimizer_state
+    assert loaded["sharded"]["files"] == list(SHARDS) and loaded["folder"] == path
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    load_optimizer_shards(fresh, path, loaded["sharded"], rank=0, world=1)
+    a, b = opt.state_dict(), fresh.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    for i, slots in a["state"].items():
+        for slot, value in slots.items():
+            assert torch.equal(value, b["state"][i][slot]), (i, slot)
+
+    index, staged = _staged_halves(tmp_path, model, opt)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(model), "save_pretrained", full_disk)
+    with pytest.raises(RuntimeFailure, match="No space left"):
+        save_checkpoint(tmp_path, 2, model=model, tokenizer=None, optimizer=opt, state=state,
+                        metrics_rows=[], optimizer_shards=(index, staged), model_state={})
+    assert not any(p.exists() for p in staged)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
+
+
+# --- what fsdp does not run yet ----------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, says", [
+    (("model.lora.rank=4",), "LoRA"),
+    (("algo.kind=ppo",), "critic"),
+    (("launch.backend=ray",), "Ray"),
+    (("train.precision=fp16",), "fp16"),
+])
+def test_unsupported_combinations_are_refused(overrides, says):
+    recipe = "recipes/ppo-arith.toml" if "algo.kind=ppo" in overrides else GRPO
+    rest = tuple(o for o in overrides if o != "algo.kind=ppo")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(REPO / recipe, [FSDP, *rest])
+    lines = [p for p in info.value.problems if p.key == "train.sharding"]
+    assert len(lines) == 1 and says in lines[0].message, info.value.lines()
+
+
+def test_sharding_defaults_to_none_and_fsdp_loads():
+    assert load_recipe(REPO / GRPO).train.sharding == "none"
+    recipe = load_recipe(REPO / GRPO, [FSDP, "launch.backend=torchrun", "launch.num_processes=2"])
+    assert recipe.train.sharding == "fsdp"
+    from runner.recipe.plan import make_plan
+
+    rows = dict(make_plan(recipe).rows())
+    assert rows["launch"] == "torchrun, 2 process(es), policy sharded (FSDP2)"
+    assert dict(make_plan(load_recipe(REPO / GRPO)).rows())["launch"] == "local, 1 process(es)"
