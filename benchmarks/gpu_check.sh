@@ -65,3 +65,13 @@ for precision in no auto; do
         "model.path=$work/smollm2-random" rollout.engine=hf "run.device=$device" \
         "train.precision=$precision"
 done
+
+echo "== sharded (train.sharding = fsdp, world size 1) and overlapped (max_off_policy_steps = 1)"
+echo "   runs: the FSDP2 wrapping, bf16 mixed precision and sharded checkpoints on $device; the"
+echo "   producer thread beside the update (compare time/rollout with the wait in the split)"
+"$PY" benchmarks/bench_steps.py recipes/grpo-smollm2-arith.toml --steps "$steps" \
+    "model.path=$work/smollm2-random" rollout.engine=hf "run.device=$device" \
+    train.precision=auto train.sharding=fsdp checkpoint.every_steps=2
+"$PY" benchmarks/bench_steps.py recipes/grpo-smollm2-arith.toml --steps "$steps" \
+    "model.path=$work/smollm2-random" rollout.engine=hf "run.device=$device" \
+    train.precision=auto algo.max_off_policy_steps=1 algo.engine_is_correction=true
