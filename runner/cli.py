@@ -221,15 +221,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return EXIT_OK
 
     _validate(recipe, args)
-    if not args.validate:  # a layout whose model state exceeds the device: refused before it
-        from runner.preflight import estimate_state
-
-        problems = estimate_state(recipe, plan.world_size).problems()
-        if problems:
-            raise RecipeError(problems, source=args.recipe)
     if args.validate:
         print(f"{args.recipe}: recipe and extensions are valid ({recipe.algo.kind})")
         return EXIT_OK
+    from runner.preflight import state_problems
+
+    problems = state_problems(recipe, plan.world_size)  # a layout larger than the device
+    if problems:
+        raise RecipeError(problems, source=args.recipe)
     from runner.ui.quiet import quiet_libraries
 
     quiet_libraries()

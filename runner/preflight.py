@@ -249,7 +249,7 @@ def estimate_state(recipe: Recipe, world: int) -> StateEstimate:
         tensor_shapes,
         trained_bytes,
     )
-    from runner.precision import device_type, resolve
+    from runner.precision import resolve
     from runner.recipe.plan import planned_roles
 
     roles = planned_roles(recipe)
@@ -272,12 +272,29 @@ def estimate_state(recipe: Recipe, world: int) -> StateEstimate:
     if "teacher" in roles and on_ranks:
         teacher = tensor_shapes(resolve_model_path(a.teacher_path, key="algo.teacher_path"))
         full["teacher"] = frozen_bytes(count(teacher), frozen_dtype)
-    device_bytes, device = None, device_type(recipe)
+    device_bytes, device = device_memory(recipe)
+    layout = "FSDP" if recipe.train.sharding == "fsdp" else "DDP"
+    return StateEstimate(layout, world, full, device_bytes, device)
+
+
+def device_memory(recipe: Recipe) -> tuple[int | None, str]:
+    """(the bytes of the run's device where it reports them, its name): a CUDA GPU's total
+    memory; None on a CPU."""
+    from runner.precision import device_type
+
+    device = device_type(recipe)
     if device == "cuda":
         import torch
 
         if torch.cuda.is_available():
-            device_bytes = torch.cuda.get_device_properties(0).total_memory
-            device = f"cuda:0, {torch.cuda.get_device_name(0)}"
-    layout = "FSDP" if recipe.train.sharding == "fsdp" else "DDP"
-    return StateEstimate(layout, world, full, device_bytes, device)
+            return (torch.cuda.get_device_properties(0).total_memory,
+                    f"cuda:0, {torch.cuda.get_device_name(0)}")
+    return None, device
+
+
+def state_problems(recipe: Recipe, world: int) -> list[Problem]:
+    """The run's layout refused when its model state exceeds the device's memory; nothing is
+    estimated where the device reports no memory (a CPU)."""
+    if device_memory(recipe)[0] is None:
+        return []
+    return estimate_state(recipe, world).problems()

@@ -32,7 +32,7 @@ from runner.state.run_folder import no_follow, writing
 from runner.train.assemble import BuildSteps, prompt_limit
 from runner.train.handshake import handshake, model_files_hash
 from runner.train.roles import RoleProvider, Rollout
-from runner.train.rollouts import generate_held_out, prompt_pass_scores
+from runner.train.rollouts import generate_held_out, prompt_passes
 from runner.train.seeds import seed_everything
 from runner.train.streams import OPEN
 from runner.types import ObsBundle
@@ -134,9 +134,7 @@ def _evaluate(recipe: Recipe, ctx: RankContext, rollout: Rollout, items: Sequenc
             if isinstance(item.prompt, str):
                 record["prompt"] = item.prompt
             if fn:
-                threshold = recipe.eval.pass_threshold
-                record["passed"] = [v >= threshold for v in held.values_of[fn][own]]
-                record["scores"] = prompt_pass_scores(recipe, held, i)
+                record["passed"], record["scores"] = prompt_passes(recipe, held, i)
             if job.get("save_completions"):
                 record["completions"] = held.texts[own]
             records.append(record)

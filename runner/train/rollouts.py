@@ -246,9 +246,9 @@ def pass_names(recipe: Recipe) -> list[str]:
     return [f"pass@{k}" for k in pass_ks(cfg)] + ([f"maj@{n}"] if fn in ANSWER_OF else [])
 
 
-def prompt_pass_scores(recipe: Recipe, held: HeldOut, i: int) -> dict[str, float]:
-    """Prompt ``i``'s pass@k and maj@n (``pass_names``): which of its completions pass, and the
-    estimates from them."""
+def prompt_passes(recipe: Recipe, held: HeldOut, i: int) -> tuple[list[bool], dict[str, float]]:
+    """Prompt ``i``'s completions that pass, and its pass@k and maj@n (``pass_names``) from
+    them."""
     cfg = recipe.eval
     fn = pass_function(recipe.reward, cfg)
     texts = held.texts[held.of_item(i)]
@@ -256,7 +256,7 @@ def prompt_pass_scores(recipe: Recipe, held: HeldOut, i: int) -> dict[str, float
     out = {f"pass@{k}": pass_at_k(len(passed), sum(passed), k) for k in pass_ks(cfg)}
     if fn in ANSWER_OF:
         out[f"maj@{len(passed)}"] = float(majority_passes(texts, passed, ANSWER_OF[fn]))
-    return out
+    return passed, out
 
 
 def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
@@ -274,7 +274,7 @@ def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
         parts = {f"reward/{k}": (sum(v) / max(1, len(v))) * len(total)  # means -> sums
                  for k, v in held.values_of.items()}
         for i in range(len(items) if passing else 0):
-            for name, value in prompt_pass_scores(recipe, held, i).items():
+            for name, value in prompt_passes(recipe, held, i)[1].items():
                 passing[name] += value
     names, pass_keys = sorted(parts), list(passing)
     sums = run.svc.comm.sum([float(sum(total)), float(len(total)), float(len(items)),
