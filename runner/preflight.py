@@ -21,7 +21,7 @@ from runner.recipe.checks import BUILTIN_REWARDS, trackers_of
 from runner.recipe.schema import Recipe
 
 
-def _calls(recipe: Recipe) -> list[tuple[str, str, tuple, dict[str, Any]]]:
+def _calls(recipe: Recipe) -> list[tuple[str, str, tuple | None, dict[str, Any]]]:
     """(key, dotted path, positional args, keyword args) of every configured extension call."""
     d, p = recipe.data, recipe.data_packer
     calls = [
@@ -36,6 +36,9 @@ def _calls(recipe: Recipe) -> list[tuple[str, str, tuple, dict[str, Any]]]:
         for i, fn in enumerate(recipe.reward.functions)
         if fn not in BUILTIN_REWARDS and recipe.algo.kind in ("grpo", "ppo")
     ]
+    e = recipe.env
+    calls.append(("env.factory", e.factory, (), e.factory_kwargs))
+    calls += [(f"env.tools[{i}]", tool, None, {}) for i, tool in enumerate(e.tools)]
     return [c for c in calls if c[1]]
 
 
@@ -152,6 +155,8 @@ def validate_extensions(recipe: Recipe, overrides: Sequence[str] = ()) -> list[P
             fn: Callable[..., Any] = load_callable(dotted, key=key)
         except ExtensionError as exc:
             problems += exc.problems
+            continue
+        if args is None:  # imported only (a tool's arguments come from the model)
             continue
         try:
             check_binds(fn, dotted, key=key, args=args, kwargs=kwargs)

@@ -61,9 +61,20 @@ def test_gae_two_steps_by_hand():
     close(ret, [[0.6, 1.0]])
 
 
-def test_gae_rejects_a_broken_run():
-    with pytest.raises(ValueError, match=r"contiguous.*\[1\]"):
-        gae(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([[1, 1, 0], [1, 0, 1]]), 1.0, 1.0)
+def test_gae_steps_over_an_environments_tokens_by_hand():
+    """A two-turn episode: assistant tokens at 0, 1 and 4, the environment's at 2 and 3 (their
+    rewards and values must be ignored). With gamma 0.9, lam 0.5, V = (0.5, 0.2, ., ., 0.4),
+    r = (0, 0.1, ., ., 1):
+    delta_4 = 1 - 0.4 = 0.6;  A_4 = 0.6
+    delta_1 = 0.1 + 0.9 * 0.4 - 0.2 = 0.26;  A_1 = 0.26 + 0.45 * 0.6 = 0.53
+    delta_0 = 0 + 0.9 * 0.2 - 0.5 = -0.32;  A_0 = -0.32 + 0.45 * 0.53 = -0.0815
+    """
+    mask = torch.tensor([[1, 1, 0, 0, 1]])
+    rewards = torch.tensor([[0.0, 0.1, 7.0, 7.0, 1.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 0.2, 9.0, 9.0, 0.4]], dtype=torch.float64)
+    adv, ret = gae(rewards, values, mask, 0.9, 0.5)
+    close(adv, [[-0.0815, 0.53, 0.0, 0.0, 0.6]])
+    close(ret, [[0.4185, 0.73, 0.0, 0.0, 1.0]])
 
 
 def test_advantages_after_a_prompt_equal_the_left_aligned_ones():

@@ -2,9 +2,11 @@
 
 Proximal Policy Optimization (Schulman et al. 2017, arXiv:1707.06347) with generalized
 advantage estimation (Schulman et al. 2016, arXiv:1506.02438) and the per-token KL reward
-penalty of RLHF (Ziegler et al. 2019, arXiv:1909.08593; Ouyang et al. 2022). Sequences are
-laid on any grid where ``mask_BT`` is true on one contiguous run of each row (right-padded
-completions, or completions after their prompt on the shifted grid of a whole sequence).
+penalty of RLHF (Ziegler et al. 2019, arXiv:1909.08593; Ouyang et al. 2022). Each row holds
+one sequence, on any grid: right-padded completions, or completions after their prompt on the
+shifted grid of a whole sequence. ``mask_BT`` marks the tokens the policy wrote; in a multi-turn
+episode it has gaps (the environment's tokens), which GAE steps over: the value of an
+assistant token is bootstrapped from the next assistant token, wherever that is.
 """
 
 from __future__ import annotations
@@ -18,15 +20,6 @@ from torch import Tensor
 from runner.algorithms.grpo import clipped_token_loss
 from runner.algorithms.masked import masked_mean, masked_whiten, metric
 from runner.recipe.schema import PPOConfig
-
-
-def _check_contiguous(mask_BT: Tensor) -> Tensor:
-    mask_BT = mask_BT.to(torch.bool)
-    starts_B = (mask_BT[:, 1:] & ~mask_BT[:, :-1]).sum(dim=1) + mask_BT[:, 0].long()
-    if (starts_B > 1).any():
-        rows = torch.nonzero(starts_B > 1).flatten().tolist()
-        raise ValueError(f"mask must be one contiguous run of each row; rows {rows} are not.")
-    return mask_BT
 
 
 def _last_valid(mask_BT: Tensor) -> Tensor:
@@ -46,7 +39,7 @@ def kl_penalized_rewards(
 
     (Ziegler et al. 2019.) Detached; 0 outside the mask. Every row needs >= 1 valid token.
     """
-    mask_BT = _check_contiguous(mask_BT)
+    mask_BT = mask_BT.to(torch.bool)
     lengths_B = mask_BT.sum(dim=1)
     if (lengths_B == 0).any():
         rows = torch.nonzero(lengths_B == 0).flatten().tolist()
@@ -61,13 +54,15 @@ def kl_penalized_rewards(
 def gae(
     rewards_BT: Tensor, values_BT: Tensor, mask_BT: Tensor, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
-    """Generalized advantage estimation over each row's contiguous run: -> (adv_BT, returns_BT).
+    """Generalized advantage estimation over each row's masked tokens: -> (adv_BT, returns_BT).
 
-    delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},  R_t = A_t + V_t,
-    with V and A taken as 0 past the last valid token (no bootstrap at the end of a
-    completion). Detached; both outputs are 0 outside the mask.
+    delta_t = r_t + gamma V_{t'} - V_t,  A_t = delta_t + gamma lam A_{t'},  R_t = A_t + V_t,
+    where t' is the row's next masked token after t (the next one on a contiguous run; the
+    next assistant token across an environment's answer), with V and A taken as 0 past the last
+    one (no bootstrap at the end of a completion). Detached; both outputs are 0 outside the
+    mask.
     """
-    mask_BT = _check_contiguous(mask_BT)
+    mask_BT = mask_BT.to(torch.bool)
     zero = torch.zeros((), dtype=values_BT.dtype, device=values_BT.device)
     values_BT = torch.where(mask_BT, values_BT.detach(), zero)
     rewards_BT = torch.where(mask_BT, rewards_BT.detach(), zero)
@@ -76,9 +71,10 @@ def gae(
     next_adv_B = torch.zeros_like(values_BT[:, 0])
     for t in reversed(range(values_BT.shape[1])):
         delta_B = rewards_BT[:, t] + gamma * next_value_B - values_BT[:, t]
-        next_adv_B = torch.where(mask_BT[:, t], delta_B + gamma * lam * next_adv_B, zero)
-        adv_BT[:, t] = next_adv_B
-        next_value_B = values_BT[:, t]
+        # Off the mask nothing happens: the next masked token's value and advantage carry over.
+        next_adv_B = torch.where(mask_BT[:, t], delta_B + gamma * lam * next_adv_B, next_adv_B)
+        adv_BT[:, t] = torch.where(mask_BT[:, t], next_adv_B, zero)
+        next_value_B = torch.where(mask_BT[:, t], values_BT[:, t], next_value_B)
     returns_BT = torch.where(mask_BT, adv_BT + values_BT, zero)
     return adv_BT, returns_BT
 

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import torch
 
+from runner.envs.tools import ToolCall, parse_hermes_tool_calls
 from runner.types import ObsBundle
 
 
@@ -218,6 +219,33 @@ class DataPacker(ABC):
     def collate(self, inputs: Sequence[RLPolicyInput], *, packed: bool = False) -> PolicyBatch:
         """Pad (or pack) policy inputs into tensors."""
         return collate(inputs, self.pad_token_id, packed=packed)
+
+    # --- multi-turn episodes ([env]) -------------------------------------------------------
+    def render_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                        = None, add_generation_prompt: bool = False) -> list[int]:
+        """Token ids of chat ``messages`` (and ``tools``' schemas) as the model's chat template
+        renders them: an episode's prompt, and the base of ``env_message_ids``. A packer that
+        cannot render chat cannot play episodes."""
+        raise NotImplementedError(f"{type(self).__name__} does not render chat messages "
+                                  "(render_messages), which [env] episodes need")
+
+    def env_message_ids(self, conversation: list[dict[str, Any]],
+                        new_messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The ids that follow the assistant's generated turn (the last message of
+        ``conversation``, which ended on the eos token) when the environment's ``new_messages``
+        are appended and the model is prompted again. By default the chat template's own
+        rendering, checked to be append-only (``runner.envs.render``); a model whose template
+        is not can override this with a renderer of its own."""
+        from runner.envs.render import template_delta
+
+        return template_delta(lambda msgs, gen: self.render_messages(msgs, tools, gen),
+                              self.eos_token_id, conversation, new_messages)
+
+    def parse_tool_calls(self, text: str) -> list[ToolCall]:
+        """The tool calls written in one assistant reply: the Qwen / Hermes syntax
+        ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` by default."""
+        return parse_hermes_tool_calls(text)
 
     # --- codec ----------------------------------------------------------------------------
     @abstractmethod

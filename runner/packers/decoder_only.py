@@ -55,6 +55,20 @@ class DecoderOnlyLLMDataPacker(DataPacker):
         bos = tok.bos_token if tok.bos_token and not text.startswith(tok.bos_token) else ""
         return bos + text
 
+    def render_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                        = None, add_generation_prompt: bool = False) -> list[int]:
+        """The chat template's text of ``messages`` (with ``tools``), encoded without adding
+        special tokens, as a single-turn prompt is."""
+        tok = self._tok()
+        if not tok.chat_template:
+            raise RecipeError([Problem("model.path", f"{self.model_path}: the tokenizer has no "
+                                       "chat template, which [env] episodes render messages with",
+                                       hint="use a chat model, or a DataPacker whose "
+                                       "render_messages renders them")])
+        text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
+        return self.encode_rollout_input(text)
+
     def encode_rollout_input(self, rollout_input: Any) -> list[int]:
         if isinstance(rollout_input, list | tuple):
             return [int(t) for t in rollout_input]

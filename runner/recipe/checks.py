@@ -186,6 +186,40 @@ def check_ray_keys(r: Recipe) -> list[Problem]:
     return p
 
 
+def _env_set(r: Recipe) -> bool:
+    return bool(r.env.factory or r.env.tools)
+
+
+def check_env(r: Recipe) -> list[Problem]:
+    """``[env]``: multi-turn episodes where a rollout loop plays them (GRPO, PPO, OPD with one
+    vocabulary), with bounds that leave room for a turn."""
+    e = r.env
+    if not _env_set(r):
+        return []
+    p: list[Problem] = []
+    kind = r.algo.kind
+    if kind == "dpo":
+        key = "env.factory" if e.factory else "env.tools"
+        p.append(Problem(key, "DPO trains on given pairs and plays no episodes",
+                         got=e.factory or e.tools, hint="remove the [env] table, or use GRPO, "
+                         "PPO or OPD"))
+    if kind == "opd" and r.algo.mode != "same_tokenizer":
+        p.append(Problem("algo.mode", "[env] episodes need mode 'same_tokenizer' (the teacher "
+                         "scores the episode's own tokens)", got=r.algo.mode))
+    p += _range("env.max_turns", e.max_turns, 1 <= e.max_turns <= 1024, "in [1, 1024]")
+    p += _range("env.max_total_tokens", e.max_total_tokens,
+                2 <= e.max_total_tokens <= MAX_PER_STEP, f"in [2, {MAX_PER_STEP:,}]")
+    p += _range("env.tool_timeout_s", e.tool_timeout_s, e.tool_timeout_s >= 0, ">= 0 (0: no "
+                "limit)")
+    p += _range("env.step_timeout_s", e.step_timeout_s, e.step_timeout_s >= 0, ">= 0 (0: no "
+                "limit)")
+    if r.rollout.max_model_len and e.max_total_tokens > r.rollout.max_model_len:
+        p.append(Problem("env.max_total_tokens", f"is more than rollout.max_model_len "
+                         f"({r.rollout.max_model_len}), which holds a whole episode",
+                         got=e.max_total_tokens, hint="lower it, or raise rollout.max_model_len"))
+    return p
+
+
 def check_dotted_paths(r: Recipe) -> list[Problem]:
     from runner.extensions import is_dotted_path
 
@@ -195,6 +229,8 @@ def check_dotted_paths(r: Recipe) -> list[Problem]:
         "data.validation.factory": r.data.validation.factory,
         "data_packer.factory": r.data_packer.factory,
         "data_packer.teacher_model_factory": r.data_packer.teacher_model_factory,
+        "env.factory": r.env.factory,
+        **{f"env.tools[{i}]": t for i, t in enumerate(r.env.tools)},
     }
     problems = [Problem(k, "not a dotted path", got=v, hint=_DOTTED_HINT)
                 for k, v in paths.items() if v and not is_dotted_path(v)]
@@ -346,8 +382,9 @@ def _grpo_ranges(r: Recipe) -> list[Problem]:
     if a.minibatches >= 1 and rollouts % a.minibatches:
         p.append(Problem("algo.minibatches", f"must divide prompts_per_step x group_size "
                          f"({rollouts})", got=a.minibatches))
-    if not r.reward.functions:
-        p.append(Problem("reward.functions", "GRPO needs at least one reward function", got=[]))
+    if not r.reward.functions and not _env_set(r):
+        p.append(Problem("reward.functions", "GRPO needs at least one reward function (or an "
+                         "[env] whose episodes are rewarded)", got=[]))
     p += _engine_is_ranges(r)
     p += _off_policy_ranges(r)
     if a.engine_is_correction and a.old_logprobs == "engine":
@@ -394,8 +431,9 @@ def _ppo_ranges(r: Recipe) -> list[Problem]:
     if a.minibatches >= 1 and rollouts % a.minibatches:
         p.append(Problem("algo.minibatches", f"must divide prompts_per_step x samples_per_prompt "
                          f"({rollouts})", got=a.minibatches))
-    if not r.reward.functions:
-        p.append(Problem("reward.functions", "PPO needs at least one reward function", got=[]))
+    if not r.reward.functions and not _env_set(r):
+        p.append(Problem("reward.functions", "PPO needs at least one reward function (or an "
+                         "[env] whose episodes are rewarded)", got=[]))
     return p + _engine_is_ranges(r) + _off_policy_ranges(r)
 
 
@@ -455,6 +493,7 @@ RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
     check_launch,
     check_sharding,
     check_dotted_paths,
+    check_env,
     check_ranges,
     check_logging,
 )

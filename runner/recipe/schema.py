@@ -307,6 +307,30 @@ class RolloutConfig:
 
 
 @attrs.frozen
+class EnvConfig:
+    factory: str = key(
+        "", "Dotted path of an environment factory, called as factory(**factory_kwargs) once per "
+        "episode; its reset(item, seed) opens the conversation and step(messages) answers each "
+        "assistant turn (runner.envs.EnvStep). Empty with env.tools: the built-in tool "
+        "environment. Empty without tools: single-turn rollouts.")
+    factory_kwargs: dict[str, Any] = key({}, "Keyword arguments for env.factory (free-form).")
+    max_turns: int = key(4, "Most assistant turns per episode; an episode still going then is "
+                         "truncated.")
+    max_total_tokens: int = key(
+        512, "Most tokens of an episode, prompt and every turn; an episode that reaches it ends, "
+        "truncated.")
+    tools: list[str] = key(
+        [], "Dotted paths of plain Python callables offered to the model as tools (rendered into "
+        "the chat template's tools from each signature and docstring); the runner answers the "
+        "model's calls to them.")
+    tool_timeout_s: float = key(
+        5.0, "Seconds one tool call may take; a slower call becomes a tool message saying so.")
+    step_timeout_s: float = key(
+        60.0, "Seconds the environment's reset or step may take; a slower one ends the run, "
+        "naming it, the item and the turn.")
+
+
+@attrs.frozen
 class RewardConfig:
     functions: list[str] = key(
         ["arithmetic_exact"],
@@ -452,6 +476,9 @@ class Recipe:
         factory=GRPOConfig, metadata={"help": "The algorithm, tagged by kind."}
     )
     rollout: RolloutConfig = table(RolloutConfig, "The rollout engine and sampling.")
+    env: EnvConfig = table(
+        EnvConfig, "Multi-turn episodes (GRPO, PPO, OPD): an environment and/or tools answer the "
+        "model's turns; without factory and tools, rollouts are single-turn.")
     reward: RewardConfig = table(RewardConfig, "Reward functions (GRPO, PPO).")
     train: TrainConfig = table(TrainConfig, "Optimizer and evaluation.")
     eval: EvalConfig = table(
@@ -465,4 +492,5 @@ class Recipe:
 
 # Keys whose tables are free-form: any sub-key is accepted (no "+" prefix needed in overrides).
 FREEFORM_KEYS = frozenset({"data.factory_kwargs", "data.validation.factory_kwargs",
+                           "env.factory_kwargs",
                            "launch.ray_runtime_env"})

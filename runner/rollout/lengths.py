@@ -129,13 +129,19 @@ def stated_limit(recipe: Any, model_path: str | Path) -> PromptLimit:
 
 
 def derived_limit(recipe: Any, model_path: str | Path, tokens: Iterable[int]) -> PromptLimit:
-    """``max_new_tokens`` plus the longest of ``tokens`` (the prompts' token counts), rounded up
-    to ``ROUND_TO`` and capped at the model's context."""
+    """``max_new_tokens`` plus the longest of ``tokens`` (the prompts' token counts), or with
+    ``[env]`` the episodes' ``max_total_tokens``, rounded up to ``ROUND_TO`` and capped at the
+    model's context."""
     context = model_context(model_path)
     longest = max(tokens, default=0)
-    wanted = -(-(generated_tokens(recipe) + longest) // ROUND_TO) * ROUND_TO
+    episodes = bool(recipe.env.factory or recipe.env.tools)
+    # An episode's every engine call fits in env.max_total_tokens (the turns are cut to it).
+    need = recipe.env.max_total_tokens if episodes else generated_tokens(recipe) + longest
+    wanted = -(-need // ROUND_TO) * ROUND_TO
     if context is not None and wanted > context:
         return PromptLimit(context, "the model's context")
+    if episodes:
+        return PromptLimit(wanted, "rollout.max_model_len derived from env.max_total_tokens")
     return PromptLimit(wanted, f"rollout.max_model_len derived from the longest prompt, "
                        f"{longest:,} tokens")
 

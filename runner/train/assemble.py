@@ -19,6 +19,7 @@ import attrs
 
 from runner.data.cursor import DataCursor, PromptData, check_resume
 from runner.data.preference import PreferenceData
+from runner.envs.build import build_env_runner
 from runner.errors import Problem, RecipeError, RunnerError, RuntimeFailure
 from runner.packers.base import DataPacker
 from runner.precision import Precision, device_type, resolve
@@ -371,7 +372,8 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
                else make_engine(recipe, model_dir, dtype=precision.engine_dtype,
                                 max_model_len=limit.max_model_len if limit else None))
               if generates else None)
-    rollout = Rollout(engine, engine_packer, limit) if generates else None
+    rollout = (Rollout(engine, engine_packer, limit, build_env_runner(recipe, engine_packer))
+               if generates else None)
     svc = RunServices(recipe=recipe, plan=plan, rank=ctx, comm=comm, reporter=reporter,
                       metrics=_metrics_log(plan, ctx, ckpt), precision=precision,
                       accelerator=accelerator, stop_poll=stop, lock=lock)

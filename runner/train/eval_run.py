@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from runner.envs.build import build_env_runner
 from runner.errors import RunnerError
 from runner.precision import device_type, resolve
 from runner.ranks.collective import Collective, interleave
@@ -105,7 +106,7 @@ def _build(recipe: Recipe, ctx: RankContext, comm: Collective, job: dict[str, An
     engine = (actors.rollout_engine(ctx) if remote and actors is not None
               else make_engine(recipe, engine_dir, dtype=precision.engine_dtype,
                                max_model_len=limit.max_model_len if limit else None))
-    rollout = Rollout(engine, packer, limit)
+    rollout = Rollout(engine, packer, limit, build_env_runner(recipe, packer))
     if weights is not None:
         rollout.update_weights((n, w.detach()) for n, w in weights.named_parameters())
     if push and rollout.shared:

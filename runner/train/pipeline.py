@@ -46,7 +46,10 @@ class Produced:
         return {"step": self.step, "version": self.version, "indices": list(self.indices),
                 "prompt_ids": [list(p) for p in t.prompt_ids],
                 "completions": [[list(c.token_ids), c.text, list(c.logprobs), c.finish_reason]
-                                for c in t.completions]}
+                                for c in t.completions],
+                **({"loss_masks": [list(m) for m in t.loss_masks],
+                    "env_rewards": list(t.env_rewards), "env_stats": dict(t.env_stats)}
+                   if t.loss_masks else {})}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], item: Callable[[int], ObsBundle]) -> Produced:
@@ -59,7 +62,10 @@ class Produced:
         completions = tuple(Completion(tuple(ids), text, tuple(lps), reason)
                             for ids, text, lps, reason in raw["completions"])
         traj = Trajectory(tuple(items[i] for i in indices),
-                          tuple(tuple(p) for p in raw["prompt_ids"]), completions)
+                          tuple(tuple(p) for p in raw["prompt_ids"]), completions,
+                          loss_masks=tuple(tuple(m) for m in raw.get("loss_masks", [])),
+                          env_rewards=tuple(float(r) for r in raw.get("env_rewards", [])),
+                          env_stats={k: float(v) for k, v in raw.get("env_stats", {}).items()})
         return cls(int(raw["step"]), int(raw["version"]), traj, indices, 0.0)
 
 

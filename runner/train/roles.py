@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from runner.envs.episodes import EnvRunner, EpisodeResult
 from runner.errors import NonFiniteUpdate
 from runner.packers.base import DataPacker, PolicyBatch
 from runner.recipe.schema import Recipe
@@ -295,10 +296,11 @@ class Rollout:
     """The rollout role: the engine and the rollout-side packer that feeds it."""
 
     def __init__(self, engine: RolloutEngine, packer: DataPacker,
-                 limit: PromptLimit | None = None) -> None:
+                 limit: PromptLimit | None = None, env: EnvRunner | None = None) -> None:
         self.engine = engine
         self.packer = packer
         self.limit = limit or PromptLimit(None, "no limit")
+        self.env = env  # plays multi-turn episodes ([env]); None: one reply per completion
 
     @property
     def shared(self) -> bool:
@@ -318,6 +320,17 @@ class Rollout:
                                     item.origin.where, item.origin.prompt_column)
             prompts.append(prompt)
         return self.engine.generate(prompts, sampling, seeds)
+
+    def play(self, items: Sequence[ObsBundle], sampling: SamplingConfig,
+             seeds: Sequence[int] | None = None, step: int | None = None
+             ) -> list[EpisodeResult]:
+        """``sampling.n`` episodes of each of ``items``, played with this engine."""
+        assert self.env is not None
+
+        def check(tokens: int, max_new: int, item: ObsBundle) -> None:
+            self.limit.check_tokens(tokens, max_new, item.origin.where, item.origin.prompt_column)
+
+        return self.env.play(self.engine.generate, check, items, sampling, seeds, step)
 
     def update_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
+from runner.envs.episodes import EpisodeResult, episode_stats
 from runner.ranks.collective import interleave
 from runner.recipe.schema import Recipe, RolloutConfig
 from runner.rewards import RewardSet
@@ -61,8 +62,22 @@ def trajectory(items: Sequence[ObsBundle], outputs: Sequence[RolloutOutput]) -> 
     return Trajectory(tuple(flat_items), tuple(flat_prompts), tuple(flat))
 
 
+def episodes_trajectory(items: Sequence[ObsBundle], n: int,
+                        results: Sequence[EpisodeResult]) -> Trajectory:
+    """The trajectory of ``n`` played episodes per item (item-major)."""
+    return Trajectory(tuple(item for item in items for _ in range(n)),
+                      tuple(r.prompt_ids for r in results), tuple(r.completion for r in results),
+                      loss_masks=tuple(r.loss_mask for r in results),
+                      env_rewards=tuple(r.env_reward for r in results),
+                      env_stats=episode_stats(results))
+
+
 def roll_out(rollout: Rollout, items: Sequence[ObsBundle], params: SamplingConfig,
-             seeds: Sequence[int] | None = None) -> Trajectory:
+             seeds: Sequence[int] | None = None, step: int | None = None) -> Trajectory:
+    """``params.n`` completions of each item: one reply each, or with ``[env]`` one played
+    episode each."""
+    if rollout.env is not None:
+        return episodes_trajectory(items, params.n, rollout.play(items, params, seeds, step))
     return trajectory(items, rollout.generate(items, params, seeds))
 
 
@@ -88,7 +103,8 @@ def sample_ahead(run: RunContext, n_prompts: int, n_samples: int, step: int
     indexed = run.state.data.next_indexed(n_prompts // run.svc.rank.world_size)
     items = [item for _, item in indexed]
     seeds = position_seeds(run, run.svc.recipe.run.seed, step, len(items))
-    traj = roll_out(run.rollout, items, sampling(run.svc.recipe.rollout, n_samples, 0), seeds)
+    traj = roll_out(run.rollout, items, sampling(run.svc.recipe.rollout, n_samples, 0), seeds,
+                    step)
     per_item = len(traj.completions) // max(1, len(items))
     return traj, [i for i, _ in indexed for _ in range(per_item)]
 
@@ -187,15 +203,47 @@ def step_metrics(run: RunContext, traj: Trajectory, rewards_all: Sequence[float]
     return {
         "reward/mean": float(r.mean()), "reward/max": float(r.max()),
         **rank_mean(run.svc.comm, traj.reward_parts), "completion_len": n_tokens / n_completions,
-        **item_ids_metric(traj), **{f"time/{name}": s for name, s in seconds.items()},
+        **item_ids_metric(traj), **env_metrics(run, traj),
+        **{f"time/{name}": s for name, s in seconds.items()},
         "perf/rollout_tok_s": traj.n_tokens / max(seconds["rollout"], 1e-9),
         "perf/train_tok_s": train_passes * traj.n_tokens / max(seconds["update"], 1e-9),
     }
 
 
+def env_metrics(run: RunContext, traj: Trajectory) -> dict[str, float]:
+    """The means over every rank's episodes of the episode numbers (``env/turns``, ...); none
+    without ``[env]``. Every rank plays as many episodes, so the mean of means is the mean."""
+    if not run.rollout or run.rollout.env is None:
+        return {}
+    per_rank = run.svc.comm.gather(dict(traj.env_stats))
+    names = sorted({k for stats in per_rank for k in stats})
+    return {k: sum(stats.get(k, 0.0) for stats in per_rank) / len(per_rank) for k in names}
+
+
+def _weighted_means(run: RunContext, count: int, means: dict[str, float], prefix: str
+                    ) -> dict[str, float]:
+    """Per-key means over every rank's ``count`` items of each rank's ``means``."""
+    per_rank = run.svc.comm.gather([count, dict(means)])
+    total = sum(c for c, _ in per_rank)
+    names = sorted({k for _, m in per_rank for k in m})
+    return {prefix + k: sum(c * m.get(k, 0.0) for c, m in per_rank) / max(1, total)
+            for k in names}
+
+
+def with_env_rewards(values: Sequence[float], traj: Trajectory) -> list[float]:
+    """Each completion's reward functions' total plus its episode's env reward (if any)."""
+    if not traj.env_rewards:
+        return list(values)
+    return [v + e for v, e in zip(values, traj.env_rewards, strict=True)]
+
+
 def score(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:
+    """Rewards of ``traj``: the recipe's functions on each completion's text (an episode's last
+    reply) plus, for episodes, the environment's reward (also logged as ``reward/env``)."""
     values, parts = rewards.score(traj.texts, traj.items, step=step)
-    return attrs.evolve(traj, rewards=tuple(values), reward_parts=parts)
+    if traj.env_rewards:
+        parts = {**parts, "reward/env": sum(traj.env_rewards) / len(traj.env_rewards)}
+    return attrs.evolve(traj, rewards=tuple(with_env_rewards(values, traj)), reward_parts=parts)
 
 
 @attrs.frozen
@@ -206,8 +254,9 @@ class HeldOut:
     items: list[ObsBundle]
     texts: list[str]
     totals: list[float]  # the weighted total per completion
-    values_of: dict[str, list[float]]  # each function's value per completion
+    values_of: dict[str, list[float]]  # each function's value (and "env") per completion
     n: int
+    env_stats: dict[str, float] = attrs.field(factory=dict)  # episode means, with [env]
 
     def of_item(self, i: int) -> slice:
         return slice(i * self.n, (i + 1) * self.n)
@@ -232,7 +281,10 @@ def generate_held_out(rollout: Rollout, recipe: Recipe, items: Sequence[ObsBundl
              for j in range(first, first + len(items))]
     traj = roll_out(rollout, items, params, seeds)
     totals, values_of = rewards.score_each(traj.texts, traj.items)
-    return HeldOut(list(items), list(traj.texts), totals, values_of, params.n)
+    if traj.env_rewards:
+        values_of = {**values_of, "env": list(traj.env_rewards)}
+    return HeldOut(list(items), list(traj.texts), with_env_rewards(totals, traj), values_of,
+                   params.n, dict(traj.env_stats))
 
 
 def pass_names(recipe: Recipe) -> list[str]:
@@ -266,7 +318,11 @@ def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
     per prompt also ``eval/pass@k`` and ``eval/maj@n``, means over the prompts."""
     recipe, items = run.svc.recipe, run.state.val_items
     total, parts = [], {f"reward/{n}": 0.0 for n in rewards.names}
+    playing = run.rollout is not None and run.rollout.env is not None
+    if playing:
+        parts["reward/env"] = 0.0
     passing = dict.fromkeys(pass_names(recipe), 0.0)
+    held = None
     if items:
         held = generate_held_out(run.rollout, recipe, items, rewards, run.svc.rank.rank,
                                  run.svc.rank.world_size)
@@ -281,7 +337,9 @@ def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
                              *(parts[k] for k in names), *(passing[k] for k in pass_keys)])
     n, prompts = max(1.0, sums[1]), max(1.0, sums[2])
     means = [v / n for v in sums[3:3 + len(names)]]
-    return {"eval/reward": sums[0] / n, **{f"eval/{k}": v for k, v in zip(names, means,
+    episodes = (_weighted_means(run, len(total), held.env_stats if held else {}, "eval/")
+                if playing else {})
+    return {"eval/reward": sums[0] / n, **episodes, **{f"eval/{k}": v for k, v in zip(names, means,
                                                                           strict=True)},
             **{f"eval/{k}": v / prompts for k, v in zip(pass_keys, sums[3 + len(names):],
                                                           strict=True)}}

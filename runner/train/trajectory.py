@@ -22,6 +22,12 @@ class Trajectory:
     rewards: tuple[float, ...] = ()
     reward_parts: dict[str, float] = attrs.field(factory=dict)
     item_ids: tuple[int, ...] = ()  # the step's global item ids, with logging.item_ids
+    # Multi-turn episodes ([env]): per completion, 1 on the engine's tokens and 0 on the
+    # environment's (never trained); each episode's env reward (the sum of its turns'); this
+    # rank's means of the episode numbers (env/turns, env/tool_calls, ...). Empty otherwise.
+    loss_masks: tuple[tuple[int, ...], ...] = ()
+    env_rewards: tuple[float, ...] = ()
+    env_stats: dict[str, float] = attrs.field(factory=dict)
 
     @property
     def texts(self) -> list[str]:
@@ -38,6 +44,23 @@ class Trajectory:
         ``ignore_prefix[i]`` completion tokens at the start of sequence i are left out of the loss.
         """
         ignore = ignore_prefix or [0] * len(self.completions)
-        return [packer.get_policy_input(item, c, n, prompt_ids=p)
-                for item, c, p, n in zip(self.items, self.completions, self.prompt_ids, ignore,
-                                         strict=True)]
+        inputs = [packer.get_policy_input(item, c, n, prompt_ids=p)
+                  for item, c, p, n in zip(self.items, self.completions, self.prompt_ids, ignore,
+                                           strict=True)]
+        if not self.loss_masks:
+            return inputs
+        return [_episode_mask(x, c, m, packer)
+                for x, c, m in zip(inputs, self.completions, self.loss_masks, strict=True)]
+
+
+def _episode_mask(x: RLPolicyInput, c: Completion, mask: Sequence[int], packer: DataPacker
+                  ) -> RLPolicyInput:
+    """``x`` with the environment's tokens out of the loss. The packer must have kept the
+    episode's tokens as they are: the mask is laid on them position by position."""
+    if x.completion_ids != tuple(c.token_ids):
+        raise ValueError(f"{type(packer).__name__}.get_policy_input changed an episode's tokens "
+                         f"({len(c.token_ids)} -> {len(x.completion_ids)}); [env] needs them kept "
+                         "as the engine and the chat template wrote them")
+    n = x.n_prompt_tokens
+    loss = x.loss_mask[:n] + tuple(a * b for a, b in zip(x.loss_mask[n:], mask, strict=True))
+    return attrs.evolve(x, loss_mask=loss)

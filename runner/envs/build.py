@@ -1,0 +1,50 @@
+"""The recipe's ``[env]`` as the objects a worker plays episodes with (each builds its own)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from runner.envs.tools import ToolBox
+from runner.errors import Problem, RecipeError
+from runner.extensions import check_binds, load_callable
+
+
+def env_enabled(recipe: Any) -> bool:
+    """Whether the recipe plays multi-turn episodes: ``env.factory`` or ``env.tools`` set."""
+    return bool(recipe.env.factory or recipe.env.tools)
+
+
+def load_tools(cfg: Any) -> dict[str, Callable[..., Any]]:
+    """``env.tools`` by name (each callable's ``__name__``, else its path's last part)."""
+    tools: dict[str, Callable[..., Any]] = {}
+    for i, dotted in enumerate(cfg.tools):
+        fn = load_callable(dotted, key=f"env.tools[{i}]")
+        name = getattr(fn, "__name__", "") or dotted.rsplit(".", 1)[-1]
+        if name in tools:
+            raise RecipeError([Problem(f"env.tools[{i}]", f"{dotted}: a second tool named "
+                                       f"{name!r}; the model calls tools by name",
+                                       hint="rename one of them")])
+        tools[name] = fn
+    return tools
+
+
+def load_factory(cfg: Any) -> Callable[..., Any] | None:
+    """``env.factory``, checked to bind ``env.factory_kwargs`` (None: the built-in one)."""
+    if not cfg.factory:
+        return None
+    fn = load_callable(cfg.factory, key="env.factory")
+    check_binds(fn, cfg.factory, key="env.factory", kwargs=cfg.factory_kwargs)
+    return fn
+
+
+def build_env_runner(recipe: Any, packer: Any) -> Any:
+    """The worker's episode player for ``recipe`` with the rollout-side ``packer``; None for
+    single-turn rollouts."""
+    if not env_enabled(recipe):
+        return None
+    from runner.envs.episodes import EnvRunner
+
+    cfg = recipe.env
+    return EnvRunner(cfg, packer, load_factory(cfg), ToolBox(load_tools(cfg), cfg.tool_timeout_s),
+                     recipe.model.path)

@@ -1,0 +1,62 @@
+"""The tokens of an environment's messages: what the chat template adds after the assistant's
+end-of-turn token, never a re-tokenised reply.
+
+An episode's tokens are the prompt the template renders from the opening messages, then for each
+turn the engine's generated ids (ending with the eos token) and the template's rendering of the
+environment's answer. That rendering is the difference between the conversation rendered with
+the answer (and the next generation prompt) and without it, taken from the template's first
+token after the assistant's eos (Qwen writes a newline there, which the engine never generates).
+It is exact only where the template is append-only for these messages: rendering the longer
+conversation must keep the shorter one's tokens as its prefix, at both ends of the assistant's
+turn. ``template_delta`` checks both and raises ``NotAppendOnly`` otherwise (a template that
+rewrites earlier turns, e.g. one that drops an earlier turn's reasoning, is refused; a packer can
+supply its own renderer instead: ``DataPacker.env_message_ids``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Render = Callable[[list[dict[str, Any]], bool], list[int]]  # (messages, generation prompt) -> ids
+
+
+class NotAppendOnly(ValueError):
+    """The template rendered a longer conversation whose tokens do not extend the shorter's."""
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def template_delta(render: Render, eos_token_id: int, conversation: Sequence[dict[str, Any]],
+                   new_messages: Sequence[dict[str, Any]]) -> list[int]:
+    """The ids that follow the assistant's eos when ``new_messages`` are appended to
+    ``conversation`` (whose last message is the assistant's) and the model is prompted again.
+
+    >>> template = lambda msgs, gen: [t for m in msgs for t in (m["role"][0], m["content"], 0)] \\
+    ...     + (["a"] if gen else [])
+    >>> template_delta(template, 0, [{"role": "user", "content": "q"},
+    ...                              {"role": "assistant", "content": "r"}],
+    ...                [{"role": "tool", "content": "x"}])
+    ['t', 'x', 0, 'a']
+    """
+    conversation = list(conversation)
+    asked = render(conversation[:-1], True)  # the prompt the assistant's turn was sampled from
+    answered = render(conversation, False)
+    extended = render(conversation + list(new_messages), True)
+    if answered[:len(asked)] != asked:
+        at = _first_difference(asked, answered)
+        raise NotAppendOnly(f"rendering the assistant's reply changes the prompt it was sampled "
+                            f"from at token {at}")
+    if extended[:len(answered)] != answered:
+        at = _first_difference(answered, extended)
+        raise NotAppendOnly(f"rendering the environment's messages changes the earlier "
+                            f"conversation at token {at}")
+    turn = answered[len(asked):]
+    ends = [i for i, t in enumerate(turn) if t == eos_token_id]
+    if not ends:
+        raise NotAppendOnly("the template does not close the assistant's turn with the eos "
+                            "token the engine stops on")
+    return list(turn[ends[-1] + 1:]) + list(extended[len(answered):])

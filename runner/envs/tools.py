@@ -1,0 +1,181 @@
+"""Tools: plain Python callables offered to the model, described from their signatures, called
+from the model's replies under a time limit.
+
+A tool is described to the chat template as an OpenAI-style function schema (``tool_schema``):
+its name, the first paragraph of its docstring, and one JSON-schema property per parameter, typed
+from the annotation. The model's replies are parsed by its DataPacker (``parse_tool_calls``; the
+Qwen / Hermes syntax ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` by default), and
+each call runs in a daemon thread of its own under ``env.tool_timeout_s``. Whatever goes wrong in
+a call (malformed JSON, an unknown tool, arguments that do not bind, an exception, the time limit)
+becomes the tool message the model reads next, never a crash: a call still running at the
+deadline cannot be stopped from outside, so its thread is abandoned (it never blocks the process
+from exiting) and the episode goes on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import threading
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
+               list: "array", tuple: "array", dict: "object"}
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@attrs.frozen
+class ToolCall:
+    """One call parsed from a reply: the tool's name and arguments, or why it could not be
+    parsed (``error``; then ``name`` may be empty)."""
+
+    name: str
+    arguments: dict[str, Any] = attrs.field(factory=dict)
+    error: str = ""
+
+
+def _json_type(annotation: Any) -> str:
+    if isinstance(annotation, str):  # postponed annotations: the common names
+        return {"int": "integer", "float": "number", "str": "string", "bool": "boolean",
+                "list": "array", "dict": "object"}.get(annotation.split("[")[0], "string")
+    origin = typing.get_origin(annotation) or annotation
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _json_type(args[0]) if len(args) == 1 else "string"
+    return _JSON_TYPES.get(origin, "string")
+
+
+def tool_schema(fn: Callable[..., Any], name: str = "") -> dict[str, Any]:
+    """The chat template's description of ``fn``: an OpenAI-style function schema.
+
+    >>> def add(a: int, b: int = 0) -> int:
+    ...     '''Add two integers.'''
+    ...     return a + b
+    >>> tool_schema(add)["function"]["parameters"]
+    {'type': 'object', 'properties': {'a': {'type': 'integer'}, 'b': {'type': 'integer'}}, \
+'required': ['a']}
+    """
+    sig = inspect.signature(fn)
+    props, required = {}, []
+    for p in sig.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        props[p.name] = {"type": _json_type(p.annotation)
+                         if p.annotation is not p.empty else "string"}
+        if p.default is p.empty:
+            required.append(p.name)
+    doc = inspect.getdoc(fn) or ""
+    return {"type": "function", "function": {
+        "name": name or fn.__name__, "description": doc.split("\n\n")[0].strip(),
+        "parameters": {"type": "object", "properties": props, "required": required}}}
+
+
+def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
+    """The calls in ``text`` written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    (Qwen 2.5 / 3, Hermes). A block that is not such an object is a call with an ``error``.
+
+    >>> parse_hermes_tool_calls('<tool_call>{"name": "mul", "arguments": {"a": 2, "b": 3}}'
+    ...                         '</tool_call>')
+    [ToolCall(name='mul', arguments={'a': 2, 'b': 3}, error='')]
+    >>> parse_hermes_tool_calls('<tool_call>{"name": mul}</tool_call>')[0].error
+    'the call is not valid JSON: Expecting value at char 9'
+    """
+    calls = []
+    for block in TOOL_CALL.findall(text):
+        try:
+            raw = json.loads(block)
+        except json.JSONDecodeError as exc:
+            calls.append(ToolCall("", error=f"the call is not valid JSON: {exc.msg} at char "
+                                  f"{exc.pos}"))
+            continue
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            calls.append(ToolCall("", error='the call is not an object with a "name" string'))
+            continue
+        args = raw.get("arguments", {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(args, dict):
+            calls.append(ToolCall(raw["name"], error='"arguments" is not an object'))
+            continue
+        calls.append(ToolCall(raw["name"], args))
+    return calls
+
+
+@attrs.frozen
+class ToolResult:
+    content: str  # what the tool message says
+    failed: bool  # the call could not run, raised, or timed out
+
+
+def run_with_timeout(fn: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
+    """(finished, result or the exception raised) of ``fn()`` in a daemon thread; after
+    ``timeout_s`` seconds (0: no limit) the thread is abandoned and ``finished`` is false."""
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=body, daemon=True, name="posttrain-call")
+    thread.start()
+    thread.join(timeout_s if timeout_s > 0 else None)
+    if thread.is_alive():
+        return False, None
+    return True, box["error"] if "error" in box else box.get("value")
+
+
+class ToolBox:
+    """The recipe's tools by name: their schemas for the chat template, and their calls."""
+
+    def __init__(self, tools: Mapping[str, Callable[..., Any]], timeout_s: float) -> None:
+        self.tools = dict(tools)
+        self.timeout_s = timeout_s
+        self.schemas = [tool_schema(fn, name) for name, fn in self.tools.items()]
+
+    def __bool__(self) -> bool:
+        return bool(self.tools)
+
+    def call(self, call: ToolCall) -> ToolResult:
+        if call.error:
+            return ToolResult(f"error: {call.error}", True)
+        fn = self.tools.get(call.name)
+        if fn is None:
+            return ToolResult(f"error: unknown tool {call.name!r}; the tools are "
+                              f"{', '.join(self.tools)}", True)
+        try:
+            inspect.signature(fn).bind(**call.arguments)
+        except TypeError as exc:
+            return ToolResult(f"error: {call.name}: {exc}", True)
+        except ValueError:
+            pass  # no signature to check against: let the call say
+        finished, value = run_with_timeout(lambda: fn(**call.arguments), self.timeout_s)
+        if not finished:
+            return ToolResult(f"error: {call.name} timed out after {self.timeout_s:g} s", True)
+        if isinstance(value, BaseException):
+            return ToolResult(f"error: {call.name} raised {type(value).__name__}: {value}", True)
+        return ToolResult(value if isinstance(value, str) else _as_text(value), False)
+
+
+def _as_text(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def tool_messages(box: ToolBox, calls: Sequence[ToolCall]) -> tuple[list[dict[str, str]], int]:
+    """One ``tool`` message per call (in order) and how many failed."""
+    results = [box.call(c) for c in calls]
+    return ([{"role": "tool", "name": c.name, "content": r.content}
+             for c, r in zip(calls, results, strict=True)], sum(r.failed for r in results))
