@@ -8,6 +8,7 @@ engine would receive it; and the fully resolved recipe.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import tomli_w
 
@@ -20,11 +21,18 @@ def plan_sections(recipe: Recipe, plan: RunPlan) -> list[tuple[str, list[tuple[s
     """The (title, rows) sections of the dry-run."""
     from runner.data.preview import describe_data
 
-    return [("Plan", plan.rows() + pipeline_rows(recipe) + precision_rows(recipe)
-             + [("recipe hash", recipe_hash(recipe)[:16])]),
-            ("Data", describe_data(recipe)),
-            ("Model and packing", packing_rows(recipe)),
-            ("Memory (estimated from the model folders)", memory_rows(recipe, plan))]
+    sections = [("Plan", plan.rows() + pipeline_rows(recipe) + precision_rows(recipe)
+                 + [("recipe hash", recipe_hash(recipe)[:16])]),
+                ("Data", describe_data(recipe))]
+    packing: dict[str, Any] = {}
+    sections.append(("Model and packing", packing_rows(recipe, packing)))
+    if packing.get("item") is not None and (recipe.env.factory or recipe.env.tools):
+        from runner.envs.preview import episode_rows
+
+        sections.append(("One episode (played with the current model)",
+                         episode_rows(recipe, packing["path"], packing["packer"],
+                                      packing["item"])))
+    return sections + [("Memory (estimated from the model folders)", memory_rows(recipe, plan))]
 
 
 def memory_rows(recipe: Recipe, plan: RunPlan) -> list[tuple[str, str]]:
@@ -65,10 +73,11 @@ def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:
     return rows + [("precision chosen because", p.why)]
 
 
-def packing_rows(recipe: Recipe) -> list[tuple[str, str]]:
+def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None
+                 ) -> list[tuple[str, str]]:
     """Build the model folder and the student's packer; check every prompt's length as a run
     does before it trains (``runner.rollout.lengths.run_limit``); pack the first training
-    item."""
+    item. ``built`` (if given) receives the model folder, the packer and that item."""
     from runner.data.preference import DatasetPreferenceEnv
     from runner.data.sources import build_prompt_sources
     from runner.models import load_tokenizer, read_model_type, resolve_model_path
@@ -106,6 +115,8 @@ def packing_rows(recipe: Recipe) -> list[tuple[str, str]]:
     limit.check_tokens(len(packer.engine_prompt(rollout_input).full_ids), max_new,
                        item.origin.where, item.origin.prompt_column)
     rows += packer.describe_rollout_input(rollout_input)
+    if built is not None:
+        built.update(path=path, packer=packer, item=item)
     rows.append(("rollout max_model_len", f"{limit.max_model_len or 'the engine default'} "
                  f"({limit.why})"))
     if recipe.algo.kind == "opd":
