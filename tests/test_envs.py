@@ -22,6 +22,7 @@ from runner.recipe import load_recipe
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig
 from runner.types import ObsBundle
 from tests.conftest import REPO
+from tests.episode_checks import Recording, check_token_exact
 from tests.extmods import envs as E
 
 ITEM = ObsBundle("What is 17 - 3?", reference="14", id="q17")
@@ -296,8 +297,9 @@ def test_grpo_loss_of_a_two_turn_episode_by_hand():
 # --- runs ----------------------------------------------------------------------------------------
 
 def test_episodes_do_not_depend_on_the_batch_they_are_played_in(tmp_path):
-    """Seeded per item and turn: items played together or apart give the same episodes (so any
-    number of ranks plays the same ones), with the real engine."""
+    """With the hf engine: every episode is token-exact (``check_token_exact``); seeded per item
+    and turn, items played together or apart give the same episodes (so any number of ranks
+    plays the same ones)."""
     from tests.tiny_run import tiny_run
 
     items = [ObsBundle(f"What is {a} + {b}?", reference=str(a + b)) for a, b in
@@ -305,7 +307,11 @@ def test_episodes_do_not_depend_on_the_batch_they_are_played_in(tmp_path):
     with tiny_run("grpo-arith", tmp_path, "env.factory=tests.extmods.envs.retry",
                   "reward.functions=[]") as run:
         params = SamplingConfig(n=2, max_new_tokens=4)
+        engine = run.rollout.engine
+        run.rollout.engine = recording = Recording(engine)
         together = run.rollout.play(items, params, [11, 22, 33])
+        run.rollout.engine = engine
+        check_token_exact(together, recording.calls, run.rollout.packer, [11, 22, 33], 2)
         apart = [r for item, s in zip(items, [11, 22, 33], strict=True)
                  for r in run.rollout.play([item], params, [s])]
     # The same tokens, rewards and stats; the logprobs within float noise (a padded batch's
@@ -317,26 +323,49 @@ def test_episodes_do_not_depend_on_the_batch_they_are_played_in(tmp_path):
     assert any(r.stats["turns"] > 1 for r in together)
 
 
-def test_a_multi_turn_run_trains_and_resumes_bitwise(tmp_path, run_cli):
+RUN = ("recipes/grpo-arith.toml", "env.factory=tests.extmods.envs.retry", "env.max_turns=3",
+       "reward.functions=[]", "algo.prompts_per_step=4", "algo.group_size=4", "run.max_steps=2",
+       "data.validation.enabled=false", "checkpoint.every_steps=1", "logging.item_ids=true")
+
+
+def rows(folder):
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}
+            for line in lines]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The multi-turn GRPO run of ``RUN``, 2 steps in one go on one rank."""
+    from tests.multiproc import run_ranks
+
+    out = tmp_path_factory.mktemp("env-run") / "a"
+    done = run_ranks(RUN[0], out, 1, *RUN[1:])
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_multi_turn_run_trains_and_resumes_bitwise(straight, tmp_path, run_cli):
     """GRPO with the retry environment: 2 steps, against 1 step and a resume to 2."""
-    common = ("recipes/grpo-arith.toml", "env.factory=tests.extmods.envs.retry",
-              "env.max_turns=3", "reward.functions=[]", "algo.prompts_per_step=4",
-              "algo.group_size=4", "run.max_steps=2", "data.validation.enabled=false",
-              "checkpoint.every_steps=1", "logging.item_ids=true")
-    assert run_cli(*common, f"run.output_dir={tmp_path / 'a'}")[0] == 0
-    assert run_cli(*common, f"run.output_dir={tmp_path / 'b'}", "run.max_steps=1")[0] == 0
-    assert run_cli(*common, f"run.output_dir={tmp_path / 'b'}")[0] == 0
-
-    def rows(name):
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}
-                for line in lines]
-
-    a, b = rows("a"), rows("b")
+    assert run_cli(*RUN, f"run.output_dir={tmp_path / 'b'}", "run.max_steps=1")[0] == 0
+    assert run_cli(*RUN, f"run.output_dir={tmp_path / 'b'}")[0] == 0
+    a, b = rows(straight), rows(tmp_path / "b")
     assert a == b and a[-1]["env/turns"] > 1
     assert {"env/turns", "env/truncated", "env/solved", "reward/env"} <= set(a[-1])
     from safetensors.torch import load_file
 
-    wa = load_file(tmp_path / "a/checkpoints/step-000002/model/model.safetensors")
+    wa = load_file(straight / "checkpoints/step-000002/model/model.safetensors")
     wb = load_file(tmp_path / "b/checkpoints/step-000002/model/model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.multiproc
+def test_two_ranks_play_the_same_episodes_as_one(straight, tmp_path):
+    """torchrun x 2: the same items, episode numbers and rewards as the one-rank run."""
+    from tests.multiproc import run_ranks
+
+    done = run_ranks(RUN[0], tmp_path / "two", 2, *RUN[1:])
+    assert done.returncode == 0, done.stderr
+    keys = ("data/item_ids", "env/turns", "env/truncated", "env/solved", "reward/mean")
+    assert [[r[k] for k in keys] for r in rows(tmp_path / "two")] == \
+        [[r[k] for k in keys] for r in rows(straight)]

@@ -142,3 +142,22 @@ def test_vllm_weight_update_follows_policy(vllm_engine, tiny_path, prompts):
             == [c.token_ids for o in hf for c in o.completions])
     vllm_engine.update_weights(load_causal_lm(tiny_path).named_parameters())  # restore for others
     assert vllm_engine.generate(prompts, greedy) == before
+
+
+@pytest.mark.vllm
+def test_vllm_plays_token_exact_episodes(vllm_engine, packer):
+    """[env] with the vllm engine: each turn is the engine's reply to the episode's tokens so far,
+    the environment's messages the chat template's rendering, the mask on the replies only."""
+    from runner.envs.build import load_factory
+    from runner.envs.episodes import EnvRunner
+    from runner.envs.tools import ToolBox
+    from runner.recipe.schema import EnvConfig
+    from tests.episode_checks import Recording, check_token_exact
+
+    cfg = EnvConfig(factory="tests.extmods.envs.retry", max_turns=3)
+    runner = EnvRunner(cfg, packer, load_factory(cfg), ToolBox({}, 5.0), "builtin:tiny-arith")
+    recording = Recording(vllm_engine)
+    results = runner.play(recording.generate, lambda *a: None, ITEMS[:2],
+                          SamplingConfig(n=2, max_new_tokens=6), [5, 6])
+    check_token_exact(results, recording.calls, packer, [5, 6], 2)
+    assert any(r.stats["turns"] > 1 for r in results)
