@@ -381,3 +381,23 @@ def test_separate_vllm_rollout_actor_stays_in_sync_on_loopback(cluster, tmp_path
     other = final_weights(colocated, 3)
     worst = max(float((last[k] - other[k]).norm() / other[k].norm().clamp(min=1e-30)) for k in last)
     assert worst < 1e-5, worst
+
+
+def test_separate_rollout_actor_plays_the_episodes_of_one_rank(cluster, tmp_path):
+    """[env] on Ray with the engine in a rollout actor: the ranks play their episodes (the
+    environment in each rank, every turn's generation in the actor) and train on exactly the
+    items, episode numbers and rewards of a one-rank local run."""
+    env = ("env.factory=tests.extmods.envs.retry", "env.max_turns=3", "reward.functions=[]",
+           "algo.prompts_per_step=4", "algo.group_size=4", "run.max_steps=2",
+           "data.validation.enabled=false", "logging.item_ids=true", "rollout.max_new_tokens=4")
+    done = run_ray(GRPO, tmp_path / "ray", cluster.address, *SEPARATE, *env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_ranks(GRPO, tmp_path / "local", 1, *env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    keys = ("data/item_ids", "env/turns", "env/truncated", "env/solved", "reward/mean")
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [[json.loads(line)[k] for k in keys] for line in lines]
+
+    assert rows("ray") == rows("local") and len(rows("ray")) == 2
