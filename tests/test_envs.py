@@ -369,3 +369,25 @@ def test_two_ranks_play_the_same_episodes_as_one(straight, tmp_path):
     keys = ("data/item_ids", "env/turns", "env/truncated", "env/solved", "reward/mean")
     assert [[r[k] for k in keys] for r in rows(tmp_path / "two")] == \
         [[r[k] for k in keys] for r in rows(straight)]
+
+
+def test_an_environment_that_raises_ends_the_run_in_one_line(run_cli, tmp_path):
+    rc, _, err = run_cli("recipes/grpo-arith.toml", f"run.output_dir={tmp_path}",
+                         "env.factory=tests.extmods.envs.raises_in_step", "reward.functions=[]",
+                         "data.validation.enabled=false", "algo.prompts_per_step=2",
+                         "algo.group_size=2")
+    assert rc == 1
+    assert err.strip().splitlines()[-1] == (
+        "error: env at step 1: tests.extmods.envs.raises_in_step: step() raised KeyError: "
+        "'no such door' (row 1535 of built-in arithmetic (train), turn 0)")
+
+
+def test_dry_run_plays_one_episode_and_shows_the_trained_spans(run_cli):
+    rc, out, err = run_cli("recipes/grpo-arith.toml", "--dry-run", "--plain",
+                           "env.factory=tests.extmods.envs.retry", "env.max_turns=2",
+                           "reward.functions=[]")
+    assert rc == 0, err
+    section = out[out.index("One episode (played with the current model)"):]
+    assert "tests.extmods.envs.retry" in section and "'What is 17 - 3?'" in section
+    assert "trained (assistant)" in section and "not trained (environment)" in section
+    assert "turn(s), 0 tool call(s) (0 failed), env reward" in " ".join(section.split())
