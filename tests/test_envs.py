@@ -390,4 +390,4 @@ def test_dry_run_plays_one_episode_and_shows_the_trained_spans(run_cli):
     section = out[out.index("One episode (played with the current model)"):]
     assert "tests.extmods.envs.retry" in section and "'What is 17 - 3?'" in section
     assert "trained (assistant)" in section and "not trained (environment)" in section
-    assert "turn(s), 0 tool call(s) (0 failed), env reward" in " ".join(section.split())
+    assert "0 tool call(s)" in section and "env reward" in section
