@@ -35,6 +35,7 @@ SHOWN = (
     ("reverse_kl", "reverse kl"), ("accuracy", "pref acc"), ("reward_margin", "margin"),
     ("value_loss", "value loss"), ("clip_frac", "clip frac"),
     ("rollout/staleness_max", "staleness"),
+    ("env/turns", "turns"), ("env/tool_calls", "tool calls"), ("env/truncated", "truncated"),
     ("perf/rollout_tok_s", "rollout tok/s"), ("perf/train_tok_s", "train tok/s"),
 )
 SPLIT = ("time/rollout", "time/reward", "time/update", "time/sync")
