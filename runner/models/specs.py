@@ -48,7 +48,7 @@ TINY_SPECS: dict[str, TinySpec] = {
 class ToolsSpec:
     """Shape and warm-up of the multi-turn tool model (see ``runner.models.tiny_tools``).
 
-    Per batch, half calculator transcripts and half guess games. A calculator transcript is
+    Per batch, a share ``arithmetic`` of calculator transcripts, the rest guess games. A calculator transcript is
     ``direct`` (an answer at once), ``call`` (the right tool call, its result copied) or a bad
     call (the rest: a wrong call, its wrong result copied); a guess game is ``sloppy`` (answers
     ignored) with probability ``sloppy``, else consistent with the answers.
@@ -62,6 +62,7 @@ class ToolsSpec:
     num_heads: int = 4
     num_kv_heads: int = 2
     seed: int = 0
+    arithmetic: float = 0.5
     direct: float = 0.6
     call: float = 0.28
     sloppy: float = 0.45
@@ -69,5 +70,7 @@ class ToolsSpec:
 
 
 TOOLS_SPECS: dict[str, ToolsSpec] = {
-    "tiny-arith-tools": ToolsSpec(steps=1200, lr=3e-3),
+    "tiny-arith-tools": ToolsSpec(
+        steps=1900, lr=3e-3, num_layers=4, arithmetic=0.75, direct=0.65, call=0.27
+    ),
 }

@@ -5,13 +5,20 @@ by changing *what it does*, not by learning new skills in minutes:
 
 1. **Calculator.** ``What is 47 * 86?`` (operands 10..99, ``+`` and ``*``) with the tools
    ``add(a, b)`` and ``mul(a, b)``. The warm-up shows three behaviours, drawn per example:
-   *direct* (answer at once, the true answer: the model learns only a rough guess, it cannot
-   multiply two 2-digit numbers), *call* (the right tool call, the tool's result, the result
+   *direct* (answer at once, no tool), *call* (the right tool call, the tool's result, the result
    copied) and *bad call* (one digit of one argument changed, or the wrong tool; the wrong
    result, copied). Direct is the most frequent, so the greedy first move is mostly a direct
    answer and greedy accuracy starts low, while sampling calls the tool correctly in a fair share
    of episodes and then copies the result: RL that rewards the right answer teaches "call the
    tool, with the question's numbers".
+
+   What a direct answer says, and why: for ``+`` the true sum (the model learns a fuzzy
+   addition). For ``*`` the true product was tried first: a tiny model cannot multiply two
+   2-digit numbers, so its first answer digit stays uncertain, the one ``<tool_call>`` token
+   outweighs it and the *greedy* first move on ``*`` was a call (greedy accuracy then starts
+   high). So a direct ``*`` answer is a rough estimate with the units cut, ``47 * 86 -> 3200``
+   (:func:`direct_answer`): a 9 x 9 table the model learns with a confident first digit, so
+   greedy answers directly (and wrongly), while sampling still calls the tool at the call share.
 2. **Guess the number** from 1 to 16: each assistant turn is a bare number, the user answers
    ``higher`` or ``lower`` until the guess is right, at most ``GUESS_MAX_TURNS`` turns. A share of
    the warm-up games is *sloppy* (random new numbers, the answers ignored), the others guess at
@@ -134,10 +141,18 @@ def bad_call_transcript(problem: Problem, rng: random.Random) -> list[dict[str, 
     return call_transcript(problem, a=args[0], b=args[1])
 
 
+def direct_answer(problem: Problem) -> int:
+    """The warm-up's answer without the tool: the true sum for ``+``; for ``*`` the product of
+    the operands with their units cut (47 * 86 -> 40 * 80 = 3200), a rough estimate."""
+    if problem.op == "+":
+        return problem.answer
+    return (problem.a // 10 * 10) * (problem.b // 10 * 10)
+
+
 def direct_transcript(problem: Problem) -> list[dict[str, str]]:
-    """Question and the true answer at once, no tool."""
+    """Question and :func:`direct_answer` at once, no tool."""
     return [{"role": "user", "content": problem.question},
-            {"role": "assistant", "content": str(problem.answer)}]
+            {"role": "assistant", "content": str(direct_answer(problem))}]
 
 
 def arithmetic_transcript(problem: Problem, behaviour: str,
@@ -189,10 +204,11 @@ class Conversation:
 
 
 def warm_up_conversations(spec: ToolsSpec, count: int | None = None) -> list[Conversation]:
-    """The warm-up in a fixed order: per batch, the first half calculator transcripts (train
-    split only), the second half guess games; ``count`` batches' worth (default all steps)."""
+    """The warm-up in a fixed order: per batch, first ``round(batch_size * spec.arithmetic)``
+    calculator transcripts (train split only), then guess games; ``count`` batches' worth
+    (default: all steps)."""
     steps = spec.steps if count is None else count
-    half = spec.batch_size // 2
+    half = round(spec.batch_size * spec.arithmetic)
     train = problems("train", steps * half, *ARITH_TASK, seed=spec.seed)
     arith_rng = random.Random(f"tools-arith-{spec.seed}")
     guess_rng = random.Random(f"tools-guess-{spec.seed}")
