@@ -21,10 +21,11 @@ from runner.models.builtin import (
     shipped_folder,
 )
 from runner.models.home import BUILD_VERSION, model_dir
-from runner.models.specs import TINY_SPECS, TinySpec
+from runner.models.specs import TINY_SPECS, TOOLS_SPECS, TinySpec
 from runner.models.tokenizer_build import (
     QWEN2_PRETOKENIZE_REGEX,
     SPECS,
+    TOOL_MARKERS,
     build_tokenizer,
     char_tokenizer,
     save_tokenizer,
@@ -136,12 +137,138 @@ def test_char_tokenizer_differs_from_bpe():
     assert (bpe.get_vocab_size(), char.get_vocab_size()) == (361, 263)
 
 
+# --- the "tools" tokenizer and its multi-turn template ----------------------------------------
+
+TOOL_CHAT = [
+    {"role": "user", "content": "What is 47 * 86?"},
+    {"role": "assistant",
+     "content": '<tool_call>{"name": "mul", "arguments": {"a": 47, "b": 86}}</tool_call>'},
+    {"role": "tool", "content": "4042"},
+    {"role": "assistant", "content": "4042"},
+]
+TOOL_RENDERED = (
+    "<|bos|><|system|>tools: add(a, b), mul(a, b)<|eos|><|user|>What is 47 * 86?<|eos|>"
+    '<|assistant|><tool_call>{"name": "mul", "arguments": {"a": 47, "b": 86}}</tool_call><|eos|>'
+    "<|user|><tool_response>4042</tool_response><|eos|><|assistant|>4042<|eos|>"
+)
+
+
+@pytest.fixture(scope="module")
+def tools_folder(tmp_path_factory) -> Path:
+    from transformers import Qwen2Config
+
+    folder = tmp_path_factory.mktemp("tok-tools")
+    tok = build_tokenizer("tools")
+    save_tokenizer(tok, "tools", folder)
+    Qwen2Config(vocab_size=tok.get_vocab_size()).save_pretrained(folder)
+    return folder
+
+
+def _check_tools_tokenizer(folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from runner.models.tiny_tools import TOOLS, tool_call_text
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert type(tok).__name__ == "Qwen2Tokenizer"
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 6)
+    assert tok.convert_tokens_to_ids(list(SPECS["tools"].roles)) == [3, 4, 5]
+    for marker in TOOL_MARKERS:  # one token each, not special: decoding keeps them
+        ids = tok.encode(marker, add_special_tokens=False)
+        assert len(ids) == 1 and marker not in tok.all_special_tokens
+        assert tok.decode(ids, skip_special_tokens=True) == marker
+    call = tool_call_text("mul", 47, 86)
+    ids = tok.encode(call, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=True) == call
+    assert [t for t in tok.convert_ids_to_tokens(ids) if t.isdigit()] == list("4786")
+    assert tok.apply_chat_template(TOOL_CHAT, tools=TOOLS, tokenize=False) == TOOL_RENDERED
+    prompt = tok.apply_chat_template(TOOL_CHAT[:3], tools=TOOLS, tokenize=False,
+                                     add_generation_prompt=True)
+    assert prompt.endswith("<|user|><tool_response>4042</tool_response><|eos|><|assistant|>")
+    guess = [{"role": "user", "content": "Guess my number from 1 to 16."},
+             {"role": "assistant", "content": "8"}]
+    assert tok.apply_chat_template(guess, tokenize=False) == (  # no tools: no system turn
+        "<|bos|><|user|>Guess my number from 1 to 16.<|eos|><|assistant|>8<|eos|>")
+
+
+def test_tools_tokenizer_markers_and_template(tools_folder):
+    _check_tools_tokenizer(tools_folder)
+
+
+def test_tools_template_is_append_only(tools_folder):
+    """Rendering a longer conversation keeps a shorter one's ids (and its generation prompt's)
+    as a prefix; the warm-up's message-by-message ids are the template's."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from runner.data.arithmetic import problems
+    from runner.models.tiny_tools import (
+        TOOLS,
+        Conversation,
+        arithmetic_transcript,
+        conversation_ids,
+        guess_transcript,
+    )
+
+    tok = AutoTokenizer.from_pretrained(tools_folder)
+    rng = random.Random(0)
+    items = problems("train", 3, 10, 99, ("+", "*"))
+    convs = [Conversation(arithmetic_transcript(p, kind, rng), TOOLS)
+             for p, kind in zip(items, ("call", "bad call", "direct"), strict=True)]
+    convs += [Conversation(guess_transcript(t, t % 2 == 0, rng), None) for t in (3, 12)]
+    for conv in convs:
+        whole = tok.apply_chat_template(conv.messages, tools=conv.tools)["input_ids"]
+        assert conversation_ids(tok, conv)[0] == whole
+        for n in range(1, len(conv.messages)):
+            part = tok.apply_chat_template(conv.messages[:n], tools=conv.tools)["input_ids"]
+            assert whole[: len(part)] == part
+            if conv.messages[n]["role"] == "assistant":
+                prompt = tok.apply_chat_template(conv.messages[:n], tools=conv.tools,
+                                                 add_generation_prompt=True)["input_ids"]
+                assert whole[: len(prompt)] == prompt
+    with pytest.raises(Exception, match="roles must be"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+
+
+def test_tools_transcripts_follow_their_rules():
+    import random
+
+    from runner.data.arithmetic import Problem
+    from runner.models.tiny_tools import (
+        GUESS_MAX_TURNS,
+        arithmetic_transcript,
+        guess_reply,
+        guess_transcript,
+        parse_tool_call,
+    )
+
+    rng = random.Random(0)
+    p = Problem(47, "*", 86)
+    call = arithmetic_transcript(p, "call", rng)
+    assert parse_tool_call(call[1]["content"]) == ("mul", 47, 86)
+    assert call[2:] == [{"role": "tool", "content": "4042"},
+                        {"role": "assistant", "content": "4042"}]
+    for _ in range(20):
+        bad = arithmetic_transcript(p, "bad call", rng)
+        name, a, b = parse_tool_call(bad[1]["content"])
+        assert (name, a, b) != ("mul", 47, 86) and bad[2]["content"] == bad[3]["content"]
+    for target in range(1, 17):
+        for sloppy in (False, True):
+            game = guess_transcript(target, sloppy, rng)
+            guesses = [int(m["content"]) for m in game if m["role"] == "assistant"]
+            replies = [m["content"] for m in game[2::2]]
+            assert len(guesses) <= GUESS_MAX_TURNS and len(set(guesses)) == len(guesses)
+            assert replies == [guess_reply(target, g) for g in guesses[: len(replies)]]
+            assert guesses[-1] == target or len(guesses) == GUESS_MAX_TURNS
+
+
 # --- the built-in table, the cache, path resolution -------------------------------------------
 
 
 def test_builtin_table_is_consistent():
     assert set(BUILTINS) == set(BUILTIN_MODEL_TYPES)
-    assert set(TINY_SPECS) <= set(BUILTINS)
+    assert set(TINY_SPECS) | set(TOOLS_SPECS) <= set(BUILTINS)
     assert TINY_SPECS["tiny-arith-teacher"].tokenizer == TINY_SPECS["tiny-arith"].tokenizer
     assert TINY_SPECS["tiny-arith-char"].tokenizer != TINY_SPECS["tiny-arith"].tokenizer
 
@@ -306,7 +433,7 @@ def test_slip_shifts_the_stated_share_of_answers():
 def test_shipped_files_are_the_ones_their_build_recorded():
     """Every shipped folder holds exactly the files its build listed, bit for bit, and says on
     which CPU it was built (their weights are what every machine trains from)."""
-    assert set(TINY_SPECS) | {"tiny-qwen3-vl"} == set(SHIPPED)
+    assert set(TINY_SPECS) | set(TOOLS_SPECS) | {"tiny-qwen3-vl"} == set(SHIPPED)
     for name in SHIPPED:
         folder = SHIPPED_ROOT / name
         info = json.loads((folder / "build_info.json").read_text())
@@ -386,6 +513,25 @@ def test_tiny_arith_samples_a_spread_with_some_right():
     assert len(set(answers)) >= 3
     info = json.loads((folder / "build_info.json").read_text())
     assert 0.1 <= info["held_out_sampled_accuracy"] <= 0.6
+
+
+def test_tiny_arith_tools_is_an_ordinary_folder_with_the_tools_template():
+    """Loads like any qwen2 folder; its tokenizer renders tool messages as specified; its build
+    recorded what the evaluator measured (numbers depend on the CPU: only their range here)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = resolve_model_path("builtin:tiny-arith-tools")
+    assert folder == SHIPPED_ROOT / "tiny-arith-tools"
+    _check_tools_tokenizer(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == BUILTIN_MODEL_TYPES["tiny-arith-tools"] == "qwen2"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.vocab_size == len(load_tokenizer(folder))
+    info = json.loads((folder / "build_info.json").read_text())
+    for key in ("held_out_greedy_accuracy", "held_out_sampled_accuracy",
+                "sampled_correct_call_share", "sampled_copy_accuracy",
+                "guess_greedy_solved_share", "guess_sampled_mean_turns"):
+        assert 0.0 <= info[key] <= (6.0 if "turns" in key else 1.0), key
 
 
 def test_teacher_scores_tiny_arith_ids():

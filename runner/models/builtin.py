@@ -44,6 +44,12 @@ def _tiny(name: str) -> Builder:
     return build
 
 
+def _tiny_tools(folder: Path) -> dict[str, object]:
+    from runner.models.tiny_tools import build_tiny_tools
+
+    return build_tiny_tools(folder, "tiny-arith-tools")
+
+
 def _tiny_vl(folder: Path) -> dict[str, object]:
     from runner.models.tiny_vl import build_tiny_vl
 
@@ -60,16 +66,19 @@ BUILTINS: dict[str, Builder] = {
     "tiny-arith": _tiny("tiny-arith"),
     "tiny-arith-char": _tiny("tiny-arith-char"),
     "tiny-arith-teacher": _tiny("tiny-arith-teacher"),
+    "tiny-arith-tools": _tiny_tools,
     "tiny-qwen3-vl": _tiny_vl,
     "smollm2-135m-instruct": _smollm2,
 }
-SHIPPED = ("tiny-arith", "tiny-arith-char", "tiny-arith-teacher", "tiny-qwen3-vl")
+SHIPPED = ("tiny-arith", "tiny-arith-char", "tiny-arith-teacher", "tiny-arith-tools",
+           "tiny-qwen3-vl")
 
 # config.json's model_type of each built-in, known without loading it (checked by a test).
 BUILTIN_MODEL_TYPES: dict[str, str] = {
     "tiny-arith": "qwen2",
     "tiny-arith-char": "qwen2",
     "tiny-arith-teacher": "qwen2",
+    "tiny-arith-tools": "qwen2",
     "tiny-qwen3-vl": "qwen3_vl",
     "smollm2-135m-instruct": "llama",
 }

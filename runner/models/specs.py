@@ -42,3 +42,35 @@ TINY_SPECS: dict[str, TinySpec] = {
         tokenizer="bpe", hidden_size=160, num_layers=4, steps=900, lr=3e-3
     ),
 }
+
+
+@attrs.frozen
+class ToolsSpec:
+    """Shape and warm-up of the multi-turn tool model (see ``runner.models.tiny_tools``).
+
+    Per batch, a share ``arithmetic`` of calculator transcripts, the rest guess games. A calculator transcript is
+    ``direct`` (an answer at once), ``call`` (the right tool call, its result copied) or a bad
+    call (the rest: a wrong call, its wrong result copied); a guess game is ``sloppy`` (answers
+    ignored) with probability ``sloppy``, else consistent with the answers.
+    """
+
+    steps: int  # supervised warm-up steps
+    lr: float  # peak warm-up learning rate (linear warm-up, then linear decay to 0)
+    hidden_size: int = 128
+    num_layers: int = 3
+    batch_size: int = 32
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    seed: int = 0
+    arithmetic: float = 0.5
+    direct: float = 0.6
+    call: float = 0.28
+    sloppy: float = 0.45
+    tokenizer: str = "tools"  # runner.models.tokenizer_build.SPECS
+
+
+TOOLS_SPECS: dict[str, ToolsSpec] = {
+    "tiny-arith-tools": ToolsSpec(
+        steps=1900, lr=3e-3, num_layers=4, arithmetic=0.75, direct=0.65, call=0.27
+    ),
+}

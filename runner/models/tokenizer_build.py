@@ -1,4 +1,4 @@
-"""The two small tokenizers of the built-in models, each with its own chat template.
+"""The small tokenizers of the built-in models, each with its own chat template.
 
 Both use exactly the text pipeline of transformers' ``Qwen2Tokenizer`` (NFC, the Qwen
 pre-tokenizer regex, byte-level symbols, byte-level decoder). This matters: for a folder whose
@@ -24,7 +24,22 @@ ASCII text, with other special tokens, other ids and another template::
 
 A user or system turn ends with a newline, the assistant turn with the eos token ``</s>``.
 
-Neither tokenizer adds special tokens when encoding plain text: the template writes the one bos
+``tools`` (tiny-arith-tools): the special tokens, ids and text pipeline of ``bpe``, a byte-level
+BPE trained on the text of the tool and guess transcripts (``runner.models.tiny_tools``), no
+whole-number tokens (every digit is a token of its own), and four added tokens that are *not*
+special, so that decoding with ``skip_special_tokens=True`` keeps them: ``<tool_call>``,
+``</tool_call>``, ``<tool_response>``, ``</tool_response>``. Its template opens with a system
+turn that lists the tools (OpenAI-style function schemas) when ``tools`` is given, and renders a
+``tool`` message as a user turn wrapped in ``<tool_response>``::
+
+    <|bos|><|system|>tools: add(a, b), mul(a, b)<|eos|><|user|>What is 47 * 86?<|eos|>
+    <|assistant|><tool_call>{"name": "mul", "arguments": {"a": 47, "b": 86}}</tool_call><|eos|>
+    <|user|><tool_response>4042</tool_response><|eos|><|assistant|>4042<|eos|>
+
+(one line; broken here for reading). The rendering only appends: a longer conversation's ids
+start with a shorter one's, so a multi-turn rollout can extend its prompt in place.
+
+No tokenizer adds special tokens when encoding plain text: the template writes the one bos
 token, so ``apply_chat_template(..., tokenize=True)`` never doubles it. Pad is a token of its own
 (never eos), so a padding mask cannot hide a real eos. Special ids: pad 0, bos 1, eos 2, then the
 role tokens system 3, user 4, assistant 5, then unk 6 (never produced: every byte has a token).
@@ -99,6 +114,32 @@ _CHAR_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
 )
 
+_TOOLS_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>tools: ' }}"
+    "{% for tool in tools %}"
+    "{% if not loop.first %}{{ ', ' }}{% endif %}"
+    "{{ tool['function']['name'] + '(' }}"
+    "{{ tool['function']['parameters']['properties'] | list | join(', ') }}"
+    "{{ ')' }}"
+    "{% endfor %}"
+    "{{ eos_token }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|><tool_response>' + message['content'] + '</tool_response>' + eos_token }}"
+    "{% elif message['role'] in ['system', 'user', 'assistant'] %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% else %}"
+    "{{ raise_exception('roles must be system, user, assistant or tool') }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+# The added, non-special marker tokens of the "tools" kind, in id order after the trained vocab.
+TOOL_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
 SPECS: dict[str, TokenizerSpec] = {
     "bpe": TokenizerSpec(
         pad="<|pad|>",
@@ -115,6 +156,14 @@ SPECS: dict[str, TokenizerSpec] = {
         roles=("<system>", "<user>", "<assistant>"),
         unk="<unk>",
         chat_template=_CHAR_TEMPLATE,
+    ),
+    "tools": TokenizerSpec(
+        pad="<|pad|>",
+        bos="<|bos|>",
+        eos="<|eos|>",
+        roles=("<|system|>", "<|user|>", "<|assistant|>"),
+        unk="<|unk|>",
+        chat_template=_TOOLS_TEMPLATE,
     ),
 }
 
@@ -160,6 +209,34 @@ def train_bpe() -> Tokenizer:
     return tok
 
 
+def tools_corpus() -> list[str]:
+    """The text of the warm-up transcripts of ``tiny-arith-tools``, markers cut out (they are
+    added tokens, never merged), in a fixed order."""
+    from runner.models.tiny_tools import corpus_texts  # torch-free; imported late (no cycle)
+
+    texts = []
+    for text in corpus_texts():
+        for marker in TOOL_MARKERS:
+            text = text.replace(marker, "\n")
+        texts += [piece for piece in text.split("\n") if piece]
+    return texts
+
+
+def train_tools_bpe() -> Tokenizer:
+    """A byte-level BPE trained on :func:`tools_corpus`, plus the four non-special markers."""
+    tok = _qwen2_pipeline(Tokenizer(models.BPE()))
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECS["tools"].specials,
+        initial_alphabet=byte_symbols(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tools_corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(m, normalized=False, special=False) for m in TOOL_MARKERS])
+    return tok
+
+
 def char_tokenizer() -> Tokenizer:
     """One token per byte (so per character of ASCII text): a byte-level BPE with no merges."""
     spec = SPECS["char"]
@@ -170,8 +247,9 @@ def char_tokenizer() -> Tokenizer:
 
 
 def build_tokenizer(kind: str) -> Tokenizer:
-    """The tokenizer of ``kind`` ("bpe" or "char") with its special tokens at ids 0..6."""
-    tok = train_bpe() if kind == "bpe" else char_tokenizer()
+    """The tokenizer of ``kind`` ("bpe", "char" or "tools") with its special tokens at ids 0..6."""
+    builders = {"bpe": train_bpe, "char": char_tokenizer, "tools": train_tools_bpe}
+    tok = builders[kind]()
     tok.add_special_tokens(SPECS[kind].specials)
     for i, token in enumerate(SPECS[kind].specials):
         if tok.token_to_id(token) != i:

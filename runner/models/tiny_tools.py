@@ -1,0 +1,539 @@
+"""Build ``tiny-arith-tools``: a tiny Qwen2 model warmed up on multi-turn tool and game transcripts.
+
+The model is a starting point for multi-turn RL, with two tasks whose reward a policy can raise
+by changing *what it does*, not by learning new skills in minutes:
+
+1. **Calculator.** ``What is 47 * 86?`` (operands 10..99, ``+`` and ``*``) with the tools
+   ``add(a, b)`` and ``mul(a, b)``. The warm-up shows three behaviours, drawn per example:
+   *direct* (answer at once, no tool), *call* (the right tool call, the tool's result, the result
+   copied) and *bad call* (one digit of one argument changed, or the wrong tool; the wrong
+   result, copied). Direct is the most frequent, so the greedy first move is mostly a direct
+   answer and greedy accuracy starts low, while sampling calls the tool correctly in a fair share
+   of episodes and then copies the result: RL that rewards the right answer teaches "call the
+   tool, with the question's numbers".
+
+   What a direct answer says, and why: for ``+`` the true sum (the model learns a fuzzy
+   addition). For ``*`` the true product was tried first: a tiny model cannot multiply two
+   2-digit numbers, so its first answer digit stays uncertain, the one ``<tool_call>`` token
+   outweighs it and the *greedy* first move on ``*`` was a call (greedy accuracy then starts
+   high). So a direct ``*`` answer is a rough estimate with the units cut, ``47 * 86 -> 3200``
+   (:func:`direct_answer`): a 9 x 9 table the model learns with a confident first digit, so
+   greedy answers directly (and wrongly), while sampling still calls the tool at the call share.
+2. **Guess the number** from 1 to 16: each assistant turn is a bare number, the user answers
+   ``higher`` or ``lower`` until the guess is right, at most ``GUESS_MAX_TURNS`` turns. A share of
+   the warm-up games is *sloppy* (random new numbers, the answers ignored), the others guess at
+   random within the interval the answers still allow; bisection needs at most 4 turns, so RL
+   that rewards solving in fewer turns has room to act.
+
+The loss is on the assistant turns only (each with its closing eos). The transcript generators
+are plain functions of a seeded ``random.Random`` (reused by tests and environments); the
+evaluator plays whole episodes with the model, executing its tool calls, and the build records
+what it measured in ``build_info.json``. The build is deterministic on one machine
+(``runner.models.build_env``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from runner.data.arithmetic import Problem, problems
+from runner.models.build_env import (
+    cpu_description,
+    deterministic_torch,
+    quiet_transformers_progress,
+    warm_up_loop,
+)
+from runner.models.specs import TOOLS_SPECS, ToolsSpec
+
+ARITH_TASK = (10, 99, ("+", "*"))  # operands 10..99, + and *
+OP_TOOL = {"+": "add", "*": "mul"}
+TOOL_FUNCTIONS = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b}
+MAX_ARITH_TURNS = 3  # assistant turns of one calculator episode when playing
+GUESS_HI = 16
+GUESS_PROMPT = f"Guess my number from 1 to {GUESS_HI}."
+GUESS_MAX_TURNS = 6
+EVAL_EPISODES = 200  # held-out problems and games played after the warm-up
+MAX_TURN_TOKENS = 32  # a tool call is ~20 tokens with its markers
+
+
+def tool_schema(name: str, description: str) -> dict[str, object]:
+    """An OpenAI-style function schema with two integer parameters ``a`` and ``b``."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+
+
+TOOLS = [tool_schema("add", "a + b"), tool_schema("mul", "a * b")]
+
+
+# --- transcripts (pure functions) -------------------------------------------------------------
+
+
+def tool_call_text(name: str, a: int, b: int) -> str:
+    """The assistant content of a tool call turn, e.g.
+    ``<tool_call>{"name": "mul", "arguments": {"a": 47, "b": 86}}</tool_call>``."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": {"a": a, "b": b}}) + "</tool_call>"
+
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_call(text: str) -> tuple[str, int, int] | None:
+    """``(name, a, b)`` of a well-formed call of a known tool in ``text``; None otherwise."""
+    match = _CALL.search(text)
+    if match is None:
+        return None
+    try:
+        call = json.loads(match.group(1))
+        name, args = call["name"], call["arguments"]
+        a, b = args["a"], args["b"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if name not in TOOL_FUNCTIONS or type(a) is not int or type(b) is not int:
+        return None
+    return name, a, b
+
+
+def run_tool(name: str, a: int, b: int) -> int:
+    return TOOL_FUNCTIONS[name](a, b)
+
+
+def call_transcript(problem: Problem, name: str | None = None, a: int | None = None,
+                    b: int | None = None) -> list[dict[str, str]]:
+    """Question, tool call, the tool's result, the result copied; the right call by default."""
+    name = name or OP_TOOL[problem.op]
+    a, b = problem.a if a is None else a, problem.b if b is None else b
+    result = str(run_tool(name, a, b))
+    return [
+        {"role": "user", "content": problem.question},
+        {"role": "assistant", "content": tool_call_text(name, a, b)},
+        {"role": "tool", "content": result},
+        {"role": "assistant", "content": result},
+    ]
+
+
+def bad_call_transcript(problem: Problem, rng: random.Random) -> list[dict[str, str]]:
+    """A wrong call (a quarter: the other tool; else one digit of one argument changed, still a
+    2-digit number), its result, copied."""
+    if rng.random() < 0.25:
+        return call_transcript(problem, name=OP_TOOL["*" if problem.op == "+" else "+"])
+    args = [problem.a, problem.b]
+    which, position = rng.randrange(2), rng.randrange(2)
+    digits = list(str(args[which]))
+    choices = [d for d in "0123456789"[position == 0:] if d != digits[position]]
+    digits[position] = rng.choice(choices)
+    args[which] = int("".join(digits))
+    return call_transcript(problem, a=args[0], b=args[1])
+
+
+def direct_answer(problem: Problem) -> int:
+    """The warm-up's answer without the tool: the true sum for ``+``; for ``*`` the product of
+    the operands with their units cut (47 * 86 -> 40 * 80 = 3200), a rough estimate."""
+    if problem.op == "+":
+        return problem.answer
+    return (problem.a // 10 * 10) * (problem.b // 10 * 10)
+
+
+def direct_transcript(problem: Problem) -> list[dict[str, str]]:
+    """Question and :func:`direct_answer` at once, no tool."""
+    return [{"role": "user", "content": problem.question},
+            {"role": "assistant", "content": str(direct_answer(problem))}]
+
+
+def arithmetic_transcript(problem: Problem, behaviour: str,
+                          rng: random.Random) -> list[dict[str, str]]:
+    """The messages of ``behaviour`` ("direct", "call" or "bad call"); render with ``TOOLS``."""
+    if behaviour == "direct":
+        return direct_transcript(problem)
+    if behaviour == "call":
+        return call_transcript(problem)
+    if behaviour == "bad call":
+        return bad_call_transcript(problem, rng)
+    raise ValueError(f"unknown behaviour {behaviour!r}")
+
+
+def guess_reply(target: int, guess: int) -> str | None:
+    """The environment's answer: ``higher`` (target above), ``lower``, or None when right."""
+    return None if guess == target else ("higher" if target > guess else "lower")
+
+
+def guess_transcript(target: int, sloppy: bool, rng: random.Random) -> list[dict[str, str]]:
+    """One warm-up game (no tools block). Consistent: uniform within the interval the answers
+    still allow; sloppy: uniform among the numbers not yet guessed, answers ignored. Ends at the
+    right guess or after ``GUESS_MAX_TURNS`` guesses (no reply after the last)."""
+    messages = [{"role": "user", "content": GUESS_PROMPT}]
+    lo, hi, guessed = 1, GUESS_HI, set()
+    for turn in range(GUESS_MAX_TURNS):
+        if sloppy:
+            guess = rng.choice([n for n in range(1, GUESS_HI + 1) if n not in guessed])
+        else:
+            guess = rng.randint(lo, hi)
+        guessed.add(guess)
+        messages.append({"role": "assistant", "content": str(guess)})
+        reply = guess_reply(target, guess)
+        if reply is None or turn == GUESS_MAX_TURNS - 1:
+            break
+        messages.append({"role": "user", "content": reply})
+        lo, hi = (max(lo, guess + 1), hi) if reply == "higher" else (lo, min(hi, guess - 1))
+    return messages
+
+
+@attrs.frozen
+class Conversation:
+    """Messages, the tools block they are rendered with (None: no tools block), and the hidden
+    number of a guess game (None: a calculator transcript)."""
+
+    messages: list[dict[str, str]]
+    tools: list[dict[str, object]] | None
+    target: int | None = None
+
+
+def warm_up_conversations(spec: ToolsSpec, count: int | None = None) -> list[Conversation]:
+    """The warm-up in a fixed order: per batch, first ``round(batch_size * spec.arithmetic)``
+    calculator transcripts (train split only), then guess games; ``count`` batches' worth
+    (default: all steps)."""
+    steps = spec.steps if count is None else count
+    half = round(spec.batch_size * spec.arithmetic)
+    train = problems("train", steps * half, *ARITH_TASK, seed=spec.seed)
+    arith_rng = random.Random(f"tools-arith-{spec.seed}")
+    guess_rng = random.Random(f"tools-guess-{spec.seed}")
+    out: list[Conversation] = []
+    for step in range(steps):
+        for p in train[step * half : (step + 1) * half]:
+            u = arith_rng.random()
+            behaviour = ("direct" if u < spec.direct
+                         else "call" if u < spec.direct + spec.call else "bad call")
+            out.append(Conversation(arithmetic_transcript(p, behaviour, arith_rng), TOOLS))
+        for _ in range(spec.batch_size - half):
+            target = guess_rng.randint(1, GUESS_HI)
+            sloppy = guess_rng.random() < spec.sloppy
+            out.append(Conversation(guess_transcript(target, sloppy, guess_rng), None, target))
+    return out
+
+
+def tools_header(tools: Sequence[dict[str, object]]) -> str:
+    """``tools: add(a, b), mul(a, b)``: the system turn's text, as the chat template writes it."""
+    parts = [f"{t['function']['name']}({', '.join(t['function']['parameters']['properties'])})"
+             for t in tools]
+    return "tools: " + ", ".join(parts)
+
+
+def corpus_texts() -> list[str]:
+    """The tokenizer's training text: every kind of message content of the warm-up, in order."""
+    spec = attrs.evolve(TOOLS_SPECS["tiny-arith-tools"], direct=0.34, call=0.33)
+    texts = [tools_header(TOOLS), GUESS_PROMPT, "higher", "lower"]
+    for conv in warm_up_conversations(spec, count=100):
+        texts += [tools_header(conv.tools)] if conv.tools else []
+        texts += [m["content"] for m in conv.messages]
+    return texts
+
+
+# --- the warm-up ------------------------------------------------------------------------------
+
+
+def message_text(message: dict[str, str], eos: str = "<|eos|>") -> str:
+    """One message as the ``tools`` chat template renders it."""
+    role, content = message["role"], message["content"]
+    if role == "tool":
+        return f"<|user|><tool_response>{content}</tool_response>{eos}"
+    if role not in ("system", "user", "assistant"):
+        raise ValueError(f"roles must be system, user, assistant or tool, got {role!r}")
+    return f"<|{role}|>{content}{eos}"
+
+
+def conversation_ids(tokenizer, conv: Conversation) -> tuple[list[int], list[int]]:
+    """Token ids of ``conv`` as the chat template renders them, and labels: each assistant
+    turn's content and closing eos, -100 elsewhere. Encoded message by message (every message
+    starts and ends with a special token, so the pieces tokenize as the whole does)."""
+    ids, labels = [tokenizer.bos_token_id], [-100]
+    if conv.tools:
+        piece = tokenizer.encode(f"<|system|>{tools_header(conv.tools)}<|eos|>",
+                                 add_special_tokens=False)
+        ids += piece
+        labels += [-100] * len(piece)
+    for message in conv.messages:
+        piece = tokenizer.encode(message_text(message), add_special_tokens=False)
+        ids += piece
+        if message["role"] == "assistant":
+            labels += [-100] + piece[1:]
+        else:
+            labels += [-100] * len(piece)
+    return ids, labels
+
+
+def sft_batch(tokenizer, rows: Sequence[tuple[list[int], list[int]]]) -> dict[str, object]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels``, [B, T]."""
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
+    pad = tokenizer.pad_token_id
+    return {
+        "input_ids": torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows]),
+        "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids))
+                                        for ids, _ in rows]),
+        "labels": torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows]),
+    }
+
+
+# --- playing episodes -------------------------------------------------------------------------
+
+
+def generate_turns(model, tokenizer, prompts: Sequence[list[int]], *, temperature: float,
+                   generator, max_new_tokens: int = MAX_TURN_TOKENS) -> list[str]:
+    """One assistant turn per prompt (greedy when ``temperature`` is 0), decoded up to eos with
+    ``skip_special_tokens=True`` (the tool markers stay). A KV-cached loop over left-padded
+    prompts, positions from the attention mask, as ``runner.models.tiny.generate_answers``."""
+    import torch
+
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    width = max(map(len, prompts))
+    step_ids_BT = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask_BT = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    done_B = torch.zeros(len(prompts), dtype=torch.bool)
+    out: list[list[int]] = [[] for _ in prompts]
+    past = None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            position_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, -step_ids_BT.shape[1] :]
+            result = model(input_ids=step_ids_BT, attention_mask=mask_BT,
+                           position_ids=position_BT, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            logits_BV = result.logits[:, -1].float()
+            if temperature > 0:
+                probs_BV = torch.softmax(logits_BV / temperature, dim=-1)
+                next_B = torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
+            else:
+                next_B = logits_BV.argmax(-1)
+            for i, token in enumerate(next_B.tolist()):
+                if not done_B[i] and token != eos:
+                    out[i].append(token)
+            done_B |= next_B == eos
+            if done_B.all():
+                break
+            step_ids_BT = next_B[:, None]
+            mask_BT = torch.cat([mask_BT, torch.ones_like(step_ids_BT)], dim=1)
+    return [tokenizer.decode(toks, skip_special_tokens=True) for toks in out]
+
+
+def _prompt(tokenizer, messages, tools) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                        add_generation_prompt=True)
+    return list(out["input_ids"])
+
+
+@attrs.frozen
+class ArithmeticEpisode:
+    problem: Problem
+    messages: list[dict[str, str]]
+
+    @property
+    def first_call(self) -> tuple[str, int, int] | None:
+        return parse_tool_call(self.messages[1]["content"])
+
+    @property
+    def called_correctly(self) -> bool:
+        p = self.problem
+        return self.first_call == (OP_TOOL[p.op], p.a, p.b)
+
+    @property
+    def final_answer(self) -> str | None:
+        """The last assistant turn when it is not a tool call (None: the episode ran out)."""
+        last = self.messages[-1]
+        if last["role"] != "assistant" or "<tool_call>" in last["content"]:
+            return None
+        return last["content"].strip()
+
+    @property
+    def correct(self) -> bool:
+        return self.final_answer == str(self.problem.answer)
+
+
+def play_arithmetic(model, tokenizer, items: Sequence[Problem], *, temperature: float = 0.0,
+                    seed: int = 0) -> list[ArithmeticEpisode]:
+    """Play each problem: the model's tool calls are executed (a malformed one gets ``error``)
+    until it answers without a call, or after ``MAX_ARITH_TURNS`` assistant turns."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    convs = [[{"role": "user", "content": p.question}] for p in items]
+    active = list(range(len(items)))
+    for _ in range(MAX_ARITH_TURNS):
+        if not active:
+            break
+        texts = generate_turns(model, tokenizer, [_prompt(tokenizer, convs[i], TOOLS)
+                                                  for i in active],
+                               temperature=temperature, generator=generator)
+        still = []
+        for i, text in zip(active, texts, strict=True):
+            convs[i].append({"role": "assistant", "content": text})
+            if "<tool_call>" in text:
+                call = parse_tool_call(text)
+                convs[i].append({"role": "tool",
+                                 "content": str(run_tool(*call)) if call else "error"})
+                still.append(i)
+        active = still
+    return [ArithmeticEpisode(p, c) for p, c in zip(items, convs, strict=True)]
+
+
+def play_guess(model, tokenizer, targets: Sequence[int], *, temperature: float = 0.0,
+               seed: int = 0) -> list[tuple[bool, int]]:
+    """Play each game: ``(solved, assistant turns)``. A turn that is not a number in range ends
+    the game unsolved; so do ``GUESS_MAX_TURNS`` wrong guesses."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    convs = [[{"role": "user", "content": GUESS_PROMPT}] for _ in targets]
+    result: list[tuple[bool, int]] = [(False, GUESS_MAX_TURNS)] * len(targets)
+    active = list(range(len(targets)))
+    for turn in range(1, GUESS_MAX_TURNS + 1):
+        if not active:
+            break
+        texts = generate_turns(model, tokenizer, [_prompt(tokenizer, convs[i], None)
+                                                  for i in active],
+                               temperature=temperature, generator=generator, max_new_tokens=4)
+        still = []
+        for i, text in zip(active, texts, strict=True):
+            convs[i].append({"role": "assistant", "content": text})
+            guess = int(text) if text.strip().isdigit() else None
+            if guess is None or not 1 <= guess <= GUESS_HI:
+                result[i] = (False, turn)
+                continue
+            reply = guess_reply(targets[i], guess)
+            if reply is None:
+                result[i] = (True, turn)
+            elif turn < GUESS_MAX_TURNS:
+                convs[i].append({"role": "user", "content": reply})
+                still.append(i)
+        active = still
+    return result
+
+
+def guess_targets(count: int = EVAL_EPISODES, seed: int = 0) -> list[int]:
+    rng = random.Random(f"guess-eval-{seed}")
+    return [rng.randint(1, GUESS_HI) for _ in range(count)]
+
+
+def evaluate(model, tokenizer, count: int = EVAL_EPISODES) -> dict[str, float]:
+    """Held-out calculator episodes and guess games, greedy and sampled (T=1, seed 0)."""
+    items = problems("held_out", count, *ARITH_TASK)
+    targets = guess_targets(count)
+    out: dict[str, float] = {}
+    for mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+        episodes = play_arithmetic(model, tokenizer, items, temperature=temperature)
+        called = [e for e in episodes if e.called_correctly]
+        out[f"held_out_{mode}_accuracy"] = sum(e.correct for e in episodes) / count
+        out[f"{mode}_correct_call_share"] = len(called) / count
+        out[f"{mode}_any_call_share"] = sum("<tool_call>" in e.messages[1]["content"]
+                                            for e in episodes) / count
+        out[f"{mode}_copy_accuracy"] = (sum(e.correct for e in called) / len(called)
+                                        if called else 0.0)
+        direct = [e for e in episodes if "<tool_call>" not in e.messages[1]["content"]]
+        out[f"{mode}_direct_accuracy"] = (sum(e.correct for e in direct) / len(direct)
+                                          if direct else 0.0)
+        games = play_guess(model, tokenizer, targets, temperature=temperature)
+        out[f"guess_{mode}_solved_share"] = sum(s for s, _ in games) / count
+        out[f"guess_{mode}_mean_turns"] = sum(t for _, t in games) / count
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def warm_up_policy_numbers(conversations: Sequence[Conversation]) -> dict[str, float]:
+    """The warm-up data's own guess policy: solved share and mean turns per game (what RL should
+    beat), and the calculator behaviours' shares."""
+    games = [c for c in conversations if c.target is not None]
+    solved = [c.messages[-1]["content"] == str(c.target) for c in games]
+    turns = [sum(m["role"] == "assistant" for m in c.messages) for c in games]
+    arith = [c for c in conversations if c.tools]
+    calls = [c for c in arith if len(c.messages) > 2]
+    return {"warm_up_guess_solved_share": round(sum(solved) / len(games), 4),
+            "warm_up_guess_mean_turns": round(sum(turns) / len(games), 4),
+            "warm_up_call_share": round(len(calls) / len(arith), 4)}
+
+
+# --- the build --------------------------------------------------------------------------------
+
+
+def warm_up(model, tokenizer, spec: ToolsSpec, label: str) -> list[float]:
+    """The supervised warm-up (``build_env.warm_up_loop``) on ``warm_up_conversations(spec)``."""
+    rows = [conversation_ids(tokenizer, c) for c in warm_up_conversations(spec)]
+    size = spec.batch_size
+    return warm_up_loop(model, lambda step: sft_batch(tokenizer, rows[step * size:(step + 1) * size]),
+                        spec.steps, spec.lr, label)
+
+
+def _check_template(tokenizer, conversations: Sequence[Conversation]) -> None:
+    """The message-by-message ids equal the chat template's (guards the warm-up's encoding)."""
+    for conv in conversations:
+        rendered = tokenizer.apply_chat_template(conv.messages, tools=conv.tools, tokenize=True)
+        if list(rendered["input_ids"]) != conversation_ids(tokenizer, conv)[0]:
+            raise AssertionError(f"the warm-up encodes {conv.messages} unlike the chat template")
+
+
+def build_tiny_tools(folder: Path, name: str) -> dict[str, object]:
+    """Write the complete model folder of ``TOOLS_SPECS[name]`` into ``folder``; returns its
+    build info with the evaluator's numbers."""
+    import torch
+    from rich.console import Console
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+    from runner.models.tiny import model_config
+    from runner.models.tokenizer_build import build_tokenizer, save_tokenizer
+
+    spec = TOOLS_SPECS[name]
+    console = Console(stderr=True)
+    console.print(f"building builtin:{name} ...")
+    with deterministic_torch():
+        save_tokenizer(build_tokenizer(spec.tokenizer), spec.tokenizer, folder)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+        conversations = warm_up_conversations(spec)
+        _check_template(tokenizer, conversations[: 2 * spec.batch_size])
+        torch.manual_seed(spec.seed)
+        model = Qwen2ForCausalLM(model_config(spec, tokenizer))
+        losses = warm_up(model, tokenizer, spec, name)
+        measured = evaluate(model, tokenizer)
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            do_sample=False,
+            max_new_tokens=MAX_TURN_TOKENS,
+        )
+        with quiet_transformers_progress():
+            model.save_pretrained(folder)
+    console.print(summary(name, measured))
+    return {
+        "name": name,
+        "spec": attrs.asdict(spec),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+        "held_out_count": EVAL_EPISODES,
+        "guess_games": EVAL_EPISODES,
+        **measured,  # sampled: temperature 1.0, seed 0
+        **warm_up_policy_numbers(conversations),
+        "torch_version": torch.__version__,
+        "cpu": cpu_description(),
+    }
+
+
+def summary(name: str, m: dict[str, float]) -> str:
+    """One line: held-out accuracy, correct calls and copies, guess games (greedy / sampled)."""
+    return (f"built builtin:{name}: held-out accuracy {m['held_out_greedy_accuracy']:.3f} / "
+            f"{m['held_out_sampled_accuracy']:.3f}, correct call {m['greedy_correct_call_share']:.3f}"
+            f" / {m['sampled_correct_call_share']:.3f}, copy {m['greedy_copy_accuracy']:.3f} / "
+            f"{m['sampled_copy_accuracy']:.3f}, guess solved {m['guess_greedy_solved_share']:.3f} / "
+            f"{m['guess_sampled_solved_share']:.3f} in {m['guess_greedy_mean_turns']:.2f} / "
+            f"{m['guess_sampled_mean_turns']:.2f} turns (greedy / sampled)")
