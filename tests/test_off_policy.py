@@ -167,3 +167,69 @@ def test_the_producer_samples_with_its_own_thread_count():
     producer.start(2, version=0)
     producer.wait()
     assert seen == [main, 1] and torch.get_num_threads() == main
+
+
+def test_the_loss_of_a_stale_batch_is_the_hand_derived_decoupled_ppo_loss():
+    """At k >= 1 the loss compares three policies (grpo_loss with engine_is_weights, as
+    runner/train/grpo.py's minibatch_loss calls them): pi (the weights being trained),
+    pi_prox (the same weights before the step: old_logprobs = 'policy') and pi_engine (the
+    engine that sampled the batch k versions ago). Token loss:
+
+        l = -w min(r A, clip(r, 1 - 0.2, 1 + 0.25) A),  r = pi / pi_prox,
+        w = min(pi_prox / pi_engine, cap = 2).
+
+    Two sequences of 3 tokens; the last token of row 1 is masked out (r = 10, w = 0.1 there:
+    ignored).
+
+        row 0, A = +1:   pi     pi_prox pi_engine   r     w         l
+          t0            0.75    0.5     0.5        1.5   1         -1 * min(1.5, 1.25) = -1.25
+          t1            0.5     0.5     0.125      1     4 -> 2    -2 * min(1, 1)      = -2
+          t2            0.25    0.5     1          0.5   0.5       -0.5 * min(0.5, 0.8) = -0.25
+        row 1, A = -0.5:
+          t0            0.2     0.5     0.625      0.4   0.8       -0.8 * min(-0.2, -0.4) = 0.32
+          t1            0.5     0.25    0.0625     2     4 -> 2    -2 * min(-1, -0.625)   = 2
+
+    token_mean: (-1.25 - 2 - 0.25 + 0.32 + 2) / 5 = -1.18 / 5 = -0.236
+    seq_mean:   (-3.5 / 3 + 2.32 / 2) / 2 = (-7/6 + 29/25) / 2 = (-1/150) / 2 = -1/300
+    dr_grpo:    -1.18 / (2 rows x max_tokens 4) = -0.1475
+    clip_frac = 2/5 (row 0 t0: A > 0, r > 1.25; row 1 t0: A < 0, r < 0.8), ratio_mean =
+    (1.5 + 1 + 0.5 + 0.4 + 2) / 5 = 1.08, engine_is_weight = (1 + 2 + 0.5 + 0.8 + 2) / 5 = 1.26.
+    Gradient of token_mean by log pi: -w r A / 5 where unclipped, 0 where clipped:
+    row 0: 0, -2 * 1 * 1 / 5 = -0.4, -0.5 * 0.5 * 1 / 5 = -0.05; row 1: 0, -2 * 2 * -0.5 / 5 = 0.4.
+    """
+    import math
+
+    import torch
+
+    from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, grpo_loss
+    from runner.recipe.schema import GRPOConfig
+
+    def logs(rows):
+        return torch.tensor([[math.log(p) for p in row] for row in rows], dtype=torch.float64)
+
+    pi = logs([[0.75, 0.5, 0.25], [0.2, 0.5, 0.5]]).requires_grad_()
+    prox = logs([[0.5, 0.5, 0.5], [0.5, 0.25, 0.05]])
+    engine = logs([[0.5, 0.125, 1.0], [0.625, 0.0625, 0.5]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    w = engine_is_weights(prox, engine, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1, 2, 0.5], [0.8, 2, 0.1]],
+                                               dtype=torch.float64), rtol=0, atol=1e-12)
+    expected = {"token_mean": -0.236, "seq_mean": -1 / 300, "dr_grpo": -0.1475}
+    for agg, value in expected.items():
+        cfg = GRPOConfig(clip_eps_low=0.2, clip_eps_high=0.25, loss_agg=agg,
+                         engine_is_correction=True, engine_is_cap=2.0)
+        loss, metrics = grpo_loss(GRPOLossInputs(logprobs_BT=pi, old_logprobs_BT=prox, adv_B=adv,
+                                                 mask_BT=mask, max_tokens=4, is_weights_BT=w),
+                                  cfg)
+        assert loss.dtype == torch.float64
+        assert abs(loss.item() - value) < 1e-12, (agg, loss.item())
+        assert abs(metrics["pg_loss"].item() - value) < 1e-12
+        assert abs(metrics["clip_frac"].item() - 0.4) < 1e-7  # a float32 mean of the flags
+        assert abs(metrics["ratio_mean"].item() - 1.08) < 1e-12
+        assert abs(metrics["engine_is_weight"].item() - 1.26) < 1e-12
+        if agg == "token_mean":
+            (grad,) = torch.autograd.grad(loss, pi)
+            torch.testing.assert_close(grad, torch.tensor([[0, -0.4, -0.05], [0, 0.4, 0]],
+                                                          dtype=torch.float64),
+                                       rtol=0, atol=1e-12)
