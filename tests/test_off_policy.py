@@ -2,7 +2,8 @@
 staleness, runs bitwise reproducible, the same items in the same order as the synchronous loop,
 SIGKILL and resume with batches in flight bitwise equal to the uninterrupted run, two torchrun
 ranks, the vllm engine sampling ahead with the weights of the schedule, refusals, a producer
-that fails ending the step with its name, and the loss of a stale batch derived by hand."""
+that fails ending the step with its name, the producer on the rank's CUDA device, and the loss
+of a stale batch derived by hand."""
 
 from __future__ import annotations
 
@@ -271,3 +272,19 @@ def test_the_loss_of_a_stale_batch_is_the_hand_derived_decoupled_ppo_loss():
             torch.testing.assert_close(grad, torch.tensor([[0, -0.4, -0.05], [0, 0.4, 0]],
                                                           dtype=torch.float64),
                                        rtol=0, atol=1e-12)
+
+
+def test_the_producer_thread_samples_on_the_training_threads_cuda_device(monkeypatch):
+    """CUDA's current device is per thread, so the producer takes the one the training thread
+    chose (a torchrun rank's own GPU); CUDA faked: its calls are recorded."""
+    import torch
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    producer = Producer(lambda step: (Trajectory((), (), ()), []), 1)
+    producer.take(1)
+    producer.start(2, version=0)
+    producer.wait()
+    assert chosen == [3]
