@@ -6,8 +6,10 @@ dropped (warm-up). Peak RSS is the child process's.
 
 Run:
 ``.venv/bin/python benchmarks/bench_steps.py recipes/grpo-arith.toml [--steps 6] [KEY=VALUE ...]``.
-Prints a markdown table row: recipe, s/step, shares of rollout / reward / update / sync, the
-share of padded positions in the training batches (padded -> as computed, i.e. after packing when
+Prints a markdown table row: recipe, s/step, shares of rollout / reward / update / sync (with
+``algo.max_off_policy_steps >= 1``: the waits for the batch and for the producer instead of the
+rollout, whose own seconds ran beside the step and are given apart), the share of padded
+positions in the training batches (padded -> as computed, i.e. after packing when
 ``train.padding_free``) with the positions computed as a share of the padded batch's (fewer when
 prompts are shared), peak RSS.
 """
@@ -24,6 +26,10 @@ import tempfile
 from pathlib import Path
 
 SPLIT = ("time/rollout", "time/reward", "time/teacher", "time/update", "time/sync")
+# an overlapped run (algo.max_off_policy_steps >= 1): the producer's sampling (time/rollout)
+# runs beside the step; the step itself waits for its batch and, at its end, for the next one
+SPLIT_AHEAD = ("time/rollout_wait", "time/reward", "time/update", "time/producer_wait",
+               "time/sync")
 
 
 def recipe_rows(recipe: str, steps: int, overrides: list[str], env: dict[str, str] | None = None
@@ -48,12 +54,17 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     rows = [r for r in recipe_rows(args.recipe, args.steps, args.overrides) if r["step"] > 1]
-    per_step = [sum(r.get(k, 0.0) for k in SPLIT) for r in rows]
+    ahead = all("time/rollout_wait" in r for r in rows)
+    keys = SPLIT_AHEAD if ahead else SPLIT
+    per_step = [sum(r.get(k, 0.0) for k in keys) for r in rows]
     total = sum(per_step)
-    shares = {k.split("/")[1]: sum(r.get(k, 0.0) for r in rows) / total for k in SPLIT
+    shares = {k.split("/")[1]: sum(r.get(k, 0.0) for r in rows) / total for k in keys
               if any(k in r for r in rows)}
     rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     split = ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items())
+    if ahead:  # the producer's own sampling seconds, as a share of the step it ran beside
+        split += (f" (beside them, the producer sampled for "
+                  f"{100 * sum(r['time/rollout'] for r in rows) / total:.0f}%)")
     padding = "-"
     if all("batch/padding_share" in r for r in rows):
         before = statistics.mean(r["batch/padding_share"] for r in rows)

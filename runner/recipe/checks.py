@@ -351,16 +351,12 @@ def _eval_ranges(r: Recipe) -> list[Problem]:
 
 
 def _off_policy_ranges(r: Recipe) -> list[Problem]:
-    """algo.max_off_policy_steps: >= 0; overlapping runs for now with the in-process hf engine,
-    on local or torchrun ranks."""
+    """algo.max_off_policy_steps: >= 0; overlapping runs for now on local or torchrun ranks
+    (each rank's own engine, hf or vllm, sampled on the rank's producer thread)."""
     k = r.algo.max_off_policy_steps
     p = _range("algo.max_off_policy_steps", k, k >= 0, ">= 0 (0: synchronous)")
     p += _range("rollout.producer_threads", r.rollout.producer_threads,
                 r.rollout.producer_threads >= 0, ">= 0 (0: torch's default)")
-    if k >= 1 and r.rollout.engine != "hf":
-        p.append(Problem("algo.max_off_policy_steps", "overlaps rollouts with training with "
-                         "rollout.engine = 'hf' only for now", got=k,
-                         hint="set rollout.engine = 'hf', or algo.max_off_policy_steps = 0"))
     if k >= 1 and r.launch.backend == "ray":
         p.append(Problem("algo.max_off_policy_steps", "overlaps rollouts with training on "
                          "local or torchrun ranks only for now", got=k,

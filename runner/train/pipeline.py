@@ -112,11 +112,16 @@ class Producer:
         """Sample step ``step``'s batch on the producer thread (unless it is ahead already)."""
         if step <= self._last():
             return
+        import torch
+
+        # CUDA's current device is per thread: a new thread starts on device 0, not on the
+        # rank's device that the training thread chose (torchrun ranks 1 .. N-1)
+        cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
         def body() -> None:
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
             if self.threads:  # this thread's own (OpenMP keeps the count per thread)
-                import torch
-
                 torch.set_num_threads(self.threads)
             try:
                 self.ahead.append(self._produce(step, version))
