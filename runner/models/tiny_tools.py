@@ -87,7 +87,8 @@ TOOLS = [tool_schema("add", "a + b"), tool_schema("mul", "a * b")]
 def tool_call_text(name: str, a: int, b: int) -> str:
     """The assistant content of a tool call turn, e.g.
     ``<tool_call>{"name": "mul", "arguments": {"a": 47, "b": 86}}</tool_call>``."""
-    return "<tool_call>" + json.dumps({"name": name, "arguments": {"a": a, "b": b}}) + "</tool_call>"
+    call = json.dumps({"name": name, "arguments": {"a": a, "b": b}})
+    return f"<tool_call>{call}</tool_call>"
 
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -471,8 +472,10 @@ def warm_up(model, tokenizer, spec: ToolsSpec, label: str) -> list[float]:
     """The supervised warm-up (``build_env.warm_up_loop``) on ``warm_up_conversations(spec)``."""
     rows = [conversation_ids(tokenizer, c) for c in warm_up_conversations(spec)]
     size = spec.batch_size
-    return warm_up_loop(model, lambda step: sft_batch(tokenizer, rows[step * size:(step + 1) * size]),
-                        spec.steps, spec.lr, label)
+    return warm_up_loop(
+        model, lambda step: sft_batch(tokenizer, rows[step * size : (step + 1) * size]),
+        spec.steps, spec.lr, label,
+    )
 
 
 def _check_template(tokenizer, conversations: Sequence[Conversation]) -> None:
@@ -531,9 +534,10 @@ def build_tiny_tools(folder: Path, name: str) -> dict[str, object]:
 
 def summary(name: str, m: dict[str, float]) -> str:
     """One line: held-out accuracy, correct calls and copies, guess games (greedy / sampled)."""
-    return (f"built builtin:{name}: held-out accuracy {m['held_out_greedy_accuracy']:.3f} / "
-            f"{m['held_out_sampled_accuracy']:.3f}, correct call {m['greedy_correct_call_share']:.3f}"
-            f" / {m['sampled_correct_call_share']:.3f}, copy {m['greedy_copy_accuracy']:.3f} / "
-            f"{m['sampled_copy_accuracy']:.3f}, guess solved {m['guess_greedy_solved_share']:.3f} / "
-            f"{m['guess_sampled_solved_share']:.3f} in {m['guess_greedy_mean_turns']:.2f} / "
-            f"{m['guess_sampled_mean_turns']:.2f} turns (greedy / sampled)")
+    def pair(key: str, digits: int = 3) -> str:
+        return f"{m[key.format('greedy')]:.{digits}f} / {m[key.format('sampled')]:.{digits}f}"
+
+    return (f"built builtin:{name}: held-out accuracy {pair('held_out_{}_accuracy')}, "
+            f"correct call {pair('{}_correct_call_share')}, copy {pair('{}_copy_accuracy')}, "
+            f"guess solved {pair('guess_{}_solved_share')} in {pair('guess_{}_mean_turns', 2)} "
+            "turns (greedy / sampled)")
