@@ -250,6 +250,14 @@ def test_an_environment_that_breaks_its_contract_is_named(packer, factory, messa
         play(run, Scripted([[20, 2]]))
 
 
+def test_an_environment_that_never_returns_is_named(packer):
+    run = runner_for(packer, "env.factory=tests.extmods.envs.hangs_in_step",
+                     "env.step_timeout_s=0.2")
+    with pytest.raises(RuntimeFailure, match=r"hangs_in_step: step\(\) did not return within "
+                       r"0.2 s \(env.step_timeout_s\) \(item 'q17', turn 0\)"):
+        play(run, Scripted([[20, 2]]))
+
+
 def test_validate_names_a_bad_factory_path_and_kwargs_that_do_not_bind(run_cli):
     rc, out, err = run_cli("recipes/grpo-arith.toml", "--validate",
                            "env.factory=tests.extmods.envs.nowhere",

@@ -48,6 +48,15 @@ def raises_in_step():
     return _Raises()
 
 
+class _Hangs(Retry):
+    def step(self, messages):
+        time.sleep(30)
+
+
+def hangs_in_step():
+    return _Hangs()
+
+
 def not_an_env():
     return 42
 
