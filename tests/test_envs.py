@@ -399,3 +399,14 @@ def test_dry_run_plays_one_episode_and_shows_the_trained_spans(run_cli):
     assert "tests.extmods.envs.retry" in section and "'What is 17 - 3?'" in section
     assert "trained (assistant)" in section and "not trained (environment)" in section
     assert "0 tool call(s)" in section and "env reward" in section
+
+
+def test_a_packer_that_does_not_render_chat_is_refused():
+    from runner.envs.build import build_env_runner
+    from runner.packers.qwen3_vl import Qwen3VLDataPacker
+
+    recipe = load_recipe(REPO / "recipes" / "grpo-vl.toml",
+                         ["env.factory=tests.extmods.envs.retry"])
+    with pytest.raises(RecipeError, match=r"model.path: Qwen3VLDataPacker does not render chat "
+                       r"conversations"):
+        build_env_runner(recipe, Qwen3VLDataPacker())

@@ -45,6 +45,13 @@ def build_env_runner(recipe: Any, packer: Any) -> Any:
         return None
     from runner.envs.episodes import EnvRunner
 
+    if not getattr(packer, "renders_chat", False):
+        raise RecipeError([Problem(
+            "data_packer.factory" if recipe.data_packer.factory else "model.path",
+            f"{type(packer).__name__} does not render chat conversations (renders_chat is "
+            "false), which [env] episodes are made of", got=recipe.data_packer.factory
+            or recipe.model.path, hint="use a text model with a chat template, or a packer "
+            "whose render_messages renders them (and renders_chat = True)")])
     cfg = recipe.env
     return EnvRunner(cfg, packer, load_factory(cfg), ToolBox(load_tools(cfg), cfg.tool_timeout_s),
                      recipe.model.path)

@@ -165,6 +165,9 @@ class DataPacker(ABC):
     # Whether the policy may run this packer's sequences packed end to end (padding-free): only
     # when the model needs nothing but ids and restarting 1-D positions to tell them apart.
     can_pack: bool = False
+    # Whether ``render_messages`` renders a conversation as the model sees it, so [env] episodes
+    # can be played (a packer whose prompts carry media renders more than messages).
+    renders_chat: bool = False
 
     def setup(self, model_path: str) -> None:
         """Load what the packer needs from the model folder (tokenizer, processor).

@@ -30,6 +30,7 @@ class DecoderOnlyLLMDataPacker(DataPacker):
     """The built-in packer for decoder-only text models (Qwen2, Llama, SmolLM2, ...)."""
 
     can_pack = True
+    renders_chat = True
 
     def __init__(self) -> None:
         self.tokenizer: Any = None

@@ -51,6 +51,8 @@ class Qwen3VLDataPacker(DecoderOnlyLLMDataPacker):
     """The built-in packer for Qwen3-VL models (``model_type`` ``qwen3_vl``), and for Qwen2-VL
     and Qwen2.5-VL, whose processors follow the same contract (tested on images)."""
 
+    renders_chat = False  # its prompts carry images and videos: no [env] episodes yet
+
     # Not padding-free: the model needs each row's mm_token_type_ids, grids and pixel values to
     # place its 3-D positions, which packed rows with restarting 1-D positions cannot give.
     can_pack = False
