@@ -288,3 +288,16 @@ def test_the_producer_thread_samples_on_the_training_threads_cuda_device(monkeyp
     producer.start(2, version=0)
     producer.wait()
     assert chosen == [3]
+
+
+def test_opd_samples_ahead_and_weighs_stale_samples_against_the_engine(tmp_path):
+    """OPD with k = 1: the schedule, and the ratio of a stale batch is taken against the
+    engine's logprobs (1 within float noise for the first, fresh batch; not 1 once stale)."""
+    opd = ("recipes/opd-arith.toml", "algo.prompts_per_step=4", "rollout.max_new_tokens=4",
+           "data.validation.enabled=false", "logging.sample_every=0", *K1)
+    done = run_cli(opd[0], tmp_path, "run.max_steps=3", *opd[1:])
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = _trained(tmp_path)
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert abs(rows[0]["ratio_mean"] - 1) < 1e-4
+    assert all(abs(r["ratio_mean"] - 1) > 1e-3 for r in rows[1:])

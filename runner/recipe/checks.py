@@ -446,7 +446,7 @@ def _opd_ranges(r: Recipe) -> list[Problem]:
     if a.full_kl and a.mode != "same_tokenizer":
         p.append(Problem("algo.full_kl", "needs mode 'same_tokenizer' (one shared vocabulary)",
                          got=True))
-    return p
+    return p + _off_policy_ranges(r)
 
 
 _ALGO_RANGES: dict[str, Callable[[Recipe], list[Problem]]] = {

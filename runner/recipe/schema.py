@@ -265,6 +265,11 @@ class OPDConfig:
     full_kl: bool = key(
         False, "Add the full-distribution reverse KL as a loss term (same vocabulary only)."
     )
+    max_off_policy_steps: int = key(
+        0, "0: sample, then train (synchronous). k >= 1: a producer samples the batches of the "
+        "next k steps while the current one trains (as for GRPO); the loss's importance ratio "
+        "is then taken against the engine's logprobs of the stale samples, clipped at clip_eps."
+    )
 
 
 AlgoConfig = GRPOConfig | DPOConfig | PPOConfig | OPDConfig

@@ -47,14 +47,17 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
+from runner.train.pipeline import make_producer
+from runner.train.policy import completion_grid
 from runner.train.rollouts import (
     Trajectory,
     evaluate,
     position_seeds,
     roll_out,
     sample,
+    sample_ahead,
     sampling,
-    staged_step,
+    stages,
     step_metrics,
 )
 from runner.train.rollouts import score as reward_trajectory
@@ -70,6 +73,8 @@ def run(run: RunContext) -> dict[str, Any]:
     def held_out() -> dict[str, float]:
         return evaluate(run, rewards) | held_out_reverse_kl(run, teacher)
 
+    run.producer = make_producer(run, lambda step: sample_ahead(
+        run, algo.prompts_per_step, algo.samples_per_prompt, step), algo.max_off_policy_steps)
     return run_loop(run, lambda step: one_step(run, algo, teacher, rewards, step),
                     held_out if run.state.has_held_out else None)
 
@@ -150,7 +155,11 @@ def score(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet
     # One pass over freshly sampled data: the behaviour logprobs are the first forward's own
     # (detached), so no separate scoring forward is needed.
     old_BT = None
-    if algo.ppo_epochs > 1:
+    if algo.max_off_policy_steps >= 1:
+        # Sampled by an older policy: the ratio is against the engine's logprobs (behaviour).
+        old_BT = completion_grid(inputs, [c.logprobs for c in traj.completions],
+                                 mask_BT.shape[1]).to(batch.input_ids_BT.device)
+    elif algo.ppo_epochs > 1:
         with torch.no_grad():
             old_BT = run.policy.logprobs(batch, temperature)[0]
     rank = run.svc.rank
@@ -203,8 +212,8 @@ def consume(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: ScoredOP
 def one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet,
              step: int) -> dict[str, Any]:
     """produce -> score -> consume, then the new weights to the engine; the step's metrics."""
-    scored, metrics, seconds = staged_step(
-        run, lambda: produce(run, algo, step),
+    scored, metrics, seconds = stages(
+        run, step, algo.samples_per_prompt, lambda: produce(run, algo, step),
         lambda traj: score(run, algo, teacher, rewards, traj, step),
         lambda s: consume(run, algo, teacher, s), scoring="teacher")
     return step_metrics(run, scored.traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics

@@ -148,7 +148,7 @@ def staged_step(run: RunContext, produce: Callable[[], Trajectory],
 
 def staged_step_ahead(run: RunContext, step: int, n_samples: int,
                       score: Callable[[Trajectory], Scored],
-                      consume: Callable[[Scored], dict[str, Any]]
+                      consume: Callable[[Scored], dict[str, Any]], scoring: str = "reward"
                       ) -> tuple[Scored, dict[str, Any], dict[str, float]]:
     """``staged_step`` with the batch sampled ahead (``algo.max_off_policy_steps = k``): the
     producer (``run.producer``) samples step ``step + k``'s batch while this one is scored and
@@ -173,18 +173,18 @@ def staged_step_ahead(run: RunContext, step: int, n_samples: int,
     run.sync_weights()
     t5 = time.perf_counter()
     return scored, metrics, {"rollout": produced.seconds, "rollout_wait": t1 - t0,
-                             "reward": t2 - t1, "update": t3 - t2, "producer_wait": t4 - t3,
+                             scoring: t2 - t1, "update": t3 - t2, "producer_wait": t4 - t3,
                              "sync": t5 - t4}
 
 
 def stages(run: RunContext, step: int, n_samples: int, produce: Callable[[], Trajectory],
-           score: Callable[[Trajectory], Scored], consume: Callable[[Scored], dict[str, Any]]
-           ) -> tuple[Scored, dict[str, Any], dict[str, float]]:
+           score: Callable[[Trajectory], Scored], consume: Callable[[Scored], dict[str, Any]],
+           scoring: str = "reward") -> tuple[Scored, dict[str, Any], dict[str, float]]:
     """A rollout step's stages: synchronous, or with its batch sampled ahead when the run has a
-    producer (``algo.max_off_policy_steps >= 1``)."""
+    producer (``algo.max_off_policy_steps >= 1``); ``scoring`` names the second stage's time."""
     if run.producer is None:
-        return staged_step(run, produce, score, consume)
-    return staged_step_ahead(run, step, n_samples, score, consume)
+        return staged_step(run, produce, score, consume, scoring)
+    return staged_step_ahead(run, step, n_samples, score, consume, scoring)
 
 
 def step_metrics(run: RunContext, traj: Trajectory, rewards_all: Sequence[float],
