@@ -369,14 +369,17 @@ def test_a_multi_turn_run_trains_and_resumes_bitwise(straight, tmp_path, run_cli
 
 @pytest.mark.multiproc
 def test_two_ranks_play_the_same_episodes_as_one(straight, tmp_path):
-    """torchrun x 2: the same items, episode numbers and rewards as the one-rank run."""
+    """torchrun x 2: the same items as the one-rank run, and at step 1 (the same weights) the
+    same episodes. (Later steps sample with weights that differ in their last bits between the
+    layouts, which could flip a sample on some CPU: only the items are compared there.)"""
     from tests.multiproc import run_ranks
 
     done = run_ranks(RUN[0], tmp_path / "two", 2, *RUN[1:])
     assert done.returncode == 0, done.stderr
-    keys = ("data/item_ids", "env/turns", "env/truncated", "env/solved", "reward/mean")
-    assert [[r[k] for k in keys] for r in rows(tmp_path / "two")] == \
-        [[r[k] for k in keys] for r in rows(straight)]
+    two, one = rows(tmp_path / "two"), rows(straight)
+    assert [r["data/item_ids"] for r in two] == [r["data/item_ids"] for r in one]
+    keys = ("env/turns", "env/truncated", "env/solved", "reward/mean", "reward/max")
+    assert [two[0][k] for k in keys] == [one[0][k] for k in keys]
 
 
 def test_an_environment_that_raises_ends_the_run_in_one_line(run_cli, tmp_path):

@@ -383,21 +383,29 @@ def test_separate_vllm_rollout_actor_stays_in_sync_on_loopback(cluster, tmp_path
     assert worst < 1e-5, worst
 
 
-def test_separate_rollout_actor_plays_the_episodes_of_one_rank(cluster, tmp_path):
-    """[env] on Ray with the engine in a rollout actor: the ranks play their episodes (the
-    environment in each rank, every turn's generation in the actor) and train on exactly the
-    items, episode numbers and rewards of a one-rank local run."""
+def test_separate_rollout_actor_plays_episodes_ahead_like_one_local_rank(cluster, tmp_path):
+    """[env] and algo.max_off_policy_steps = 1 on Ray, the engine in one rollout actor both ranks
+    share: the ranks play their episodes (the environment in each rank, every turn's generation
+    in the actor) on producer threads, and rank 0 pushes the weights only once both producers
+    are done. The items and the staleness equal a one-rank local run's, and so do step 1's
+    episodes (the same weights; later steps' weights differ in their last bits between the
+    layouts)."""
     env = ("env.factory=tests.extmods.envs.retry", "env.max_turns=3", "reward.functions=[]",
-           "algo.prompts_per_step=4", "algo.group_size=4", "run.max_steps=2",
-           "data.validation.enabled=false", "logging.item_ids=true", "rollout.max_new_tokens=4")
+           "algo.prompts_per_step=4", "algo.group_size=4", "run.max_steps=3",
+           "data.validation.enabled=false", "logging.item_ids=true", "rollout.max_new_tokens=4",
+           "algo.max_off_policy_steps=1")
     done = run_ray(GRPO, tmp_path / "ray", cluster.address, *SEPARATE, *env)
     assert done.returncode == 0, done.stdout + done.stderr
     done = run_ranks(GRPO, tmp_path / "local", 1, *env)
     assert done.returncode == 0, done.stdout + done.stderr
-    keys = ("data/item_ids", "env/turns", "env/truncated", "env/solved", "reward/mean")
 
     def rows(name):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [[json.loads(line)[k] for k in keys] for line in lines]
+        return [json.loads(line) for line in lines]
 
-    assert rows("ray") == rows("local") and len(rows("ray")) == 2
+    ray, local = rows("ray"), rows("local")
+    for key in ("data/item_ids", "rollout/staleness_max"):
+        assert [r[key] for r in ray] == [r[key] for r in local]
+    assert [r["rollout/staleness_max"] for r in ray] == [0.0, 1.0, 1.0]
+    keys = ("env/turns", "env/truncated", "env/solved", "reward/mean", "reward/max")
+    assert [ray[0][k] for k in keys] == [local[0][k] for k in keys]

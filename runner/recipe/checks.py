@@ -351,16 +351,12 @@ def _eval_ranges(r: Recipe) -> list[Problem]:
 
 
 def _off_policy_ranges(r: Recipe) -> list[Problem]:
-    """algo.max_off_policy_steps: >= 0; overlapping runs for now on local or torchrun ranks
-    (each rank's own engine, hf or vllm, sampled on the rank's producer thread)."""
+    """algo.max_off_policy_steps: >= 0 (each rank samples ahead on a producer thread of its own,
+    with its own engine or its Ray rollout actor)."""
     k = r.algo.max_off_policy_steps
     p = _range("algo.max_off_policy_steps", k, k >= 0, ">= 0 (0: synchronous)")
     p += _range("rollout.producer_threads", r.rollout.producer_threads,
                 r.rollout.producer_threads >= 0, ">= 0 (0: torch's default)")
-    if k >= 1 and r.launch.backend == "ray":
-        p.append(Problem("algo.max_off_policy_steps", "overlaps rollouts with training on "
-                         "local or torchrun ranks only for now", got=k,
-                         hint="use launch.backend = 'torchrun', or algo.max_off_policy_steps = 0"))
     return p
 
 

@@ -129,12 +129,15 @@ class RunContext:
 
     def sync_weights(self) -> None:
         """The rollout gets the policy's weights. An engine every rank shares (a rollout actor)
-        gets them from rank 0 once, and no rank goes on before it has them."""
+        gets them from rank 0 once, after every rank's producer has finished its batch (with
+        ``algo.max_off_policy_steps >= 1``), and no rank goes on before it has them."""
         if self.rollout is None:
             return
         if not self.rollout.shared:
             self.rollout.update_weights(self.policy.named_weights())
             return
+        if self.producer is not None:  # no rank's producer may still be sampling from it
+            self.svc.comm.barrier()
         if self.svc.rank.is_main:
             self.rollout.update_weights(self.policy.named_weights())
         elif self.policy.sharded:  # the gathers are collectives: every rank takes part
