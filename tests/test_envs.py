@@ -150,6 +150,14 @@ def test_a_template_that_is_not_append_only_is_refused_naming_model_and_turn():
         play(runner_for(packer, "env.factory=tests.extmods.envs.retry"), engine)
 
 
+def test_a_message_the_template_cannot_render_is_refused_in_one_line(packer):
+    """tiny-arith's template knows system, user and assistant only."""
+    run = runner_for(packer, "env.factory=tests.extmods.envs.answers_as_tool")
+    with pytest.raises(RecipeError, match=r"builtin:tiny-arith: the chat template cannot render "
+                       r"the answer at turn 0 of item 'q17': TemplateError: roles must be"):
+        play(run, Scripted([[20, 2]]))
+
+
 def test_a_packers_own_renderer_is_used():
     packer = OwnRenderer()
     packer.setup(str(builtin_folder("tiny-arith")))

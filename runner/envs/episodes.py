@@ -179,6 +179,21 @@ class EnvRunner:
                              f"{_brief(out.info[bad[0]])}, not a number")
         return out
 
+    def _rendered(self, render: Callable[[], list[int]], item: ObsBundle, turn: int,
+                  what: str) -> list[int]:
+        """``render()``'s ids; a template that cannot render the messages (a role it does not
+        know, say) is a RecipeError naming the model, the item and the turn."""
+        try:
+            return render()
+        except (NotAppendOnly, RecipeError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - templates raise what their authors chose
+            raise RecipeError([Problem(
+                "model.path", f"{self.model}: the chat template cannot render {what} at turn "
+                f"{turn} of {item_name(item)}: {type(exc).__name__}: {exc}",
+                hint="give the environment's messages roles the template knows (user, or tool "
+                "where it renders tool messages), or use a DataPacker that renders them")]) from exc
+
     # --- episodes ----------------------------------------------------------------------------
     def start(self, item: ObsBundle, seed: int, step: int | None) -> _Episode:
         env = self._new_env(step, item)
@@ -186,7 +201,8 @@ class EnvRunner:
                                             item, 0), "reset()", None, step, item, 0)
         if not opening:
             raise self._fail(step, item, 0, "reset() returned no messages")
-        prompt = self.packer.render_messages(opening, self.tools.schemas or None, True)
+        prompt = self._rendered(lambda: self.packer.render_messages(
+            opening, self.tools.schemas or None, True), item, 0, "reset()'s messages")
         if len(prompt) >= self.cfg.max_total_tokens:
             raise RecipeError([Problem("env.max_total_tokens", f"{item_name(item)}: the "
                                        f"episode's opening messages are {len(prompt)} tokens, "
@@ -263,7 +279,8 @@ class EnvRunner:
             ep.truncated = ep.done = True
             return
         try:
-            ids = self.packer.env_message_ids(ep.messages, new, self.tools.schemas or None)
+            ids = self._rendered(lambda: self.packer.env_message_ids(
+                ep.messages, new, self.tools.schemas or None), ep.item, turn, "the answer")
         except NotAppendOnly as exc:
             raise RecipeError([Problem(
                 "model.path", f"{self.model}: the chat template is not append-only at turn "

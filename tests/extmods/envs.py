@@ -75,3 +75,12 @@ def sleepy(seconds: float) -> str:
 def divide(a: int, b: int) -> float:
     """Divide a by b."""
     return a / b
+
+
+class _ToolAnswer(Retry):
+    def step(self, messages):
+        return EnvStep(messages=[{"role": "tool", "content": "42"}])
+
+
+def answers_as_tool():
+    return _ToolAnswer()
