@@ -125,6 +125,9 @@ class EnvRunner:
         self.cfg, self.packer, self.tools, self.model = cfg, packer, tools, model
         self.factory = factory or ToolEnv
         self.where = cfg.factory or "the built-in tool environment"
+        # The most tokens of an episode: env.max_total_tokens, and the engine's context
+        # (``play`` lowers it to the engine's max_model_len: an episode reaching it is truncated).
+        self.total = cfg.max_total_tokens
 
     # --- the environment's calls, each checked ------------------------------------------------
     def _fail(self, step: int | None, item: ObsBundle, turn: int, what: str) -> RuntimeFailure:
@@ -203,20 +206,24 @@ class EnvRunner:
             raise self._fail(step, item, 0, "reset() returned no messages")
         prompt = self._rendered(lambda: self.packer.render_messages(
             opening, self.tools.schemas or None, True), item, 0, "reset()'s messages")
-        if len(prompt) >= self.cfg.max_total_tokens:
+        if len(prompt) >= self.total:
             raise RecipeError([Problem("env.max_total_tokens", f"{item_name(item)}: the "
                                        f"episode's opening messages are {len(prompt)} tokens, "
-                                       "leaving no room for a reply", got=self.cfg.max_total_tokens,
-                                       hint="raise env.max_total_tokens")])
+                                       f"leaving no room for a reply within {self.total}",
+                                       got=self.cfg.max_total_tokens,
+                                       hint="raise env.max_total_tokens (within the engine's "
+                                       "context)")])
         return _Episode(item, seed, env, opening, tuple(int(t) for t in prompt))
 
     def play(self, generate: Callable[..., list[Any]], check_tokens: Callable[..., None],
              items: Sequence[ObsBundle], params: SamplingConfig,
-             seeds: Sequence[int] | None = None, step: int | None = None
-             ) -> list[EpisodeResult]:
+             seeds: Sequence[int] | None = None, step: int | None = None,
+             max_len: int | None = None) -> list[EpisodeResult]:
         """``params.n`` episodes of each item (item-major), played to the end. ``generate`` is
         the engine's (prompts as token ids, sampling, seeds); ``check_tokens(n_prompt,
-        max_new, item)`` refuses a prompt the engine cannot take."""
+        max_new, item)`` refuses a prompt the engine cannot take; ``max_len`` is the engine's
+        context (None: unknown), which an episode never outgrows (it ends truncated there)."""
+        self.total = min(self.cfg.max_total_tokens, max_len or self.cfg.max_total_tokens)
         item_seeds = prompt_seeds(params, len(items), seeds)
         episodes = [self.start(item, episode_seed(s, k), step)
                     for item, s in zip(items, item_seeds, strict=True) for k in range(params.n)]
@@ -234,7 +241,7 @@ class EnvRunner:
         """The next assistant turn of every active episode, one engine call per token budget."""
         budgets: dict[int, list[_Episode]] = {}
         for ep in active:
-            budget = min(params.max_new_tokens, self.cfg.max_total_tokens - ep.length)
+            budget = min(params.max_new_tokens, self.total - ep.length)
             budgets.setdefault(budget, []).append(ep)
         for budget, group in budgets.items():
             for ep in group:
@@ -288,7 +295,7 @@ class EnvRunner:
                 "renders a longer conversation as the shorter one's tokens plus new ones; use "
                 "another model, or a DataPacker whose env_message_ids renders the environment's "
                 "messages itself")]) from exc
-        if ep.length + len(ids) >= self.cfg.max_total_tokens:
+        if ep.length + len(ids) >= self.total:
             ep.truncated = ep.done = True
             return
         ep.messages += new

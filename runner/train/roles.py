@@ -330,7 +330,8 @@ class Rollout:
         def check(tokens: int, max_new: int, item: ObsBundle) -> None:
             self.limit.check_tokens(tokens, max_new, item.origin.where, item.origin.prompt_column)
 
-        return self.env.play(self.engine.generate, check, items, sampling, seeds, step)
+        return self.env.play(self.engine.generate, check, items, sampling, seeds, step,
+                             self.limit.max_model_len)
 
     def update_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named)
