@@ -421,3 +421,21 @@ def test_a_packer_that_does_not_render_chat_is_refused():
     with pytest.raises(RecipeError, match=r"model.path: Qwen3VLDataPacker does not render chat "
                        r"conversations"):
         build_env_runner(recipe, Qwen3VLDataPacker())
+
+
+def test_eval_plays_the_held_out_episodes(straight, tmp_path, run_cli):
+    """posttrain-run eval with [env]: each prompt's episodes in eval.json, and the metrics are
+    their means (recomputed here)."""
+    rc, _, err = run_cli("eval", *RUN, f"run.output_dir={straight}", "--checkpoint", "latest",
+                         "data.validation.enabled=true", "data.validation.size=6",
+                         "eval.num_samples=2", "eval.temperature=1.0", "--out", str(tmp_path))
+    assert rc == 0, err
+    result = json.loads((tmp_path / "eval.json").read_text())
+    episodes = [e for item in result["items"] for e in item["episodes"]]
+    env = [v for item in result["items"] for v in item["reward_of"]["env"]]
+    assert len(episodes) == len(env) == 12
+    m = result["metrics"]
+    assert m["env/turns"] == pytest.approx(sum(e["turns"] for e in episodes) / 12, abs=1e-12)
+    assert m["reward/env"] == pytest.approx(sum(env) / 12, abs=1e-12) == \
+        pytest.approx(m["reward"], abs=1e-12)
+    assert all(1 <= e["turns"] <= 3 for e in episodes)

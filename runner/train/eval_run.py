@@ -136,6 +136,8 @@ def _evaluate(recipe: Recipe, ctx: RankContext, rollout: Rollout, items: Sequenc
                 record["prompt"] = item.prompt
             if fn:
                 record["passed"], record["scores"] = prompt_passes(recipe, held, i)
+            if held.episodes:
+                record["episodes"] = held.episodes[own]
             if job.get("save_completions"):
                 record["completions"] = held.texts[own]
             records.append(record)
@@ -146,12 +148,20 @@ def _evaluate(recipe: Recipe, ctx: RankContext, rollout: Rollout, items: Sequenc
 def summarize(recipe: Recipe, records: list[dict[str, Any]], job: dict[str, Any],
               names: Sequence[str]) -> dict[str, Any]:
     """eval.json: what was evaluated, how, the metrics over every prompt and each prompt's
-    results. Rewards are means over every completion; pass@k and maj@n means over prompts."""
+    results. Rewards are means over every completion; pass@k and maj@n means over prompts;
+    with [env] the env reward and each episode number (``env/turns``, ...) means over every
+    episode, and each prompt's ``episodes``."""
     completions = [r for rec in records for r in rec["rewards"]]
     metrics = {"reward": sum(completions) / max(1, len(completions))}
     for name in names:
         values = [v for rec in records for v in rec["reward_of"][name]]
         metrics[f"reward/{name}"] = sum(values) / max(1, len(values))
+    episodes = [e for rec in records for e in rec.get("episodes", [])]
+    if episodes:
+        values = [v for rec in records for v in rec["reward_of"]["env"]]
+        metrics["reward/env"] = sum(values) / len(values)
+        for key in sorted({k for e in episodes for k in e}):
+            metrics[f"env/{key}"] = sum(e.get(key, 0.0) for e in episodes) / len(episodes)
     scored = [rec["scores"] for rec in records if "scores" in rec]
     for key in scored[0] if scored else {}:
         if key.startswith("maj@") and key.endswith("@1"):

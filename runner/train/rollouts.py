@@ -257,6 +257,7 @@ class HeldOut:
     values_of: dict[str, list[float]]  # each function's value (and "env") per completion
     n: int
     env_stats: dict[str, float] = attrs.field(factory=dict)  # episode means, with [env]
+    episodes: list[dict[str, float]] = attrs.field(factory=list)  # each episode's numbers
 
     def of_item(self, i: int) -> slice:
         return slice(i * self.n, (i + 1) * self.n)
@@ -279,12 +280,18 @@ def generate_held_out(rollout: Rollout, recipe: Recipe, items: Sequence[ObsBundl
     params = held_out_sampling(recipe)
     seeds = [item_seed(recipe.run.seed, 0, j * world + rank)
              for j in range(first, first + len(items))]
-    traj = roll_out(rollout, items, params, seeds)
+    episodes: list[dict[str, float]] = []
+    if rollout.env is not None:
+        results = rollout.play(items, params, seeds)
+        traj = episodes_trajectory(items, params.n, results)
+        episodes = [dict(r.stats) for r in results]
+    else:
+        traj = roll_out(rollout, items, params, seeds)
     totals, values_of = rewards.score_each(traj.texts, traj.items)
     if traj.env_rewards:
         values_of = {**values_of, "env": list(traj.env_rewards)}
     return HeldOut(list(items), list(traj.texts), with_env_rewards(totals, traj), values_of,
-                   params.n, dict(traj.env_stats))
+                   params.n, dict(traj.env_stats), episodes)
 
 
 def pass_names(recipe: Recipe) -> list[str]:
