@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from runner.envs.episodes import EnvRunner
-from runner.envs.tools import ToolBox, ToolCall, parse_hermes_tool_calls, tool_schema
+from runner.envs.tools import ToolBox, tool_schema
 from runner.errors import RecipeError, RuntimeFailure
 from runner.models.builtin import builtin_folder
+from runner.packers.chat import ToolCall, parse_hermes_tool_calls
 from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
 from runner.recipe import load_recipe
 from runner.rollout.base import Completion, RolloutOutput, SamplingConfig

@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from runner.envs.tools import ToolCall
+from runner.packers.chat import ToolCall
 
 
 @attrs.frozen

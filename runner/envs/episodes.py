@@ -31,9 +31,9 @@ from typing import Any
 import attrs
 
 from runner.envs import EnvStep
-from runner.envs.render import NotAppendOnly
 from runner.envs.tools import ToolBox, run_with_timeout, tool_messages
 from runner.errors import Problem, RecipeError, RuntimeFailure
+from runner.packers.chat import NotAppendOnly
 from runner.rollout.base import Completion, SamplingConfig, prompt_seeds
 from runner.types import ObsBundle
 

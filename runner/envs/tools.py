@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import re
 import threading
 import types
 import typing
@@ -25,19 +24,10 @@ from typing import Any
 
 import attrs
 
+from runner.packers.chat import ToolCall
+
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
                list: "array", tuple: "array", dict: "object"}
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-@attrs.frozen
-class ToolCall:
-    """One call parsed from a reply: the tool's name and arguments, or why it could not be
-    parsed (``error``; then ``name`` may be empty)."""
-
-    name: str
-    arguments: dict[str, Any] = attrs.field(factory=dict)
-    error: str = ""
 
 
 def _json_type(annotation: Any) -> str:
@@ -74,40 +64,6 @@ def tool_schema(fn: Callable[..., Any], name: str = "") -> dict[str, Any]:
     return {"type": "function", "function": {
         "name": name or fn.__name__, "description": doc.split("\n\n")[0].strip(),
         "parameters": {"type": "object", "properties": props, "required": required}}}
-
-
-def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
-    """The calls in ``text`` written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-    (Qwen 2.5 / 3, Hermes). A block that is not such an object is a call with an ``error``.
-
-    >>> parse_hermes_tool_calls('<tool_call>{"name": "mul", "arguments": {"a": 2, "b": 3}}'
-    ...                         '</tool_call>')
-    [ToolCall(name='mul', arguments={'a': 2, 'b': 3}, error='')]
-    >>> parse_hermes_tool_calls('<tool_call>{"name": mul}</tool_call>')[0].error
-    'the call is not valid JSON: Expecting value at char 9'
-    """
-    calls = []
-    for block in TOOL_CALL.findall(text):
-        try:
-            raw = json.loads(block)
-        except json.JSONDecodeError as exc:
-            calls.append(ToolCall("", error=f"the call is not valid JSON: {exc.msg} at char "
-                                  f"{exc.pos}"))
-            continue
-        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-            calls.append(ToolCall("", error='the call is not an object with a "name" string'))
-            continue
-        args = raw.get("arguments", {})
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(args, dict):
-            calls.append(ToolCall(raw["name"], error='"arguments" is not an object'))
-            continue
-        calls.append(ToolCall(raw["name"], args))
-    return calls
 
 
 @attrs.frozen

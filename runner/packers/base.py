@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from runner.envs.tools import ToolCall, parse_hermes_tool_calls
+from runner.packers.chat import ToolCall, parse_hermes_tool_calls, template_delta
 from runner.types import ObsBundle
 
 
@@ -238,10 +238,8 @@ class DataPacker(ABC):
         """The ids that follow the assistant's generated turn (the last message of
         ``conversation``, which ended on the eos token) when the environment's ``new_messages``
         are appended and the model is prompted again. By default the chat template's own
-        rendering, checked to be append-only (``runner.envs.render``); a model whose template
+        rendering, checked to be append-only (``runner.packers.chat``); a model whose template
         is not can override this with a renderer of its own."""
-        from runner.envs.render import template_delta
-
         return template_delta(lambda msgs, gen: self.render_messages(msgs, tools, gen),
                               self.eos_token_id, conversation, new_messages)
 

@@ -1,5 +1,5 @@
-"""The tokens of an environment's messages: what the chat template adds after the assistant's
-end-of-turn token, never a re-tokenised reply.
+"""What a DataPacker owns of a chat conversation: the tokens of an environment's messages (the
+chat template's difference, never a re-tokenised reply) and the tool calls written in a reply.
 
 An episode's tokens are the prompt the template renders from the opening messages, then for each
 turn the engine's generated ids (ending with the eos token) and the template's rendering of the
@@ -11,13 +11,21 @@ conversation must keep the shorter one's tokens as its prefix, at both ends of t
 turn. ``template_delta`` checks both and raises ``NotAppendOnly`` otherwise (a template that
 rewrites earlier turns, e.g. one that drops an earlier turn's reasoning, is refused; a packer can
 supply its own renderer instead: ``DataPacker.env_message_ids``).
+
+Tool calls: ``parse_hermes_tool_calls`` reads the Qwen / Hermes syntax
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the built-in packers' default.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 Render = Callable[[list[dict[str, Any]], bool], list[int]]  # (messages, generation prompt) -> ids
 
 
@@ -60,3 +68,47 @@ def template_delta(render: Render, eos_token_id: int, conversation: Sequence[dic
         raise NotAppendOnly("the template does not close the assistant's turn with the eos "
                             "token the engine stops on")
     return list(turn[ends[-1] + 1:]) + list(extended[len(answered):])
+
+
+@attrs.frozen
+class ToolCall:
+    """One call parsed from a reply: the tool's name and arguments, or why it could not be
+    parsed (``error``; then ``name`` may be empty)."""
+
+    name: str
+    arguments: dict[str, Any] = attrs.field(factory=dict)
+    error: str = ""
+
+
+def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
+    """The calls in ``text`` written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    (Qwen 2.5 / 3, Hermes). A block that is not such an object is a call with an ``error``.
+
+    >>> parse_hermes_tool_calls('<tool_call>{"name": "mul", "arguments": {"a": 2, "b": 3}}'
+    ...                         '</tool_call>')
+    [ToolCall(name='mul', arguments={'a': 2, 'b': 3}, error='')]
+    >>> parse_hermes_tool_calls('<tool_call>{"name": mul}</tool_call>')[0].error
+    'the call is not valid JSON: Expecting value at char 9'
+    """
+    calls = []
+    for block in TOOL_CALL.findall(text):
+        try:
+            raw = json.loads(block)
+        except json.JSONDecodeError as exc:
+            calls.append(ToolCall("", error=f"the call is not valid JSON: {exc.msg} at char "
+                                  f"{exc.pos}"))
+            continue
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            calls.append(ToolCall("", error='the call is not an object with a "name" string'))
+            continue
+        args = raw.get("arguments", {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(args, dict):
+            calls.append(ToolCall(raw["name"], error='"arguments" is not an object'))
+            continue
+        calls.append(ToolCall(raw["name"], args))
+    return calls
