@@ -338,7 +338,8 @@ PPO_RUN = (f"run.max_steps={N_PPO}", "algo.prompts_per_step=2", "algo.samples_pe
            "algo.minibatches=1", "algo.ppo_epochs=2", "train.grad_accum_steps=2",
            "rollout.max_new_tokens=4", "data.validation.enabled=false",
            "checkpoint.every_steps=1", "checkpoint.keep_last=5", "logging.sample_every=0",
-           "logging.item_ids=true", "model.dtype=float64", "train.padding_free=false")
+           "logging.item_ids=true", "model.dtype=float64", "train.padding_free=false",
+           "algo.kl_coef=0")  # no reference: it is not sharded, and one model less to load
 CRITIC = "extra_models/critic/model.safetensors"
 CRITIC_SHARDS = tuple(f"optimizer-critic-rank-{r:05d}-of-00002.safetensors" for r in (0, 1))
 
@@ -415,6 +416,24 @@ def test_ppo_fsdp_resumes_bitwise_unpickling_nothing(ppo_runs, tmp_path):
     assert len([line for line in lines if line.startswith("guarded ")]) >= 3  # driver + 2 ranks
     assert [line for line in lines if not line.startswith("guarded ")] == [], log.read_text()
     assert_same_run(out, ppo_runs["fsdp"], N_PPO, (*FILES, CRITIC, *CRITIC_SHARDS))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("written", ["fsdp", "none"])
+def test_ppo_resume_on_one_sharded_rank(ppo_runs, tmp_path, written):
+    """Step 1 written by 2 ranks (``written``), step 2 on one sharded rank: the critic's
+    optimizer state put together from its two shards (or cut from DDP's whole state) as the
+    policy's; in float64 both models end as the straight run's to 1e-10."""
+    out = tmp_path / "run"
+    _rewind(ppo_runs[written], out, 1, N_PPO)
+    done = run_ranks(PPO, out, 1, *PPO_RUN, FSDP)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(step 1)" in done.stdout
+    assert item_ids(out) == item_ids(ppo_runs[written])
+    for name in ("model/model.safetensors", CRITIC):
+        one, two = final_weights(out, N_PPO, name), final_weights(ppo_runs[written], N_PPO, name)
+        assert max(_rel(one[k], two[k]) for k in two if two[k].norm() > 0) < 1e-10, name
 
 
 def test_sharded_ranks_run_equally_many_micro_batches(monkeypatch):

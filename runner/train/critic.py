@@ -37,7 +37,16 @@ class ValueModel(torch.nn.Module):
         """Values on the shifted grid [B, T-1]: the value of the state before token t+1."""
         hidden = self.backbone(input_ids=batch.input_ids_BT, use_cache=False,
                                **batch.model_kwargs()).last_hidden_state
-        return self.v_head(hidden[:, :-1].to(self.v_head.weight.dtype)).squeeze(-1)
+        values = self.v_head(hidden[:, :-1].to(self.v_head.weight.dtype)).squeeze(-1)
+        # A sharded critic (FSDP2) returns no view: FSDP2 warns that an in-place op on one
+        # would skip its pre-backward hook. The values are the same bits.
+        return values.clone() if _sharded(self) else values
+
+
+def _sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 def critic_backbone(lm: Any) -> Any:
