@@ -331,9 +331,11 @@ def test_sharded_optimizer_files_round_trip_and_a_failed_write_removes_them(tmp_
 
 PPO = "recipes/ppo-arith.toml"
 N_PPO = 2
-# One minibatch of two rows per rank in two micro-batches (each rank the same number: see
-# test_sharded_ranks_run_equally_many_micro_batches), two epochs: two optimizer steps of the
-# policy and the critic per step, the first backward of each with gradient sync off.
+# One minibatch of two rows per rank in two micro-batches, two epochs: two optimizer steps of the
+# policy and the critic per step, the first backward of each with gradient sync off. Every rank
+# holds as many rows as micro-batches: DDP ranks running unequally many micro-batches were
+# measured to depart from one rank's result (sharded ranks pad to equally many and agree with
+# it: test_sharded_ranks_run_equally_many_micro_batches).
 PPO_RUN = (f"run.max_steps={N_PPO}", "algo.prompts_per_step=2", "algo.samples_per_prompt=2",
            "algo.minibatches=1", "algo.ppo_epochs=2", "train.grad_accum_steps=2",
            "rollout.max_new_tokens=4", "data.validation.enabled=false",
