@@ -185,7 +185,7 @@ def _kwargs_from_recipe(problem: Problem, key: str, kwargs: dict[str, Any],
     return attrs.evolve(problem, hint=hint)
 
 
-SHARDED_ROLES = ("policy",)  # what train.sharding = "fsdp" shards
+SHARDED_ROLES = ("policy", "critic")  # what train.sharding = "fsdp" shards
 
 
 @attrs.frozen
@@ -201,8 +201,8 @@ class StateEstimate:
     device: str
 
     def part(self, role: str, sharded: bool) -> Any:
-        """A role's bytes per rank: FSDP shards the policy (train.sharding); the frozen
-        models stay whole on every rank."""
+        """A role's bytes per rank: FSDP shards the trained models, the policy and PPO's
+        critic (train.sharding); the frozen models stay whole on every rank."""
         s = self.full[role]
         return s.sharded(self.world) if sharded and role in SHARDED_ROLES else s
 

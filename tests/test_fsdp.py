@@ -6,6 +6,9 @@
   and its optimizer state one safetensors file per rank, listed in the manifest;
 - a job SIGKILLed after a checkpoint resumes bitwise like the uninterrupted sharded run, and
   the resume unpickles nothing (a guard in every process of it records any unpickling of a file);
+- PPO shards its critic as the policy: 2 sharded and 2 DDP ranks agree in float64 on both models
+  after every step, the critic is gathered into ``extra_models/critic/`` and its optimizer
+  written per rank, and a resume from a checkpoint is bitwise, unpickling nothing;
 - the recipe checks refuse what fsdp does not support yet.
 """
 
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import time
 
+import attrs
 import pytest
 import torch
 
@@ -185,11 +189,12 @@ def test_fsdp_sigkill_after_a_checkpoint_resumes_bitwise_unpickling_nothing(runs
     assert_same_run(out, runs["fsdp"], N, FILES)
 
 
-def _rewind(src, dst, step: int) -> None:
-    """``dst``: a copy of the run folder ``src`` whose newest checkpoint is ``step``."""
+def _rewind(src, dst, step: int, last: int = N) -> None:
+    """``dst``: a copy of the run folder ``src`` (of ``last`` steps) whose newest checkpoint is
+    ``step``."""
     shutil.copytree(src, dst)
     root = dst / "checkpoints"
-    for later in range(step + 1, N + 1):
+    for later in range(step + 1, last + 1):
         shutil.rmtree(root / step_dirname(later))
     (root / "latest").write_text(step_dirname(step))
 
@@ -322,19 +327,159 @@ def test_sharded_optimizer_files_round_trip_and_a_failed_write_removes_them(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
 
 
+# --- PPO: the critic sharded as the policy -------------------------------------------------------
+
+PPO = "recipes/ppo-arith.toml"
+N_PPO = 2
+# One minibatch of two rows per rank in two micro-batches, two epochs: two optimizer steps of the
+# policy and the critic per step, the first backward of each with gradient sync off. Every rank
+# holds as many rows as micro-batches: DDP ranks running unequally many micro-batches were
+# measured to depart from one rank's result (sharded ranks pad to equally many and agree with
+# it: test_sharded_ranks_run_equally_many_micro_batches).
+PPO_RUN = (f"run.max_steps={N_PPO}", "algo.prompts_per_step=2", "algo.samples_per_prompt=2",
+           "algo.minibatches=1", "algo.ppo_epochs=2", "train.grad_accum_steps=2",
+           "rollout.max_new_tokens=4", "data.validation.enabled=false",
+           "checkpoint.every_steps=1", "checkpoint.keep_last=5", "logging.sample_every=0",
+           "logging.item_ids=true", "model.dtype=float64", "train.padding_free=false",
+           "algo.kl_coef=0")  # no reference: it is not sharded, and one model less to load
+CRITIC = "extra_models/critic/model.safetensors"
+CRITIC_SHARDS = tuple(f"optimizer-critic-rank-{r:05d}-of-00002.safetensors" for r in (0, 1))
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(tmp_path_factory):
+    """``{"none": folder, "fsdp": folder}``: the same 2 float64 PPO steps on 2 ranks each way."""
+    root = tmp_path_factory.mktemp("fsdp-ppo")
+    made = {}
+    for sharding in ("none", "fsdp"):
+        out = root / sharding
+        done = run_ranks(PPO, out, 2, *PPO_RUN, f"train.sharding={sharding}")
+        assert done.returncode == 0, done.stdout + done.stderr
+        made[sharding] = out
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ppo_fsdp_and_ddp_agree_on_policy_and_critic_in_float64(ppo_runs):
+    ddp, fsdp = ppo_runs["none"], ppo_runs["fsdp"]
+    assert item_ids(ddp) == item_ids(fsdp) and len(item_ids(fsdp)) == N_PPO
+    rows = {name: [r for r in deterministic_rows(out) if "loss" in r]
+            for name, out in ppo_runs.items()}
+    for a, b in zip(rows["none"], rows["fsdp"], strict=True):
+        for key in ("grad_norm", "value_loss"):
+            assert abs(a[key] - b[key]) <= 1e-10 * abs(a[key]), key
+    for step in range(1, N_PPO + 1):
+        for name in ("model/model.safetensors", CRITIC):
+            one, two = final_weights(ddp, step, name), final_weights(fsdp, step, name)
+            assert one.keys() == two.keys()
+            assert all(two[k].dtype == one[k].dtype == torch.float64 for k in one)
+            worst = max(_rel(two[k], one[k]) for k in one if one[k].norm() > 0)
+            assert worst < 1e-10, (step, name, worst)
+    start, end = final_weights(fsdp, 1, CRITIC), final_weights(fsdp, N_PPO, CRITIC)
+    assert any(not torch.equal(start[k], end[k]) for k in start)  # the critic trained
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ppo_fsdp_checkpoint_layout(ppo_runs):
+    """The critic's weights where an unsharded run writes them (the same names), its optimizer
+    one safetensors file per rank under its own prefix, every file in the manifest."""
+    folder = ppo_runs["fsdp"] / "checkpoints" / step_dirname(N_PPO)
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    assert set(SHARDS) | set(CRITIC_SHARDS) | {CRITIC, "optimizer-critic.json"} <= files
+    assert not {"optimizer.safetensors", "optimizer-critic.safetensors"} & files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))], files
+    manifest = json.loads((folder / "MANIFEST.json").read_text())["files"]
+    assert files - {"COMPLETE", "MANIFEST.json"} == manifest.keys()
+    index = json.loads((folder / "optimizer-critic.json").read_text())
+    assert index["files"] == list(CRITIC_SHARDS)
+    critic = final_weights(ppo_runs["fsdp"], N_PPO, CRITIC)
+    assert critic.keys() == final_weights(ppo_runs["none"], N_PPO, CRITIC).keys()
+    assert {p["name"] for p in index["params"].values()} == critic.keys()
+    assert all(slots["exp_avg"] == "shard0" for slots in index["state"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ppo_fsdp_resumes_bitwise_unpickling_nothing(ppo_runs, tmp_path):
+    """The sharded PPO run continued from its checkpoint 1 ends bitwise like the uninterrupted
+    run (metrics, state, policy and critic weights, every rank's optimizer shards of both), no
+    process of it unpickling a file."""
+    out = tmp_path / "run"
+    _rewind(ppo_runs["fsdp"], out, 1, N_PPO)
+    env, log = _guard_env(tmp_path)
+    done = subprocess.run([*CLI, PPO, f"run.output_dir={out}", "launch.backend=torchrun",
+                           "launch.num_processes=2", *PPO_RUN, FSDP], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(step 1)" in done.stdout
+    lines = log.read_text().splitlines()
+    assert len([line for line in lines if line.startswith("guarded ")]) >= 3  # driver + 2 ranks
+    assert [line for line in lines if not line.startswith("guarded ")] == [], log.read_text()
+    assert_same_run(out, ppo_runs["fsdp"], N_PPO, (*FILES, CRITIC, *CRITIC_SHARDS))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("written", ["fsdp", "none"])
+def test_ppo_resume_on_one_sharded_rank(ppo_runs, tmp_path, written):
+    """Step 1 written by 2 ranks (``written``), step 2 on one sharded rank: the critic's
+    optimizer state put together from its two shards (or cut from DDP's whole state) as the
+    policy's; in float64 both models end as the straight run's to 1e-10."""
+    out = tmp_path / "run"
+    _rewind(ppo_runs[written], out, 1, N_PPO)
+    done = run_ranks(PPO, out, 1, *PPO_RUN, FSDP)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(step 1)" in done.stdout
+    assert item_ids(out) == item_ids(ppo_runs[written])
+    for name in ("model/model.safetensors", CRITIC):
+        one, two = final_weights(out, N_PPO, name), final_weights(ppo_runs[written], N_PPO, name)
+        assert max(_rel(one[k], two[k]) for k in two if two[k].norm() > 0) < 1e-10, name
+
+
+def test_sharded_ranks_run_equally_many_micro_batches(monkeypatch):
+    """FSDP2 gathers parameters in every forward (a collective), so a sharded rank holding fewer
+    rows of a minibatch than micro-batches runs zero-weighted ones on its first row until it has
+    run as many as every rank; they are neither kept nor counted. Unsharded ranks do not."""
+    from runner.train import batches
+    from runner.train.batches import Minibatch, train_minibatch_keeping
+
+    def step(trainables, micro_losses, max_grad_norm):
+        return float(sum(float(loss()) for loss in micro_losses))
+
+    monkeypatch.setattr(batches, "optimizer_step", step)
+    calls = []
+
+    def loss_fn(idx):
+        calls.append(idx.tolist())
+        return torch.tensor(2.0), {"m": torch.tensor(3.0)}, len(calls)
+
+    mb = Minibatch(rows=[1], weights=[1.0], total=2.0)
+    for sharded, want in ((False, [[1]]), (True, [[1], [0], [0]])):
+        calls.clear()
+        trainable = attrs.evolve(_FakeTrainable(), sharded=sharded)
+        metrics, kept = train_minibatch_keeping([trainable], mb, loss_fn, 3, 2, 1.0)
+        assert calls == want
+        assert [(i.tolist(), v) for i, v in kept] == [([1], 1)]
+        assert metrics == {"m": 1.5, "grad_norm": 1.0}  # 2 x share 1/2 x world 2, over world
+
+
+@attrs.define
+class _FakeTrainable:
+    sharded: bool = False
+
+
 # --- what fsdp does not run yet ----------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, says", [
     (("model.lora.rank=4",), "LoRA"),
-    (("algo.kind=ppo",), "critic"),
     (("launch.backend=ray",), "Ray"),
     (("train.precision=fp16",), "fp16"),
 ])
 def test_unsupported_combinations_are_refused(overrides, says):
-    recipe = "recipes/ppo-arith.toml" if "algo.kind=ppo" in overrides else GRPO
-    rest = tuple(o for o in overrides if o != "algo.kind=ppo")
     with pytest.raises(RecipeError) as info:
-        load_recipe(REPO / recipe, [FSDP, *rest])
+        load_recipe(REPO / GRPO, [FSDP, *overrides])
     lines = [p for p in info.value.problems if p.key == "train.sharding"]
     assert len(lines) == 1 and says in lines[0].message, info.value.lines()
 
@@ -348,3 +493,6 @@ def test_sharding_defaults_to_none_and_fsdp_loads():
     rows = dict(make_plan(recipe).rows())
     assert rows["launch"] == "torchrun, 2 process(es), policy sharded (FSDP2)"
     assert dict(make_plan(load_recipe(REPO / GRPO)).rows())["launch"] == "local, 1 process(es)"
+    ppo = load_recipe(REPO / PPO, [FSDP, "launch.backend=torchrun", "launch.num_processes=2"])
+    assert dict(make_plan(ppo).rows())["launch"] == ("torchrun, 2 process(es), policy and critic "
+                                                     "sharded (FSDP2)")

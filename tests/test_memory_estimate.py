@@ -50,8 +50,8 @@ def test_ppo_on_two_ranks_by_hand():
     assert ref in (4 * n, 2 * n)
     assert est.full["policy"] == est.full["critic"] == StateBytes(4 * n, 4 * n, 8 * n)
     assert est.per_rank(False) == 32 * n + ref
-    # FSDP shards the policy alone (PPO's critic and the reference stay whole on each rank)
-    assert n % 2 == 0 and est.per_rank(True) == 8 * n + 16 * n + ref
+    # FSDP shards the policy and PPO's critic (the reference stays whole on each rank)
+    assert n % 2 == 0 and est.per_rank(True) == 8 * n + 8 * n + ref
     assert est.layout == "DDP" and est.problems() == []  # the CPU reports no device memory
     rows = dict(est.rows())
     assert "<- this run" in rows["model state per rank, DDP"]

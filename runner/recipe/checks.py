@@ -455,8 +455,9 @@ _ALGO_RANGES: dict[str, Callable[[Recipe], list[Problem]]] = {
 
 def check_sharding(r: Recipe) -> list[Problem]:
     """``train.sharding = "fsdp"`` where this version shards correctly: the full-model policy of
-    GRPO, DPO or OPD, on local or torchrun ranks of one machine (every rank writes its optimizer
-    shard into the checkpoint folder), in fp32 / bf16 / the model's own dtype."""
+    GRPO, DPO, OPD or PPO (with PPO's critic), on local or torchrun ranks of one machine (every
+    rank writes its optimizer shards into the checkpoint folder), in fp32 / bf16 / the model's
+    own dtype."""
     if r.train.sharding != "fsdp":
         return []
     hint = "set train.sharding = 'none' (each rank a full copy)"
@@ -464,9 +465,6 @@ def check_sharding(r: Recipe) -> list[Problem]:
     if r.model.lora.rank > 0:
         problems.append(Problem("train.sharding", "fsdp does not shard LoRA adapters yet",
                                 got="fsdp", hint=f"{hint}, or model.lora.rank = 0"))
-    if r.algo.kind == "ppo":
-        problems.append(Problem("train.sharding", "fsdp does not shard PPO's critic yet",
-                                got="fsdp", hint=hint))
     if r.launch.backend == "ray":
         problems.append(Problem("train.sharding", "fsdp runs on launch.backend 'local' or "
                                 "'torchrun' (one machine) in this version, not on Ray",

@@ -62,8 +62,9 @@ class RunPlan:
         """Rows for the dry-run table."""
         return [
             ("algorithm", self.algo),
-            ("launch", f"{self.backend}, {self.world_size} process(es)"
-                       + (", policy sharded (FSDP2)" if self.sharding == "fsdp" else "")),
+            ("launch", f"{self.backend}, {self.world_size} process(es)" + (
+                f", {' and '.join(r for r in ('policy', 'critic') if r in self.roles)} "
+                "sharded (FSDP2)" if self.sharding == "fsdp" else "")),
             ("roles", ", ".join(self.roles)),
             ("rollout engine", self._engine_row()),
             ("steps", str(self.max_steps)),

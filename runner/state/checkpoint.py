@@ -9,7 +9,10 @@ Layout of ``<output_dir>/checkpoints/``::
       optimizer-rank-RRRRR-of-WWWWW.safetensors   instead, under train.sharding = "fsdp": each
                             rank's optimizer shards; optimizer.json then also lists the files,
                             the parameters' names and global shapes (runner.train.sharding)
-      optimizer-NAME.*      optimizers of the extra modules
+      optimizer-NAME.*      optimizers of the extra modules; under fsdp a sharded extra module
+                            (PPO's critic) is gathered into extra_models/NAME/ like the policy,
+                            and its optimizer written per rank as
+                            optimizer-NAME-rank-RRRRR-of-WWWWW.safetensors + optimizer-NAME.json
       rng.safetensors       every rank's torch (and CUDA) RNG state, ``torch.R`` / ``cuda.R``
       state.json            step, cursor, scheduler, world size and global batch, every rank's
                             python/numpy RNG state, the tracker run ids (W&B, MLflow)
@@ -55,6 +58,12 @@ LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 WRITER_ROLE = "policy"  # the role that writes checkpoints (rank 0 of the policy)
 _log = logging.getLogger(__name__)
+
+
+def shard_file(prefix: str, rank: int, world: int) -> str:
+    """The name of rank ``rank``'s optimizer shard of the optimizer saved as ``prefix``
+    (``optimizer``: the policy's, ``SHARD_FILE``; ``optimizer-NAME``: an extra module's)."""
+    return f"{prefix}-rank-{rank:05d}-of-{world:05d}.safetensors"
 
 
 def step_dirname(step: int) -> str:
@@ -163,9 +172,8 @@ def _fail_cleanly(write: Callable[..., Path]) -> Callable[..., Path]:
             return write(root, step, **parts)
         except (OSError, SafetensorError, RuntimeError, _FileWriteError) as exc:
             partial_dir = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
-            staged = parts.get("optimizer_shards") or ((), ())
             for partial in (partial_dir, root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}",
-                            *staged[1]):
+                            *_staged_files(parts)):
                 if partial.is_dir():
                     shutil.rmtree(partial, ignore_errors=True)
                 elif partial.exists():
@@ -184,6 +192,13 @@ def _fail_cleanly(write: Callable[..., Path]) -> Callable[..., Path]:
                 "earlier checkpoints are untouched") from exc
 
     return wrapper
+
+
+def _staged_files(parts: dict[str, Any]) -> list[Path]:
+    """Every rank's optimizer shards staged for a checkpoint: the policy's and the extra
+    modules'."""
+    shards = [parts.get("optimizer_shards"), *(parts.get("extra_optimizer_shards") or {}).values()]
+    return [f for s in shards if s is not None for f in s[1]]
 
 
 class _FileWriteError(Exception):
@@ -227,6 +242,8 @@ def save_checkpoint(
     rng_per_rank: list[dict[str, Any]] | None = None,
     model_state: dict[str, torch.Tensor] | None = None,
     optimizer_shards: tuple[dict[str, Any], list[Path]] | None = None,
+    extra_states: dict[str, dict[str, torch.Tensor]] | None = None,
+    extra_optimizer_shards: dict[str, tuple[dict[str, Any], list[Path]]] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically; returns its folder.
 
@@ -234,10 +251,14 @@ def save_checkpoint(
     A sharded policy's writer gives ``model_state`` (the whole tensors, gathered) and
     ``optimizer_shards``: the optimizer's index and every rank's shard file, written beside the
     checkpoints under a temporary name and moved in here (in rank order), instead of
-    ``optimizer``'s own state.
+    ``optimizer``'s own state. A sharded extra module likewise: ``extra_states[NAME]`` (its
+    whole tensors, instead of the module's state dict) and ``extra_optimizer_shards[NAME]``
+    (instead of ``extra_optimizers[NAME]``).
     """
     root.mkdir(parents=True, exist_ok=True)
-    _remove_stale(root, keep=optimizer_shards[1] if optimizer_shards is not None else ())
+    extra_states, extra_shards = extra_states or {}, extra_optimizer_shards or {}
+    _remove_stale(root, keep=_staged_files({"optimizer_shards": optimizer_shards,
+                                            "extra_optimizer_shards": extra_shards}))
     final = root / step_dirname(step)
     tmp = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
     tmp.mkdir()
@@ -251,20 +272,16 @@ def save_checkpoint(
             tokenizer.save_pretrained(tmp / "model")
     for name, module in (extra_modules or {}).items():
         (tmp / "extra_models" / name).mkdir(parents=True)
+        weights = extra_states[name] if name in extra_states else module.state_dict()
         with _file(out := tmp / "extra_models" / name / "model.safetensors"):
-            save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
-                      out)
-    if optimizer_shards is not None:
-        index, staged = optimizer_shards
-        names = []
-        for rank, shard in enumerate(staged):
-            names.append(SHARD_FILE.format(rank=rank, world=len(staged)))
-            with _file(tmp / names[-1]):
-                os.replace(shard, tmp / names[-1])
-        _write_json(tmp / "optimizer.json", {**index, "files": names})
+            save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, out)
+    for prefix, shards in [("optimizer", optimizer_shards), *(
+            (f"optimizer-{name}", s) for name, s in extra_shards.items())]:
+        if shards is not None:
+            _move_shards(tmp, prefix, *shards)
     own = [] if optimizer_shards is not None else [("optimizer", optimizer)]
-    for prefix, opt in own + [
-            (f"optimizer-{name}", o) for name, o in (extra_optimizers or {}).items()]:
+    for prefix, opt in own + [(f"optimizer-{name}", o) for name, o in
+                              (extra_optimizers or {}).items() if name not in extra_shards]:
         opt_meta, opt_tensors = optimizer_to_files(opt)
         with _file(tmp / f"{prefix}.safetensors"):
             save_file(opt_tensors, tmp / f"{prefix}.safetensors")
@@ -290,6 +307,17 @@ def save_checkpoint(
     _point_latest(root, final.name)
     _prune(root, keep_last)
     return final
+
+
+def _move_shards(tmp: Path, prefix: str, index: dict[str, Any], staged: Sequence[Path]) -> None:
+    """Every rank's staged optimizer shard moved into the checkpoint ``tmp`` under its name (in
+    rank order), and the index listing them written as ``PREFIX.json``."""
+    names = []
+    for rank, shard in enumerate(staged):
+        names.append(shard_file(prefix, rank, len(staged)))
+        with _file(tmp / names[-1]):
+            os.replace(shard, tmp / names[-1])
+    _write_json(tmp / f"{prefix}.json", {**index, "files": names})
 
 
 def _remove_stale(root: Path, keep: Sequence[Path] = ()) -> None:
@@ -421,7 +449,7 @@ def _load_optimizer(path: Path, prefix: str) -> dict[str, Any]:
     if isinstance(meta, dict) and "files" in meta:
         files = meta["files"]
         if not (isinstance(files, list) and files and all(
-                isinstance(f, str) and f == SHARD_FILE.format(rank=r, world=len(files))
+                isinstance(f, str) and f == shard_file(prefix, r, len(files))
                 for r, f in enumerate(files))):
             raise ValueError(f"{prefix}.json: 'files' does not list the per-rank shards")
         for name in files:

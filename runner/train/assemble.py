@@ -150,24 +150,30 @@ class RunContext:
         leave together once the checkpoint is complete."""
         rngs = self.svc.comm.gather(capture_rng())
         flights = self.svc.comm.gather(self.producer.to_json()) if self.producer else []
-        sharded = self._sharded_parts(step) if self.policy.sharded else None
+        extra = extra or {}
+        sharded = self._sharded_parts(step, self.policy) if self.policy.sharded else None
+        # every rank in the same (the caller's) order: the gathers are collectives
+        sharded_extra = {name: self._sharded_parts(step, t, f"optimizer-{name}")
+                         for name, t in extra.items() if t.sharded}
         path = None
         if self.svc.rank.is_main:
-            path = write_checkpoint(self, step, rngs, extra or {}, sharded, flights)
+            path = write_checkpoint(self, step, rngs, extra, sharded, flights, sharded_extra)
         self.svc.comm.barrier()
         return path
 
-    def _sharded_parts(self, step: int) -> ShardedParts:
-        """A sharded policy's part of a checkpoint, made by every rank: the whole weights
-        (gathered one tensor at a time, kept by rank 0) and each rank's optimizer shard,
-        staged beside the checkpoints for rank 0 to move in."""
+    def _sharded_parts(self, step: int, trainable: Trainable, prefix: str = "optimizer"
+                       ) -> ShardedParts:
+        """A sharded module's part of a checkpoint (the policy's, or an extra module's such as
+        PPO's critic), made by every rank: the whole weights (gathered one tensor at a time,
+        kept by rank 0) and each rank's optimizer shard, staged beside the checkpoints for
+        rank 0 to move in."""
         from runner.train.sharding import full_state_dict, optimizer_shard, stage_optimizer_shard
 
         is_main = self.svc.rank.is_main
-        weights = full_state_dict(self.policy.model, keep=is_main)
-        index, tensors = optimizer_shard(self.policy.optimizer, self.policy.model)
+        weights = full_state_dict(trainable.model, keep=is_main)
+        index, tensors = optimizer_shard(trainable.optimizer, trainable.model)
         staged = stage_optimizer_shard(self.svc.plan.checkpoint_dir, step, self.svc.rank.rank,
-                                       tensors)
+                                       tensors, prefix)
         del tensors
         paths = [Path(p) for p in self.svc.comm.gather(str(staged))]
         return ShardedParts(weights, index, paths)
@@ -183,7 +189,8 @@ class RunContext:
 
 @attrs.frozen
 class ShardedParts:
-    """What a sharded policy's ranks made for rank 0's checkpoint write."""
+    """What the ranks of a sharded module (the policy, PPO's critic) made for rank 0's
+    checkpoint write."""
 
     weights: dict[str, Any]  # the whole tensors, by state-dict name
     optimizer_index: dict[str, Any]  # runner.train.sharding.optimizer_shard
@@ -191,8 +198,13 @@ class ShardedParts:
 
 
 def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable],
-                     sharded: ShardedParts | None = None, in_flight: list[Any] | None = None
-                     ) -> Path:
+                     sharded: ShardedParts | None = None, in_flight: list[Any] | None = None,
+                     sharded_extra: dict[str, ShardedParts] | None = None) -> Path:
+    """Rank 0's write of checkpoint ``step``. ``sharded``: the sharded policy's gathered
+    weights and staged optimizer shards; ``sharded_extra``: those of the sharded modules of
+    ``extra`` (their whole weights go where an unsharded one's would, their optimizer shards
+    under ``optimizer-NAME``)."""
+    sharded_extra = sharded_extra or {}
     cursor, plan = run.state.data.cursor, run.svc.plan
     state = TrainingState(
         step=step,
@@ -209,7 +221,10 @@ def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[st
         keep_last=run.svc.recipe.checkpoint.keep_last, rng_per_rank=rngs,
         extra_optimizers={name: t.optimizer for name, t in extra.items()},
         model_state=sharded.weights if sharded else None,
-        optimizer_shards=(sharded.optimizer_index, sharded.optimizer_files) if sharded else None)
+        optimizer_shards=(sharded.optimizer_index, sharded.optimizer_files) if sharded else None,
+        extra_states={name: s.weights for name, s in sharded_extra.items()},
+        extra_optimizer_shards={name: (s.optimizer_index, s.optimizer_files)
+                                for name, s in sharded_extra.items()})
 
 
 def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedCheckpoint | None:
@@ -430,7 +445,8 @@ def build_roles(run: RunContext) -> Roles:
     if "critic" in wanted:
         from runner.train.critic import build_critic
 
-        critic = build_critic(recipe, run.model_path, run.svc.accelerator, run.state.ckpt)
+        critic = build_critic(recipe, run.model_path, run.svc.accelerator, run.state.ckpt,
+                              rank=run.svc.rank.rank, world=run.svc.rank.world_size)
     teacher = build_teacher(run) if "teacher" in wanted else None
     rewards = build_rewards(recipe.reward) if "reward" in wanted else None
     return Roles(reference, critic, teacher, rewards)

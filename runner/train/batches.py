@@ -114,17 +114,24 @@ def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,
                             loss_fn: KeepingLossFn, accum: int, world: int, max_grad_norm: float
                             ) -> tuple[dict[str, float], list[tuple[torch.Tensor, Any]]]:
     """``train_minibatch`` whose loss also returns a value per micro-batch: returns the metrics
-    and, in micro-batch order, (the rows ``loss_fn`` was called with, its third value)."""
+    and, in micro-batch order, (the rows ``loss_fn`` was called with, its third value).
+
+    Sharded trainables (FSDP2) gather their parameters in every forward, a collective: there,
+    every rank runs ``accum`` micro-batches, a rank with fewer rows a zero-weighted loss on its
+    first row for each missing one (neither kept nor counted in the metrics)."""
     pieces = [mb.rows[s] for s in split_even(len(mb.rows), max(1, accum))] or [[]]
+    pads = max(1, accum) - len(pieces) if any(t.sharded for t in trainables) else 0
     weights = dict(zip(mb.rows, mb.weights, strict=True))
     sums: dict[str, float] = {}
     kept: list[tuple[torch.Tensor, Any]] = []
 
-    def micro(rows: list[int]) -> Callable[[], torch.Tensor]:
+    def micro(rows: list[int], pad: bool = False) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             share = sum(weights[r] for r in rows) / mb.total if rows and mb.total else 0.0
             idx = torch.tensor(rows or [0])
             loss, metrics, value = loss_fn(idx)
+            if pad:
+                return loss * 0.0
             kept.append((idx, value))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * share
@@ -132,7 +139,8 @@ def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,
 
         return run
 
-    norm = optimizer_step(trainables, [micro(p) for p in pieces], max_grad_norm)
+    norm = optimizer_step(trainables, [micro(p) for p in pieces]
+                          + [micro([], pad=True) for _ in range(pads)], max_grad_norm)
     # The metrics stay tensors through the micro-batches: read once, after the step.
     return {**{k: float(v) for k, v in sums.items()}, "grad_norm": norm / world}, kept
 

@@ -27,11 +27,26 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.v_head.weight)
         torch.nn.init.zeros_(self.v_head.bias)
 
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The backbone's transformer block classes: each one FSDP unit under
+        ``train.sharding = "fsdp"`` (runner.train.sharding.blocks_of), as in the policy."""
+        return list(getattr(self.backbone, "_no_split_modules", None) or ())
+
     def forward(self, batch: PolicyBatch) -> torch.Tensor:
         """Values on the shifted grid [B, T-1]: the value of the state before token t+1."""
         hidden = self.backbone(input_ids=batch.input_ids_BT, use_cache=False,
                                **batch.model_kwargs()).last_hidden_state
-        return self.v_head(hidden[:, :-1].to(self.v_head.weight.dtype)).squeeze(-1)
+        values = self.v_head(hidden[:, :-1].to(self.v_head.weight.dtype)).squeeze(-1)
+        # A sharded critic (FSDP2) returns no view: FSDP2 warns that an in-place op on one
+        # would skip its pre-backward hook. The values are the same bits.
+        return values.clone() if _sharded(self) else values
+
+
+def _sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 def critic_backbone(lm: Any) -> Any:
@@ -45,8 +60,10 @@ def critic_backbone(lm: Any) -> Any:
 
 
 def build_critic(recipe: Recipe, model_path: Path, accelerator: Any,
-                 ckpt: LoadedCheckpoint | None) -> Trainable:
-    """The critic, its optimizer and schedule, restored from ``ckpt`` when resuming."""
+                 ckpt: LoadedCheckpoint | None, rank: int = 0, world: int = 1) -> Trainable:
+    """The critic, its optimizer and schedule, restored from ``ckpt`` when resuming. Under
+    ``train.sharding = "fsdp"`` it is sharded as the policy is (its optimizer built after
+    sharding; a sharded checkpoint's optimizer shards read by ``rank`` of ``world``)."""
     from runner.models import load_causal_lm, resolve_model_path, text_hidden_size
 
     algo = recipe.algo
@@ -63,4 +80,5 @@ def build_critic(recipe: Recipe, model_path: Path, accelerator: Any,
     saved = ckpt.state.extra.get(CRITIC, {}) if ckpt else {}
     return prepare_trainable(accelerator, critic, recipe, lr=algo.critic_lr or None,
                              ckpt_optimizer=ckpt.extra_optimizer_state(CRITIC) if ckpt else None,
-                             ckpt_scheduler=saved.get("scheduler"))
+                             ckpt_scheduler=saved.get("scheduler"),
+                             sharded=recipe.train.sharding == "fsdp", rank=rank, world=world)

@@ -1,4 +1,5 @@
-"""``train.sharding = "fsdp"``: the policy sharded with torch's FSDP2 (``fully_shard``).
+"""``train.sharding = "fsdp"``: the trained models (the policy, PPO's critic) sharded with
+torch's FSDP2 (``fully_shard``).
 
 Each transformer block (a module whose class the model lists in ``_no_split_modules``, else each
 entry of ``model.model.layers``) is one FSDP unit, the root (embeddings, final norm, LM head)
@@ -13,7 +14,9 @@ What leaves a rank (weights to the rollout engine, the checkpoint's model folder
 one parameter at a time (``DTensor.full_tensor()``: a collective every rank takes part in), so
 no rank holds two full copies. The optimizer state is checkpointed per rank, without pickle:
 ``optimizer-rank-RRRRR-of-WWWWW.safetensors`` (each rank's local shards) and ``optimizer.json``
-(param groups, slot layout, parameter names and global shapes, the files).
+(param groups, slot layout, parameter names and global shapes, the files); PPO's critic the same
+way under ``optimizer-critic``. The critic's weights are gathered into the checkpoint's
+``extra_models/critic/`` as a whole critic's are.
 """
 
 from __future__ import annotations
@@ -157,11 +160,12 @@ def _param_names(optimizer: torch.optim.Optimizer, model: Any
     return [(by_id.get(id(p), ""), p) for g in optimizer.param_groups for p in g["params"]]
 
 
-def stage_optimizer_shard(root: Path, step: int, rank: int, tensors: dict[str, torch.Tensor]
-                          ) -> Path:
-    """Write this rank's shard beside the checkpoints under a temporary name ending in this
-    process's id (``save_checkpoint`` moves it into the checkpoint; a writer that died leaves
-    it to the next save's cleanup)."""
+def stage_optimizer_shard(root: Path, step: int, rank: int, tensors: dict[str, torch.Tensor],
+                          prefix: str = "optimizer") -> Path:
+    """Write this rank's shard of the optimizer saved as ``prefix`` (the policy's
+    ``optimizer``, an extra module's ``optimizer-NAME``) beside the checkpoints under a
+    temporary name ending in this process's id (``save_checkpoint`` moves it into the
+    checkpoint; a writer that died leaves it to the next save's cleanup)."""
     import os
 
     from safetensors.torch import save_file
@@ -169,7 +173,7 @@ def stage_optimizer_shard(root: Path, step: int, rank: int, tensors: dict[str, t
     from runner.state.checkpoint import TMP_PREFIX, step_dirname
 
     root.mkdir(parents=True, exist_ok=True)
-    out = root / f"{TMP_PREFIX}optimizer-{step_dirname(step)}-rank{rank}-{os.getpid()}"
+    out = root / f"{TMP_PREFIX}{prefix}-{step_dirname(step)}-rank{rank}-{os.getpid()}"
     save_file(tensors, out)
     return out
 
