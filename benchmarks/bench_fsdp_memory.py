@@ -8,8 +8,9 @@ Each rank's peak resident set (VmHWM, read from /proc while the run lasts) is me
 estimated; beside it the table gives the runner's own estimate of the state (``--dry-run``'s
 Memory section) so the two can be compared. The runs of one round alternate between the two
 settings. Seconds per step are the metrics rows' phase times (rollout + reward + update +
-sync) of steps 2 and later. The rollout engine stays the in-process hf engine in both runs, a
-full copy per rank (it is not what ``train.sharding`` shards).
+sync) of steps 2 and later; the weight sync's own (``time/sync``: under fsdp the gather of every
+tensor to push it to the engine) beside them. The rollout engine stays the in-process hf
+engine in both runs, a full copy per rank (it is not what ``train.sharding`` shards).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def _peak_kb(pid: int) -> int:
 
 
 def one_run(recipe: str, sharding: str, steps: int, overrides: list[str]
-            ) -> tuple[dict[int, float], float]:
-    """(peak GB per rank, median seconds per step) of one run."""
+            ) -> tuple[dict[int, float], float, float]:
+    """(peak GiB per rank, median seconds per step, median seconds of the weight sync) of one
+    run."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "runner.cli", "--plain", recipe, f"run.output_dir={out}",
                "launch.backend=torchrun", "launch.num_processes=2",
@@ -89,10 +91,13 @@ def one_run(recipe: str, sharding: str, steps: int, overrides: list[str]
             raise SystemExit(f"{sharding} run failed:\n{proc.stderr.read() if proc.stderr else ''}")
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text()
                 .splitlines()]
+    timed = [r for r in rows if r.get("step", 0) >= 2 and "time/update" in r]
     per_step = [sum(r[f"time/{k}"] for k in ("rollout", "reward", "update", "sync"))
-                for r in rows if r.get("step", 0) >= 2 and "time/update" in r]
+                for r in timed]
+    sync = [r["time/sync"] for r in timed]
     return ({r: kb * 1024 / GB for r, kb in sorted(peaks.items())},
-            statistics.median(per_step) if per_step else float("nan"))
+            statistics.median(per_step) if per_step else float("nan"),
+            statistics.median(sync) if sync else float("nan"))
 
 
 def estimate(recipe: str, overrides: list[str]) -> dict[str, str]:
@@ -112,18 +117,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    results: dict[str, list[tuple[dict[int, float], float]]] = {"none": [], "fsdp": []}
+    results: dict[str, list[tuple[dict[int, float], float, float]]] = {"none": [], "fsdp": []}
     for _ in range(args.rounds):
         for sharding in ("none", "fsdp"):
             results[sharding].append(one_run(args.recipe, sharding, args.steps, args.overrides))
     print(f"{args.recipe}, 2 torchrun ranks, {args.steps} steps, {args.rounds} round(s)")
-    print("| train.sharding | peak RSS rank 0 (GiB) | peak RSS rank 1 (GiB) | s/step |")
-    print("| --- | --- | --- | --- |")
+    print("| train.sharding | peak RSS rank 0 (GiB) | peak RSS rank 1 (GiB) | s/step | "
+          "weight sync s |")
+    print("| --- | --- | --- | --- | --- |")
     for sharding, runs in results.items():
-        r0 = max(p.get(0, 0.0) for p, _ in runs)
-        r1 = max(p.get(1, 0.0) for p, _ in runs)
-        sec = statistics.median(s for _, s in runs)
-        print(f"| {sharding} | {r0:.2f} | {r1:.2f} | {sec:.2f} |")
+        r0 = max(p.get(0, 0.0) for p, _, _ in runs)
+        r1 = max(p.get(1, 0.0) for p, _, _ in runs)
+        sec = statistics.median(s for _, s, _ in runs)
+        sync = statistics.median(s for _, _, s in runs)
+        print(f"| {sharding} | {r0:.2f} | {r1:.2f} | {sec:.2f} | {sync:.3f} |")
     for key, value in estimate(args.recipe, args.overrides).items():
         print(f"estimate: {key}: {value}")
 
