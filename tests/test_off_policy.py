@@ -85,12 +85,24 @@ def test_killed_with_batches_in_flight_then_resumed_equals_the_uninterrupted_run
 
 @pytest.mark.multiproc
 def test_two_torchrun_ranks_with_k_2(straight, tmp_path):
-    done = run_ranks(GRPO, tmp_path, 2, "run.max_steps=3", *SMALL, "algo.max_off_policy_steps=2")
+    """k = 2 on two ranks: the schedule, the synchronous run's items, and a resume from the
+    checkpoint of step 1 (every rank's batches of steps 2 and 3 in flight) ends bitwise where
+    the uninterrupted run did."""
+    import shutil
+
+    k2 = (GRPO, "run.max_steps=3", *SMALL, "algo.max_off_policy_steps=2")
+    done = run_ranks(k2[0], tmp_path / "a", 2, *k2[1:])
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = _trained(tmp_path)
+    rows = _trained(tmp_path / "a")
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 2.0]
     sync = _trained(straight["k0"])[:3]
     assert [r["data/item_ids"] for r in rows] == [r["data/item_ids"] for r in sync]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for step in (2, 3):  # back to the checkpoint of step 1
+        shutil.rmtree(tmp_path / "b" / "checkpoints" / f"step-{step:06d}")
+    done = run_ranks(k2[0], tmp_path / "b", 2, *k2[1:])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_run(tmp_path / "b", tmp_path / "a", 3)
 
 
 def test_refusals(straight, tmp_path):
