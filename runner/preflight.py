@@ -18,6 +18,7 @@ import attrs
 from runner.errors import ExtensionError, Problem, show_value
 from runner.extensions import check_binds, load_callable
 from runner.recipe.checks import BUILTIN_REWARDS, trackers_of
+from runner.recipe.plan import sharded_roles
 from runner.recipe.schema import Recipe
 
 
@@ -185,9 +186,6 @@ def _kwargs_from_recipe(problem: Problem, key: str, kwargs: dict[str, Any],
     return attrs.evolve(problem, hint=hint)
 
 
-SHARDED_ROLES = ("policy", "critic")  # what train.sharding = "fsdp" shards
-
-
 @attrs.frozen
 class StateEstimate:
     """Per rank, the bytes of every model's state (``runner.models.memory``) in the layout a
@@ -199,12 +197,13 @@ class StateEstimate:
     full: dict[str, Any]  # role -> StateBytes with every rank holding a full copy
     device_bytes: int | None
     device: str
+    sharded_roles: tuple[str, ...] = ("policy", "critic")  # runner.recipe.plan.sharded_roles
 
     def part(self, role: str, sharded: bool) -> Any:
-        """A role's bytes per rank: FSDP shards the trained models, the policy and PPO's
-        critic (train.sharding); the frozen models stay whole on every rank."""
+        """A role's bytes per rank: FSDP shards the roles of ``sharded_roles`` (the policy,
+        PPO's critic, GRPO's and PPO's reference); the others stay whole on every rank."""
         s = self.full[role]
-        return s.sharded(self.world) if sharded and role in SHARDED_ROLES else s
+        return s.sharded(self.world) if sharded and role in self.sharded_roles else s
 
     def per_rank(self, sharded: bool) -> int:
         return sum(self.part(role, sharded).total for role in self.full)
@@ -279,7 +278,8 @@ def estimate_state(recipe: Recipe, world: int) -> StateEstimate:
         full["teacher"] = frozen_bytes(count(teacher), frozen_dtype)
     device_bytes, device = device_memory(recipe)
     layout = "FSDP" if recipe.train.sharding == "fsdp" else "DDP"
-    return StateEstimate(layout, world, full, device_bytes, device)
+    return StateEstimate(layout, world, full, device_bytes, device,
+                         sharded_roles(recipe.algo.kind))
 
 
 def device_memory(recipe: Recipe) -> tuple[int | None, str]:

@@ -49,6 +49,7 @@ RUN = (f"run.max_steps={N}", "algo.prompts_per_step=4", "algo.group_size=4",
        "algo.minibatches=2", "train.grad_accum_steps=2", "rollout.max_new_tokens=4",
        "data.validation.size=8", "train.eval_every=3", "checkpoint.every_steps=1",
        "checkpoint.keep_last=5", "logging.sample_every=0", "logging.item_ids=true",
+       "algo.kl_beta=0.1",  # a reference, sharded with the policy under fsdp
        "model.dtype=float64", "train.padding_free=false")
 FSDP = "train.sharding=fsdp"
 SHARDS = ("optimizer-rank-00000-of-00002.safetensors", "optimizer-rank-00001-of-00002.safetensors")
@@ -134,6 +135,18 @@ def test_fsdp_model_folder_loads_with_transformers(runs):
         assert torch.equal(p.detach(), saved[name]), name
         assert _rel(p.detach(), ddp[name]) < 1e-10 or ddp[name].norm() == 0
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+def test_grpo_reference_is_sharded_under_fsdp(tmp_path):
+    """GRPO's frozen reference is sharded with the policy (every rank scores one batch a step);
+    the float64 comparison of ``runs`` (with ``algo.kl_beta``) checks it scores the same."""
+    from torch.distributed.tensor import DTensor
+
+    from tests.tiny_run import tiny_run
+
+    with tiny_run("grpo-arith", tmp_path, FSDP, "algo.kl_beta=0.1") as run:
+        assert all(isinstance(p, DTensor) for p in run.roles.reference.model.parameters())
+        assert run.svc.plan.rows()[1][1].endswith("policy and reference sharded (FSDP2)")
 
 
 @pytest.mark.slow
@@ -494,5 +507,5 @@ def test_sharding_defaults_to_none_and_fsdp_loads():
     assert rows["launch"] == "torchrun, 2 process(es), policy sharded (FSDP2)"
     assert dict(make_plan(load_recipe(REPO / GRPO)).rows())["launch"] == "local, 1 process(es)"
     ppo = load_recipe(REPO / PPO, [FSDP, "launch.backend=torchrun", "launch.num_processes=2"])
-    assert dict(make_plan(ppo).rows())["launch"] == ("torchrun, 2 process(es), policy and critic "
-                                                     "sharded (FSDP2)")
+    assert dict(make_plan(ppo).rows())["launch"] == ("torchrun, 2 process(es), policy, critic and "
+                                                     "reference sharded (FSDP2)")

@@ -50,8 +50,8 @@ def test_ppo_on_two_ranks_by_hand():
     assert ref in (4 * n, 2 * n)
     assert est.full["policy"] == est.full["critic"] == StateBytes(4 * n, 4 * n, 8 * n)
     assert est.per_rank(False) == 32 * n + ref
-    # FSDP shards the policy and PPO's critic (the reference stays whole on each rank)
-    assert n % 2 == 0 and est.per_rank(True) == 8 * n + 8 * n + ref
+    # FSDP shards the policy, PPO's critic and the reference
+    assert n % 2 == 0 and ref % 2 == 0 and est.per_rank(True) == 8 * n + 8 * n + ref // 2
     assert est.layout == "DDP" and est.problems() == []  # the CPU reports no device memory
     rows = dict(est.rows())
     assert "<- this run" in rows["model state per rank, DDP"]
@@ -86,5 +86,6 @@ def test_a_sharded_run_is_estimated_sharded():
     est = estimate_state(recipe, 2)
     n = count(tensor_shapes(resolve_model_path(recipe.model.path)))
     assert est.layout == "FSDP"
-    assert est.per_rank(True) == 8 * n + est.full["reference"].params
+    # the policy and GRPO's reference sharded over 2
+    assert est.per_rank(True) == 8 * n + est.full["reference"].params // 2
     assert "<- this run" in dict(est.rows())["model state per rank, FSDP over 2"]

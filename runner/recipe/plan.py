@@ -39,6 +39,23 @@ def planned_roles(recipe: Recipe) -> tuple[str, ...]:
     return tuple(r for r in ROLE_ORDER if r in wanted)
 
 
+def _listed(names: list[str]) -> str:
+    """Names as a sentence lists them.
+
+    >>> _listed(["policy"]), _listed(["policy", "critic", "reference"])
+    ('policy', 'policy, critic and reference')
+    """
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
+
+
+def sharded_roles(algo_kind: str) -> tuple[str, ...]:
+    """The roles ``train.sharding = "fsdp"`` shards: the trained ones (the policy, PPO's
+    critic) and GRPO's and PPO's frozen reference, which every rank calls once a step. DPO's
+    reference and OPD's teacher stay whole on every rank: ranks may call them unequally often
+    (held-out shards), and each call of a sharded model is a collective."""
+    return ("policy", "critic") + (("reference",) if algo_kind in ("grpo", "ppo") else ())
+
+
 @attrs.frozen
 class RunPlan:
     algo: str
@@ -63,7 +80,7 @@ class RunPlan:
         return [
             ("algorithm", self.algo),
             ("launch", f"{self.backend}, {self.world_size} process(es)" + (
-                f", {' and '.join(r for r in ('policy', 'critic') if r in self.roles)} "
+                f", {_listed([r for r in sharded_roles(self.algo) if r in self.roles])} "
                 "sharded (FSDP2)" if self.sharding == "fsdp" else "")),
             ("roles", ", ".join(self.roles)),
             ("rollout engine", self._engine_row()),

@@ -266,9 +266,11 @@ class Frozen:
     """A frozen model that scores batches in this process: the reference, or the teacher's."""
 
     def __init__(self, path: Path, recipe: Recipe, device: Any, pad_free: bool = False,
-                 bf16: bool = False) -> None:
+                 bf16: bool = False, sharded: bool = False) -> None:
         """``bf16``: score under bf16 autocast, as the trained models run (the run's precision,
-        decided once by the assembly)."""
+        decided once by the assembly). ``sharded``: its parameters sharded over the ranks with
+        FSDP2 (``train.sharding = "fsdp"``), gathered block by block in each forward, so every
+        rank must score as many batches."""
         from runner.models import load_causal_lm
 
         self.path = path
@@ -276,6 +278,10 @@ class Frozen:
         self.model = load_causal_lm(path, dtype=recipe.model.dtype,
                                     trust_remote_code=recipe.model.trust_remote_code)
         self.model.requires_grad_(False).eval().to(device)
+        if sharded:
+            from runner.train.sharding import shard_model
+
+            shard_model(self.model, bf16=False, device=device)
         self.device_type = torch.device(device).type
         self.bf16 = bf16
 
