@@ -60,17 +60,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``{"none": folder, "fsdp": folder}``: the same 3 float64 steps on 2 ranks each way."""
-    root = tmp_path_factory.mktemp("fsdp")
+def both_layouts(root, recipe: str, overrides: tuple[str, ...]) -> dict:
+    """``{"none": folder, "fsdp": folder}``: ``recipe`` with ``overrides`` on 2 ranks each way."""
     made = {}
     for sharding in ("none", "fsdp"):
         out = root / sharding
-        done = run_ranks(GRPO, out, 2, *RUN, f"train.sharding={sharding}")
+        done = run_ranks(recipe, out, 2, *overrides, f"train.sharding={sharding}")
         assert done.returncode == 0, done.stdout + done.stderr
         made[sharding] = out
     return made
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{"none": folder, "fsdp": folder}``: the same 3 float64 steps on 2 ranks each way."""
+    return both_layouts(tmp_path_factory.mktemp("fsdp"), GRPO, RUN)
 
 
 @pytest.mark.slow
@@ -354,7 +358,7 @@ PPO_RUN = (f"run.max_steps={N_PPO}", "algo.prompts_per_step=2", "algo.samples_pe
            "rollout.max_new_tokens=4", "data.validation.enabled=false",
            "checkpoint.every_steps=1", "checkpoint.keep_last=5", "logging.sample_every=0",
            "logging.item_ids=true", "model.dtype=float64", "train.padding_free=false",
-           "algo.kl_coef=0")  # no reference: it is not sharded, and one model less to load
+           "algo.kl_coef=0")  # no reference (the GRPO runs shard one): one model less to load
 CRITIC = "extra_models/critic/model.safetensors"
 CRITIC_SHARDS = tuple(f"optimizer-critic-rank-{r:05d}-of-00002.safetensors" for r in (0, 1))
 
@@ -362,14 +366,7 @@ CRITIC_SHARDS = tuple(f"optimizer-critic-rank-{r:05d}-of-00002.safetensors" for 
 @pytest.fixture(scope="module")
 def ppo_runs(tmp_path_factory):
     """``{"none": folder, "fsdp": folder}``: the same 2 float64 PPO steps on 2 ranks each way."""
-    root = tmp_path_factory.mktemp("fsdp-ppo")
-    made = {}
-    for sharding in ("none", "fsdp"):
-        out = root / sharding
-        done = run_ranks(PPO, out, 2, *PPO_RUN, f"train.sharding={sharding}")
-        assert done.returncode == 0, done.stdout + done.stderr
-        made[sharding] = out
-    return made
+    return both_layouts(tmp_path_factory.mktemp("fsdp-ppo"), PPO, PPO_RUN)
 
 
 @pytest.mark.slow

@@ -114,6 +114,41 @@ def sft_batch(
 
 
 @torch.no_grad()
+def generate_ids(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase,
+                 prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
+                 generator: torch.Generator) -> list[list[int]]:
+    """The generated ids of each prompt (greedy when ``temperature`` is 0), up to eos (not
+    kept): a small KV-cached loop over left-padded prompts (positions follow the attention
+    mask), the same arithmetic as ``model.generate`` without its per-call overhead."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    width = max(map(len, prompts))
+    step_ids_BT = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask_BT = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    done_B = torch.zeros(len(prompts), dtype=torch.bool)
+    out: list[list[int]] = [[] for _ in prompts]
+    past = None
+    for _ in range(max_new_tokens):
+        position_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, -step_ids_BT.shape[1] :]
+        result = model(input_ids=step_ids_BT, attention_mask=mask_BT, position_ids=position_BT,
+                       past_key_values=past, use_cache=True)
+        past = result.past_key_values
+        logits_BV = result.logits[:, -1].float()
+        if temperature > 0:
+            probs_BV = torch.softmax(logits_BV / temperature, dim=-1)
+            next_B = torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
+        else:
+            next_B = logits_BV.argmax(-1)
+        for i, token in enumerate(next_B.tolist()):
+            if not done_B[i] and token != eos:
+                out[i].append(token)
+        done_B |= next_B == eos
+        if done_B.all():
+            break
+        step_ids_BT = next_B[:, None]
+        mask_BT = torch.cat([mask_BT, torch.ones_like(step_ids_BT)], dim=1)
+    return out
+
+
 def generate_answers(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
@@ -123,46 +158,14 @@ def generate_answers(
     seed: int = 0,
     batch_size: int = 100,
 ) -> list[str]:
-    """Completions of ``questions`` (greedy when ``temperature`` is 0), decoded up to eos.
-
-    A small KV-cached loop over left-padded prompts (positions follow the attention mask), the
-    same arithmetic as ``model.generate`` without its per-call overhead.
-    """
+    """Completions of ``questions`` (greedy when ``temperature`` is 0), decoded up to eos
+    (``generate_ids``, ``batch_size`` questions at a time)."""
     generator = torch.Generator().manual_seed(seed)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     texts: list[str] = []
     for start in range(0, len(questions), batch_size):
         prompts = [prompt_ids(tokenizer, q) for q in questions[start : start + batch_size]]
-        width = max(map(len, prompts))
-        step_ids_BT = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask_BT = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        done_B = torch.zeros(len(prompts), dtype=torch.bool)
-        out: list[list[int]] = [[] for _ in prompts]
-        past = None
-        for _ in range(MAX_ANSWER_TOKENS):
-            position_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, -step_ids_BT.shape[1] :]
-            result = model(
-                input_ids=step_ids_BT,
-                attention_mask=mask_BT,
-                position_ids=position_BT,
-                past_key_values=past,
-                use_cache=True,
-            )
-            past = result.past_key_values
-            logits_BV = result.logits[:, -1].float()
-            if temperature > 0:
-                probs_BV = torch.softmax(logits_BV / temperature, dim=-1)
-                next_B = torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
-            else:
-                next_B = logits_BV.argmax(-1)
-            for i, token in enumerate(next_B.tolist()):
-                if not done_B[i] and token != eos:
-                    out[i].append(token)
-            done_B |= next_B == eos
-            if done_B.all():
-                break
-            step_ids_BT = next_B[:, None]
-            mask_BT = torch.cat([mask_BT, torch.ones_like(step_ids_BT)], dim=1)
+        out = generate_ids(model, tokenizer, prompts, max_new_tokens=MAX_ANSWER_TOKENS,
+                           temperature=temperature, generator=generator)
         texts += [tokenizer.decode(toks, skip_special_tokens=True) for toks in out]
     return texts
 

@@ -297,37 +297,11 @@ def sft_batch(tokenizer, rows: Sequence[tuple[list[int], list[int]]]) -> dict[st
 def generate_turns(model, tokenizer, prompts: Sequence[list[int]], *, temperature: float,
                    generator, max_new_tokens: int = MAX_TURN_TOKENS) -> list[str]:
     """One assistant turn per prompt (greedy when ``temperature`` is 0), decoded up to eos with
-    ``skip_special_tokens=True`` (the tool markers stay). A KV-cached loop over left-padded
-    prompts, positions from the attention mask, as ``runner.models.tiny.generate_answers``."""
-    import torch
+    ``skip_special_tokens=True`` (the tool markers stay): ``runner.models.tiny.generate_ids``."""
+    from runner.models.tiny import generate_ids
 
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    width = max(map(len, prompts))
-    step_ids_BT = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
-    mask_BT = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    done_B = torch.zeros(len(prompts), dtype=torch.bool)
-    out: list[list[int]] = [[] for _ in prompts]
-    past = None
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            position_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, -step_ids_BT.shape[1] :]
-            result = model(input_ids=step_ids_BT, attention_mask=mask_BT,
-                           position_ids=position_BT, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            logits_BV = result.logits[:, -1].float()
-            if temperature > 0:
-                probs_BV = torch.softmax(logits_BV / temperature, dim=-1)
-                next_B = torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
-            else:
-                next_B = logits_BV.argmax(-1)
-            for i, token in enumerate(next_B.tolist()):
-                if not done_B[i] and token != eos:
-                    out[i].append(token)
-            done_B |= next_B == eos
-            if done_B.all():
-                break
-            step_ids_BT = next_B[:, None]
-            mask_BT = torch.cat([mask_BT, torch.ones_like(step_ids_BT)], dim=1)
+    out = generate_ids(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                       temperature=temperature, generator=generator)
     return [tokenizer.decode(toks, skip_special_tokens=True) for toks in out]
 
 
