@@ -9,6 +9,8 @@
 - PPO shards its critic as the policy: 2 sharded and 2 DDP ranks agree in float64 on both models
   after every step, the critic is gathered into ``extra_models/critic/`` and its optimizer
   written per rank, and a resume from a checkpoint is bitwise, unpickling nothing;
+- LoRA on a sharded base: only the adapters train and are saved (agreeing with DDP in float64),
+  the engine gets the merged weights, a resume is bitwise;
 - the recipe checks refuse what fsdp does not support yet.
 """
 
@@ -26,7 +28,7 @@ import attrs
 import pytest
 import torch
 
-from runner.errors import RecipeError, RuntimeFailure
+from runner.errors import RecipeError, RunnerError, RuntimeFailure
 from runner.recipe import load_recipe
 from runner.state.checkpoint import step_dirname
 from tests.conftest import REPO
@@ -256,6 +258,31 @@ for name, p in plain.named_parameters():
 state = full_state_dict(model, keep=True)
 assert "lm_head.weight" not in state and torch.equal(state["model.norm.weight"],
                                                      plain.model.norm.weight.detach())
+# LoRA on the sharded base: the merged weights the engine gets equal peft's merge of the same
+# adapters on the whole model, and a checkpoint gathers the adapters alone.
+from runner.recipe.schema import LoraConfig
+from runner.train.lora import apply_lora, is_adapter, merged_weights
+whole = apply_lora(load_causal_lm(path, dtype="float32", trust_remote_code=False),
+                   LoraConfig(rank=4, alpha=8.0), seed=0)
+g = torch.Generator().manual_seed(1)
+with torch.no_grad():
+    for n, p in whole.named_parameters():
+        if "lora_B" in n:
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+lora = apply_lora(load_causal_lm(path, dtype="float32", trust_remote_code=False),
+                  LoraConfig(rank=4, alpha=8.0), seed=0)
+lora.load_state_dict(whole.state_dict())
+shard_model(lora, bf16=False)
+want, got = dict(merged_weights(whole)), dict(full_named_weights(lora))
+assert got.keys() == want.keys() == dict(plain.named_parameters()).keys()
+changed = [n for n in want if not torch.equal(want[n], dict(plain.named_parameters())[n])]
+assert changed and all(".proj." in n or "_proj." in n for n in changed), changed
+for n in want:
+    assert torch.equal(got[n], want[n]), n  # the same products, in the same order
+adapters = full_state_dict(lora, keep=True, only=is_adapter)
+assert adapters and all("lora_" in n for n in adapters)
+assert {n: t.shape for n, t in adapters.items()} == {
+    n: t.shape for n, t in whole.state_dict().items() if is_adapter(n)}
 print("ok")
 """
 
@@ -263,7 +290,9 @@ print("ok")
 def test_one_process_fsdp_gathers_the_fp32_weights_after_a_forward():
     """World size 1 (an in-memory process group): the blocks are found by _no_split_modules,
     bf16 compute, and what leaves the model after a forward without backward (the root then
-    holds unsharded bf16 parameters) is the fp32 weights, whole, tied LM head written once."""
+    holds unsharded bf16 parameters) is the fp32 weights, whole, tied LM head written once. A
+    sharded LoRA model gives the engine peft's merge of its adapters, and checkpoints them
+    alone."""
     done = subprocess.run([sys.executable, "-c", _ONE_PROCESS], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
@@ -480,18 +509,79 @@ class _FakeTrainable:
     sharded: bool = False
 
 
+# --- LoRA on a sharded base ----------------------------------------------------------------------
+
+N_LORA = 2
+LORA_RUN = (f"run.max_steps={N_LORA}", "model.lora.rank=4", "model.lora.alpha=8", "train.lr=3e-3",
+            "algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatches=2",
+            "train.grad_accum_steps=2", "rollout.max_new_tokens=4",
+            "data.validation.enabled=false", "checkpoint.every_steps=1", "checkpoint.keep_last=5",
+            "logging.sample_every=0", "logging.item_ids=true", "model.dtype=float64",
+            "train.padding_free=false")
+ADAPTERS = "model/adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """``{"none": folder, "fsdp": folder}``: the same 2 float64 LoRA GRPO steps on 2 ranks."""
+    return both_layouts(tmp_path_factory.mktemp("fsdp-lora"), GRPO, LORA_RUN)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_lora_on_a_sharded_base_trains_and_saves_the_adapters_alone(lora_runs):
+    """In float64 the sharded and the DDP run agree on every adapter to 1e-10 after each step;
+    a checkpoint holds the adapters alone (peft's folder, no base weights) and an optimizer
+    sharded per rank over them alone; the engine samples with the merged adapters (each step's
+    first forward runs the weights the engine sampled with, or the logprob gap would be of an
+    update's size)."""
+    ddp, fsdp = lora_runs["none"], lora_runs["fsdp"]
+    assert item_ids(ddp) == item_ids(fsdp) and len(item_ids(fsdp)) == N_LORA
+    rows = {name: [r for r in deterministic_rows(out) if "loss" in r]
+            for name, out in lora_runs.items()}
+    for a, b in zip(rows["none"], rows["fsdp"], strict=True):
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-10 * a["grad_norm"]
+        assert b["rollout/logprob_gap"] < 1e-4, b
+    for step in range(1, N_LORA + 1):
+        one, two = final_weights(ddp, step, ADAPTERS), final_weights(fsdp, step, ADAPTERS)
+        assert one.keys() == two.keys() and all("lora_" in k for k in two)
+        worst = max(_rel(two[k], one[k]) for k in one if one[k].norm() > 0)
+        assert worst < 1e-10, (step, worst)
+    assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # trained
+    folder = fsdp / "checkpoints" / step_dirname(N_LORA)
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    assert {ADAPTERS, "model/adapter_config.json", *SHARDS} <= files
+    assert "model/model.safetensors" not in files and "optimizer.safetensors" not in files
+    index = json.loads((folder / "optimizer.json").read_text())
+    names = [p["name"] for p in index["params"].values()]
+    assert names and all(".lora_" in n for n in names)
+    assert len(names) == len(two)  # every adapter trains, nothing else
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_lora_on_a_sharded_base_resumes_bitwise(lora_runs, tmp_path):
+    """Continued from its checkpoint 1 (base weights from the base folder, adapters and the
+    optimizer shards from the checkpoint), the sharded LoRA run ends bitwise like the straight
+    one."""
+    out = tmp_path / "run"
+    _rewind(lora_runs["fsdp"], out, 1, N_LORA)
+    done = run_ranks(GRPO, out, 2, *LORA_RUN, FSDP)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(step 1)" in done.stdout
+    assert_same_run(out, lora_runs["fsdp"], N_LORA, (ADAPTERS, *SHARDS))
+
+
 # --- what fsdp does not run yet ----------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, says", [
-    (("model.lora.rank=4",), "LoRA"),
-    (("launch.backend=ray",), "Ray"),
-    (("train.precision=fp16",), "fp16"),
-])
-def test_unsupported_combinations_are_refused(overrides, says):
+def test_fp16_is_refused_and_lora_and_ray_are_taken():
     with pytest.raises(RecipeError) as info:
-        load_recipe(REPO / GRPO, [FSDP, *overrides])
+        load_recipe(REPO / GRPO, [FSDP, "train.precision=fp16"])
     lines = [p for p in info.value.problems if p.key == "train.sharding"]
-    assert len(lines) == 1 and says in lines[0].message, info.value.lines()
+    assert len(lines) == 1 and "fp16" in lines[0].message, info.value.lines()
+    recipe = load_recipe(REPO / GRPO, [FSDP, "model.lora.rank=4", "launch.backend=ray",
+                                       "launch.num_processes=2", "launch.placement=separate"])
+    assert recipe.train.sharding == "fsdp" and recipe.model.lora.rank == 4
 
 
 def test_sharding_defaults_to_none_and_fsdp_loads():
@@ -506,3 +596,30 @@ def test_sharding_defaults_to_none_and_fsdp_loads():
     ppo = load_recipe(REPO / PPO, [FSDP, "launch.backend=torchrun", "launch.num_processes=2"])
     assert dict(make_plan(ppo).rows())["launch"] == ("torchrun, 2 process(es), policy, critic and "
                                                      "reference sharded (FSDP2)")
+
+
+class _RankZeroOfTwo:
+    """Rank 0's collective in a world whose rank 1 runs on a node that does not mount the run
+    folder (``blind``) or does."""
+
+    def __init__(self, blind: bool) -> None:
+        self.blind = blind
+
+    def gather(self, value):
+        return [value, False if self.blind and isinstance(value, bool) else value]
+
+
+@pytest.mark.parametrize("blind", [False, True])
+def test_sharded_ranks_must_share_the_checkpoint_folder(tmp_path, blind):
+    from runner.ranks.context import RankContext
+    from runner.train.handshake import check_shared_folder
+
+    folder = tmp_path / "checkpoints"
+    if blind:
+        with pytest.raises(RunnerError) as info:
+            check_shared_folder(_RankZeroOfTwo(blind), RankContext(0, 2, 0), folder)
+        assert str(info.value).startswith(f"rank(s) 1 cannot see the files rank 0 writes in "
+                                          f"{folder}")
+    else:
+        check_shared_folder(_RankZeroOfTwo(blind), RankContext(0, 2, 0), folder)
+    assert folder.is_dir() and list(folder.iterdir()) == []  # the probe file is removed

@@ -9,7 +9,9 @@ user's driver would (``RAY_AUTH_TOKEN_PATH`` here, ~/.ray/auth_token on a user's
 intra-op thread, like the torchrun runs it is compared with.
 
 - Ray colocated, 2 ranks, is bitwise equal to torchrun with 2 ranks: GRPO with the example
-  extension module's packer subclass, on the existing cluster; DPO on the example's dataset
+  extension module's packer subclass and the policy sharded (``train.sharding = "fsdp"``: every
+  rank writes its optimizer shard, and with a rollout actor every rank takes part in gathering
+  the weights rank 0 publishes), on the existing cluster; DPO (DDP) on the example's dataset
   factory, on a local cluster started by the run, whose every listener is on 127.0.0.1 (both
   extension pieces are imported inside the actors);
 - Ray separate (one hf rollout actor, weights through the object store; for DPO the frozen
@@ -64,12 +66,15 @@ GRPO_SMALL = ("algo.prompts_per_step=4", "algo.group_size=4", "rollout.max_new_t
               "data_packer.factory=examples.posttrain_extensions.build_default_packer",
               "data.validation.size=8", "train.eval_every=3",
               "checkpoint.every_steps=1", "checkpoint.keep_last=10", "logging.sample_every=0",
-              "logging.item_ids=true", f"run.max_steps={N}")
+              "logging.item_ids=true", f"run.max_steps={N}",
+              "train.sharding=fsdp")  # the policy sharded over the ranks (FSDP2), as under torchrun
 DPO_SMALL = ("algo.pairs_per_step=8", "train.grad_accum_steps=2", "run.max_steps=2",
              "data.validation.factory_kwargs.count=8", "train.eval_every=2",
              "checkpoint.every_steps=1",
              "logging.sample_every=0", "logging.item_ids=true")
-FILES = ("model/model.safetensors", "optimizer.safetensors")
+FILES = ("model/model.safetensors",
+         *(f"optimizer-rank-{r:05d}-of-00002.safetensors" for r in (0, 1)))
+DDP_FILES = ("model/model.safetensors", "optimizer.safetensors")
 SEPARATE = ("launch.placement=separate",)
 
 
@@ -255,7 +260,7 @@ def test_dpo_local_cluster_and_reference_actor_equal_torchrun_on_loopback(cluste
     assert proc.returncode == 0, output
     assert len(seen) >= 5, seen  # GCS, raylet, object manager, workers were seen
     assert all(_loopback(a) for a in seen), seen
-    assert_same_run(out, torchrun, 2, FILES)
+    assert_same_run(out, torchrun, 2, DDP_FILES)
     deadline = time.monotonic() + 15
     while _alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -264,7 +269,7 @@ def test_dpo_local_cluster_and_reference_actor_equal_torchrun_on_loopback(cluste
     separate = tmp_path / "separate"  # the reference in an actor of its own
     done = run_ray(DPO, separate, cluster.address, *DPO_SMALL, *SEPARATE)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_same_run(separate, torchrun, 2, FILES)
+    assert_same_run(separate, torchrun, 2, DDP_FILES)
 
 
 def _alive(pids: set[int]) -> set[int]:

@@ -454,21 +454,13 @@ _ALGO_RANGES: dict[str, Callable[[Recipe], list[Problem]]] = {
 
 
 def check_sharding(r: Recipe) -> list[Problem]:
-    """``train.sharding = "fsdp"`` where this version shards correctly: the full-model policy of
-    GRPO, DPO, OPD or PPO (with PPO's critic), on local or torchrun ranks of one machine (every
-    rank writes its optimizer shards into the checkpoint folder), in fp32 / bf16 / the model's
-    own dtype."""
+    """``train.sharding = "fsdp"`` where this version shards correctly: the policy of GRPO,
+    DPO, OPD or PPO (with PPO's critic; full or LoRA), on local, torchrun or Ray ranks, in fp32 /
+    bf16 / the model's own dtype."""
     if r.train.sharding != "fsdp":
         return []
     hint = "set train.sharding = 'none' (each rank a full copy)"
     problems = []
-    if r.model.lora.rank > 0:
-        problems.append(Problem("train.sharding", "fsdp does not shard LoRA adapters yet",
-                                got="fsdp", hint=f"{hint}, or model.lora.rank = 0"))
-    if r.launch.backend == "ray":
-        problems.append(Problem("train.sharding", "fsdp runs on launch.backend 'local' or "
-                                "'torchrun' (one machine) in this version, not on Ray",
-                                got="fsdp", hint=f"{hint}, or launch.backend = 'torchrun'"))
     if r.train.precision == "fp16":
         problems.append(Problem("train.sharding", "fsdp has no fp16 loss scaling; use "
                                 "train.precision 'bf16' or 'no'", got="fsdp", hint=hint))

@@ -41,7 +41,7 @@ from runner.state.checkpoint import (
     save_checkpoint,
 )
 from runner.state.run_folder import RunLock
-from runner.train.handshake import handshake, model_files_hash
+from runner.train.handshake import check_shared_folder, handshake, model_files_hash
 from runner.train.policy import scheduler_state
 from runner.train.roles import (
     Frozen,
@@ -169,10 +169,12 @@ class RunContext:
         PPO's critic), made by every rank: the whole weights (gathered one tensor at a time,
         kept by rank 0) and each rank's optimizer shard, staged beside the checkpoints for
         rank 0 to move in."""
+        from runner.train.lora import is_adapter, is_lora
         from runner.train.sharding import full_state_dict, optimizer_shard, stage_optimizer_shard
 
         is_main = self.svc.rank.is_main
-        weights = full_state_dict(trainable.model, keep=is_main)
+        weights = full_state_dict(trainable.model, keep=is_main,  # LoRA: the adapters alone
+                                  only=is_adapter if is_lora(trainable.model) else None)
         index, tensors = optimizer_shard(trainable.optimizer, trainable.model)
         staged = stage_optimizer_shard(self.svc.plan.checkpoint_dir, step, self.svc.rank.rank,
                                        tensors, prefix)
@@ -377,6 +379,8 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     # Before the first collective of the build (DDP's parameter broadcast, the engine's setup):
     # a rank that failed must not leave the others waiting inside one.
     handshake(comm, ctx, step.failed, fingerprint, hashes)
+    if recipe.train.sharding == "fsdp" and ctx.world_size > 1:
+        check_shared_folder(comm, ctx, plan.checkpoint_dir)
     accelerator = make_accelerator(device, precision)
     if accelerator.num_processes != ctx.world_size:  # no DDP: the ranks would train apart
         raise RunnerError(f"Accelerate sees {accelerator.num_processes} process(es) but this is "

@@ -54,3 +54,27 @@ def handshake(comm: Collective, ctx: RankContext, failed: tuple[str, BaseExcepti
                                   f"(sha256 {str(theirs['models'].get(role))[:12]} vs "
                                   f"{digest[:12]}): every rank must load the same weights")
 
+
+
+def check_shared_folder(comm: Collective, ctx: RankContext, folder: Path) -> None:
+    """Every rank sees the files rank 0 writes in ``folder`` (the checkpoints of sharded ranks:
+    each writes its optimizer shard there for rank 0 to move into the checkpoint). Ranks on
+    nodes that do not share the folder are named before anything trains."""
+    import os
+    import secrets
+
+    probe = ""
+    if ctx.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = f".ranks-share-{secrets.token_hex(8)}"
+        (folder / probe).write_text(str(os.getpid()))
+    probe = comm.gather(probe)[0]  # written before any rank looks
+    sees = comm.gather((folder / probe).is_file())
+    if ctx.is_main:
+        (folder / probe).unlink(missing_ok=True)
+    blind = [rank for rank, seen in enumerate(sees) if not seen]
+    if blind:
+        ranks = ", ".join(map(str, blind))
+        raise RunnerError(f"rank(s) {ranks} cannot see the files rank 0 writes in {folder}: with "
+                          "train.sharding = 'fsdp' every rank writes its optimizer shard into the "
+                          "checkpoint folder; put run.output_dir on storage every node mounts")

@@ -9,7 +9,7 @@ W + (alpha / r) B A under the base model's own parameter names, in place.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,22 +58,49 @@ def is_lora(model: Any) -> bool:
     return hasattr(model, "peft_config")
 
 
-def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base model's parameters by their own names, adapted layers merged (no gradient)."""
+def is_adapter(name: str) -> bool:
+    """A parameter (or state-dict entry) of an adapter, by its name in the wrapped model."""
+    return ".lora_" in name
+
+
+def merged_weights(model: Any, fetch: Callable[[torch.Tensor], torch.Tensor] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's parameters by their own names, adapted layers merged (no gradient).
+
+    ``fetch`` turns a parameter into the whole tensor: on a sharded model (FSDP2) it gathers
+    it (a collective: every rank must consume the generator in step), one base weight and its
+    two adapters at a time."""
     from peft.tuners.lora import LoraLayer
 
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
-        if ".lora_" in name:
+        if is_adapter(name):
             continue
         owner, _, leaf = name.rpartition(".")
-        value = param.detach()
+        value = fetch(param.detach()) if fetch else param.detach()
         if owner.endswith(".base_layer") and leaf == "weight":
             layer = modules[owner[: -len(".base_layer")]]
             if isinstance(layer, LoraLayer) and ADAPTER in layer.lora_A:
                 with torch.no_grad():
-                    value = value + layer.get_delta_weight(ADAPTER).to(value.dtype)
+                    delta = (layer.get_delta_weight(ADAPTER) if fetch is None
+                             else _gathered_delta(layer, fetch))
+                    value = value + delta.to(value.dtype)
         yield _base_name(name), value
+
+
+def _gathered_delta(layer: Any, fetch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A linear layer's (alpha / r) B A from its gathered adapters, as peft's
+    ``get_delta_weight`` computes it (half precision multiplied in fp32)."""
+    a_module, b_module = layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]
+    if not isinstance(a_module, torch.nn.Linear):
+        raise ValueError(f"a sharded LoRA model merges linear adapters only, not "
+                         f"{type(a_module).__name__} (model.lora.target_modules)")
+    a, b = fetch(a_module.weight.detach()), fetch(b_module.weight.detach())
+    half = a.dtype in (torch.float16, torch.bfloat16)
+    delta = b.float() @ a.float() if half else b @ a
+    if layer.fan_in_fan_out:
+        delta = delta.T
+    return (delta * layer.scaling[ADAPTER]).to(a.dtype)
 
 
 def _base_name(name: str) -> str:

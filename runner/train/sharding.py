@@ -10,6 +10,10 @@ through its own ``prepare`` with CUDA assumptions in places, while the direct ca
 on CPU/gloo and on CUDA/NCCL and leaves the wrapping units, the mixed-precision policy and the
 gradient-sync switch of accumulation in this module's hands.
 
+LoRA (``model.lora.rank > 0``) wraps the base model before sharding: base weights and adapters
+are sharded alike, the optimizer holds the adapters alone, a checkpoint gathers the adapters
+alone (peft's adapter folder) and the rollout engine gets each adapted layer merged.
+
 What leaves a rank (weights to the rollout engine, the checkpoint's model folder) is gathered
 one parameter at a time (``DTensor.full_tensor()``: a collective every rank takes part in), so
 no rank holds two full copies. The optimizer state is checkpointed per rank, without pickle:
@@ -21,7 +25,7 @@ way under ``optimizer-critic``. The critic's weights are gathered into the check
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,19 +109,27 @@ def resharded(model: Any) -> Any:
 
 def full_named_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` of every parameter, gathered one at a time as the consumer asks
-    (every rank must consume the whole generator, in step)."""
+    (every rank must consume the whole generator, in step). A LoRA model's are the base
+    model's names with its adapters merged in (runner.train.lora.merged_weights)."""
+    from runner.train.lora import is_lora, merged_weights
+
+    if is_lora(model):
+        yield from merged_weights(resharded(model), fetch=full)
+        return
     for name, p in resharded(model).named_parameters():
         yield name, full(p.detach())
 
 
-def full_state_dict(model: Any, keep: bool) -> dict[str, torch.Tensor]:
-    """The model's state dict as full CPU tensors, gathered one at a time (every rank takes part;
-    only where ``keep`` are they kept). A tied tensor is kept under its first name only (the
-    embeddings, not the LM head that shares them), as ``save_pretrained`` writes it."""
+def full_state_dict(model: Any, keep: bool, only: Callable[[str], bool] | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The model's state dict (the entries whose names ``only`` accepts) as full CPU tensors,
+    gathered one at a time (every rank takes part; only where ``keep`` are they kept). A tied
+    tensor is kept under its first name only (the embeddings, not the LM head that shares
+    them), as ``save_pretrained`` writes it."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, t in resharded(model).state_dict(keep_vars=True).items():  # tied: the same Parameter
-        if id(t) in seen:
+        if id(t) in seen or (only is not None and not only(name)):
             continue
         seen.add(id(t))
         whole = full(t.detach())
