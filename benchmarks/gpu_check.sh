@@ -72,6 +72,10 @@ echo "   producer thread beside the update (compare time/rollout with the wait i
 "$PY" benchmarks/bench_steps.py recipes/grpo-smollm2-arith.toml --steps "$steps" \
     "model.path=$work/smollm2-random" rollout.engine=hf "run.device=$device" \
     train.precision=auto train.sharding=fsdp checkpoint.every_steps=2
+echo "   and LoRA on the sharded base (the adapters merged into the engine's weights on $device)"
+"$PY" benchmarks/bench_steps.py recipes/grpo-smollm2-arith.toml --steps "$steps" \
+    "model.path=$work/smollm2-random" rollout.engine=hf "run.device=$device" \
+    train.precision=auto train.sharding=fsdp model.lora.rank=8 checkpoint.every_steps=2
 "$PY" benchmarks/bench_steps.py recipes/grpo-smollm2-arith.toml --steps "$steps" \
     "model.path=$work/smollm2-random" rollout.engine=hf "run.device=$device" \
     train.precision=auto algo.max_off_policy_steps=1 algo.engine_is_correction=true

@@ -279,7 +279,7 @@ def estimate_state(recipe: Recipe, world: int) -> StateEstimate:
     device_bytes, device = device_memory(recipe)
     layout = "FSDP" if recipe.train.sharding == "fsdp" else "DDP"
     return StateEstimate(layout, world, full, device_bytes, device,
-                         sharded_roles(recipe.algo.kind))
+                         sharded_roles(recipe.algo))
 
 
 def device_memory(recipe: Recipe) -> tuple[int | None, str]:

@@ -143,16 +143,32 @@ def test_fsdp_model_folder_loads_with_transformers(runs):
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
 
 
-def test_grpo_reference_is_sharded_under_fsdp(tmp_path):
-    """GRPO's frozen reference is sharded with the policy (every rank scores one batch a step);
-    the float64 comparison of ``runs`` (with ``algo.kl_beta``) checks it scores the same."""
+@pytest.mark.parametrize("recipe, role, overrides", [
+    ("grpo-arith", "reference", ("algo.kl_beta=0.1",)),
+    ("dpo-arith", "reference", ()),
+    ("opd-arith", "teacher", ()),  # one tokenizer: the teacher scores the student's batches
+])
+def test_frozen_models_are_sharded_under_fsdp(tmp_path, recipe, role, overrides):
+    """The frozen reference (GRPO, DPO) and OPD's same-tokenizer teacher are sharded with the
+    policy; the float64 comparisons with DDP (``runs``, the DPO and OPD ones) check they score
+    the same."""
     from torch.distributed.tensor import DTensor
 
     from tests.tiny_run import tiny_run
 
-    with tiny_run("grpo-arith", tmp_path, FSDP, "algo.kl_beta=0.1") as run:
-        assert all(isinstance(p, DTensor) for p in run.roles.reference.model.parameters())
-        assert run.svc.plan.rows()[1][1].endswith("policy and reference sharded (FSDP2)")
+    with tiny_run(recipe, tmp_path, FSDP, *overrides) as run:
+        frozen = getattr(run.roles, role)
+        model = frozen.frozen.model if role == "teacher" else frozen.model
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert run.svc.plan.rows()[1][1].endswith(f"policy and {role} sharded (FSDP2)")
+
+
+def test_a_teacher_of_another_tokenizer_stays_whole():
+    from runner.recipe.plan import make_plan
+
+    recipe = load_recipe(REPO / "recipes/opd-cross-tokenizer.toml", [FSDP])
+    assert "teacher" not in make_plan(recipe).sharded
+    assert "policy" in make_plan(recipe).sharded
 
 
 @pytest.mark.slow
@@ -507,6 +523,52 @@ def test_sharded_ranks_run_equally_many_micro_batches(monkeypatch):
 @attrs.define
 class _FakeTrainable:
     sharded: bool = False
+
+
+# --- DPO: the reference sharded too; float32 ---------------------------------------------------
+
+DPO = "recipes/dpo-arith.toml"
+# One held-out pair over two ranks: rank 1 holds none and runs filler forwards of the policy and
+# the sharded reference while rank 0 scores its pair (without them either layout would hang).
+DPO_RUN = ("run.max_steps=3", "algo.pairs_per_step=8", "train.grad_accum_steps=2",
+           "data.validation.size=1", "train.eval_every=3", "checkpoint.every_steps=1",
+           "checkpoint.keep_last=5", "logging.sample_every=0", "logging.item_ids=true",
+           "model.dtype=float64", "train.padding_free=false")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_dpo_fsdp_and_ddp_agree_in_float64_with_an_uneven_held_out_set(tmp_path):
+    made = both_layouts(tmp_path, DPO, DPO_RUN)
+    ddp, fsdp = made["none"], made["fsdp"]
+    assert item_ids(ddp) == item_ids(fsdp) and len(item_ids(fsdp)) == 3
+    rows = {name: deterministic_rows(out) for name, out in made.items()}
+    evals = [[r["eval/loss"] for r in rows[name] if "eval/loss" in r] for name in rows]
+    assert len(evals[0]) == 2 and evals[0] == evals[1]  # steps 0 and 3: one pair, one rank
+    for a, b in zip(rows["none"], rows["fsdp"], strict=True):
+        if "loss" in a:
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-10 * a["grad_norm"]
+            assert abs(a["loss"] - b["loss"]) <= 1e-10 * abs(a["loss"])
+    for step in (1, 3):
+        one, two = final_weights(ddp, step), final_weights(fsdp, step)
+        worst = max(_rel(two[k], one[k]) for k in one if one[k].norm() > 0)
+        assert worst < 1e-10, (step, worst)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp_and_ddp_first_step_agree_in_float32(tmp_path):
+    """float32 (the default dtype): the first step's gradient norm to 1e-6 relative, its loss
+    and KL to 1e-6 absolute (means of per-token terms of order 1 that nearly cancel: the loss
+    is about -6e-4 here, so float32's rounding of its terms is ~3e-5 of it)."""
+    made = both_layouts(tmp_path, GRPO, ("run.max_steps=1", "algo.prompts_per_step=4",
+                                         "algo.group_size=4", "rollout.max_new_tokens=4",
+                                         "data.validation.enabled=false", "algo.kl_beta=0.1",
+                                         "logging.sample_every=0"))
+    (a,), (b,) = ([r for r in deterministic_rows(out) if "loss" in r] for out in made.values())
+    for key in ("loss", "kl"):
+        assert abs(a[key] - b[key]) <= 1e-6, (key, a[key], b[key])
+    assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * a["grad_norm"]
 
 
 # --- LoRA on a sharded base ----------------------------------------------------------------------

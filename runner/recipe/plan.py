@@ -4,6 +4,7 @@ Frozen, like the recipe; the assembly builds exactly the roles it lists."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -48,12 +49,16 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
 
 
-def sharded_roles(algo_kind: str) -> tuple[str, ...]:
-    """The roles ``train.sharding = "fsdp"`` shards: the trained ones (the policy, PPO's
-    critic) and GRPO's and PPO's frozen reference, which every rank calls once a step. DPO's
-    reference and OPD's teacher stay whole on every rank: ranks may call them unequally often
-    (held-out shards), and each call of a sharded model is a collective."""
-    return ("policy", "critic") + (("reference",) if algo_kind in ("grpo", "ppo") else ())
+def sharded_roles(algo: Any) -> tuple[str, ...]:
+    """The roles ``train.sharding = "fsdp"`` shards (of those a run of ``algo``, an ``[algo]``
+    config, has): the trained ones (the policy, PPO's critic) and the frozen ones (the
+    reference; OPD's teacher when it shares the student's tokenizer). Each forward of a sharded
+    model is a collective, so ranks holding unequal shares (of a held-out set) run filler
+    forwards until every rank has run as many (runner.train.batches.lockstep_fillers). A
+    cross-tokenizer teacher scores each item through its own packer and stays whole on every
+    rank."""
+    same = getattr(algo, "mode", "same_tokenizer") == "same_tokenizer"
+    return ("policy", "critic", "reference") + (("teacher",) if same else ())
 
 
 @attrs.frozen
@@ -74,13 +79,14 @@ class RunPlan:
     metrics_path: Path
     resolved_path: Path
     sharding: str = "none"  # train.sharding
+    sharded: tuple[str, ...] = ()  # the roles sharded over the ranks (sharded_roles)
 
     def rows(self) -> list[tuple[str, str]]:
         """Rows for the dry-run table."""
         return [
             ("algorithm", self.algo),
             ("launch", f"{self.backend}, {self.world_size} process(es)" + (
-                f", {_listed([r for r in sharded_roles(self.algo) if r in self.roles])} "
+                f", {_listed([r for r in self.sharded if r in self.roles])} "
                 "sharded (FSDP2)" if self.sharding == "fsdp" else "")),
             ("roles", ", ".join(self.roles)),
             ("rollout engine", self._engine_row()),
@@ -143,4 +149,5 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         metrics_path=out / "metrics.jsonl",
         resolved_path=out / "recipe.resolved.toml",
         sharding=recipe.train.sharding,
+        sharded=sharded_roles(a) if recipe.train.sharding == "fsdp" else (),
     )

@@ -27,7 +27,7 @@ from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
 from runner.recipe.checks import batch_key, trackers_of
 from runner.recipe.held_out import held_out_reason
-from runner.recipe.plan import RunPlan, sharded_roles
+from runner.recipe.plan import RunPlan
 from runner.recipe.resolved import resolved_document, write_resolved
 from runner.recipe.schema import Recipe
 from runner.rewards import RewardSet, build_rewards
@@ -111,7 +111,7 @@ class RunContext:
         if self.actors is not None and self.actors.frozen_of(role) is not None:
             return self.actors.remote_frozen(role, self.svc.accelerator.device, pad_free)
         recipe = self.svc.recipe
-        sharded = recipe.train.sharding == "fsdp" and role in sharded_roles(recipe.algo.kind)
+        sharded = role in self.svc.plan.sharded
         return Frozen(path, recipe, self.svc.accelerator.device, pad_free,
                       bf16=self.svc.precision.train == "bf16", sharded=sharded)
 

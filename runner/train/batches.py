@@ -164,3 +164,22 @@ def rank_mean(comm: Collective, values: dict[str, float]) -> dict[str, float]:
     """Per-key means over ranks of per-rank means over equally many items (reward parts)."""
     summed = comm.sum(list(values.values()))
     return {k: v / comm.world for k, v in zip(values, summed, strict=True)}
+
+
+def lockstep_fillers(comm: Collective, mine: int) -> int:
+    """How many filler forwards of the policy (and of sharded frozen models) this rank runs
+    after its ``mine`` forwards so that every rank runs as many as the busiest one. Each
+    forward of a sharded model gathers its parameters, and each forward of a DDP policy
+    broadcasts its buffers: collectives every rank must join. Ranks hold unequal shares of a
+    held-out set. Every rank calls this (a collective itself) before its first forward."""
+    return max(comm.gather(mine)) - mine
+
+
+def filler_batch(packer: Any, device: Any) -> Any:
+    """A one-row batch (a prompt and a completion token, both the pad id) that a rank with
+    nothing left to score runs through its sharded models while the others score theirs; what
+    it computes is dropped."""
+    from runner.packers.base import RLPolicyInput
+
+    pad = packer.pad_token_id
+    return packer.collate([RLPolicyInput((pad, pad), (0, 1), 1)]).to(device)

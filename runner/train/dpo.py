@@ -35,7 +35,14 @@ from runner.ranks.collective import interleave
 from runner.recipe.schema import DPOConfig
 from runner.rewards import RewardSet
 from runner.train.assemble import RunContext
-from runner.train.batches import Minibatch, reduce_history, split_even, train_minibatch
+from runner.train.batches import (
+    Minibatch,
+    filler_batch,
+    lockstep_fillers,
+    reduce_history,
+    split_even,
+    train_minibatch,
+)
 from runner.train.loop import run_loop
 from runner.train.roles import FrozenScorer
 from runner.train.rollouts import evaluate
@@ -121,12 +128,21 @@ def precompute(run: DPORun, reporter: Reporter) -> None:
     env = run.run.state.data
     pairs = env.training_pairs() + env.validation_pairs()
     reporter.message(f"precomputing reference logprobs for {len(pairs)} pairs")
-    for chunk in split_even(len(pairs), max(1, len(pairs) // 64)):
+    chunks = split_even(len(pairs), max(1, len(pairs) // 64))
+    # ranks hold unequal held-out shards: a sharded reference forwards as often on each
+    fillers = lockstep_fillers(run.run.svc.comm, len(chunks)) if _sharded(run.reference) else 0
+    for chunk in chunks:
         part = pairs[chunk]
         batch = run.packer.collate(_pack(run.packer, part)).to(run.device)
         chosen, rejected = reference_logprobs(run, part, batch)
         run.cache.update({p.id: (float(c), float(r))
                           for p, c, r in zip(part, chosen, rejected, strict=True)})
+    for _ in range(fillers):
+        sequence_logprobs(run.reference, filler_batch(run.packer, run.device))
+
+
+def _sharded(role: Any) -> bool:
+    return bool(getattr(role, "sharded", False))
 
 
 @attrs.frozen(eq=False)
@@ -214,12 +230,21 @@ def held_out(run: DPORun) -> dict[str, float]:
     ctx = run.run
     pairs = ctx.state.data.validation_pairs()
     correct = loss_sum = 0.0
-    for chunk in split_even(len(pairs), max(1, len(pairs) // 64)):
+    chunks = split_even(len(pairs), max(1, len(pairs) // 64))
+    # Ranks hold unequal held-out shards: the policy (DDP or sharded) and a sharded reference
+    # forward as often on each, in the order pair_loss_inputs calls them.
+    fillers = lockstep_fillers(ctx.svc.comm, len(chunks))
+    for chunk in chunks:
         part = pairs[chunk]
         x = pair_loss_inputs(run, ctx.policy, part)
         margin = (x.policy_chosen_B - x.ref_chosen_B) - (x.policy_rejected_B - x.ref_rejected_B)
         correct += float((margin > 0).sum() + 0.5 * (margin == 0).sum())
         loss_sum += float(dpo_loss(x, run.algo)[0]) * len(part)
+    for _ in range(fillers):
+        fill = filler_batch(run.packer, run.device)
+        if _sharded(run.reference) and not run.algo.precompute_reference:
+            sequence_logprobs(run.reference, fill)
+        sequence_logprobs(ctx.policy, fill)
     correct, loss_sum, n = ctx.svc.comm.sum([correct, loss_sum, len(pairs)])
     ctx.sync_weights()  # the generation engine gets the policy's weights at evaluations only
     assert run.rewards is not None  # the plan builds them with the held-out set

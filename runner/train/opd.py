@@ -40,7 +40,9 @@ from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
     Minibatch,
+    filler_batch,
     gather_rows,
+    lockstep_fillers,
     rank_mean,
     reduce_history,
     select_rows,
@@ -93,6 +95,9 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
     KL(student || teacher) at the same positions, without the sampling noise of the estimate."""
     total = count = exact = 0.0
     items = run.state.val_items
+    # A rank without held-out items forwards the policy (DDP or sharded) and a sharded teacher
+    # as the others do, in the same order.
+    fillers = lockstep_fillers(run.svc.comm, int(bool(items)))
     if items:
         seeds = position_seeds(run, HELD_OUT_SEED, 0, len(items))
         traj = roll_out(run.rollout, items, sampling(run.svc.recipe.rollout, 1, 0), seeds)
@@ -113,6 +118,11 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
             teacher_BT = teacher.logprobs(traj, inputs, student_BT.shape[1], temperature)
         total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
         count = float(mask_BT.sum())
+    for _ in range(fillers):
+        fill = filler_batch(run.policy_packer, run.svc.accelerator.device)
+        run.policy.logits(fill)
+        if getattr(teacher.frozen, "sharded", False):  # one tokenizer, the teacher on the ranks
+            teacher.logits(fill, 1.0)
     total, count, exact = run.svc.comm.sum([total, count, exact])
     out = {"eval/reverse_kl": total / max(1.0, count)}
     if teacher.mode == "same_tokenizer":

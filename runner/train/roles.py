@@ -282,6 +282,7 @@ class Frozen:
             from runner.train.sharding import shard_model
 
             shard_model(self.model, bf16=False, device=device)
+        self.sharded = sharded
         self.device_type = torch.device(device).type
         self.bf16 = bf16
 
