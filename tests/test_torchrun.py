@@ -251,19 +251,24 @@ def test_one_rank_and_two_ranks_agree_in_float64(algo, float64_runs):
 
 
 def test_first_step_agrees_in_float32(tmp_path):
+    """One rank, two DDP ranks and two sharded ranks (``train.sharding = "fsdp"``): the first
+    step's items and rewards equal, its gradient norm and loss to 1e-6."""
     rows = {}
-    for world in (1, 2):
-        out = tmp_path / f"w{world}"
-        done = run_ranks(GRPO, out, world, *COMMON, *ALGOS["grpo"][1], "run.max_steps=1")
+    for world, sharding in ((1, "none"), (2, "none"), (2, "fsdp")):
+        out = tmp_path / f"w{world}-{sharding}"
+        done = run_ranks(GRPO, out, world, *COMMON, *ALGOS["grpo"][1], "run.max_steps=1",
+                         f"train.sharding={sharding}")
         assert done.returncode == 0, done.stderr
-        rows[world] = deterministic_rows(out)[-1]
-    one, two = rows[1], rows[2]
-    assert one["data/item_ids"] == two["data/item_ids"]
-    assert one["reward/mean"] == two["reward/mean"]
-    assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-6 * abs(one["grad_norm"])
-    # The loss is a mean of advantage-weighted terms that nearly cancel (group advantages sum
-    # to 0): its float32 error is relative to the size of those terms, ~|adv| = O(1).
-    assert abs(one["loss"] - two["loss"]) <= 1e-6 * max(abs(one["loss"]), one["adv_abs_mean"])
+        rows[world, sharding] = deterministic_rows(out)[-1]
+    one = rows[1, "none"]
+    for two in (rows[2, "none"], rows[2, "fsdp"]):
+        assert one["data/item_ids"] == two["data/item_ids"]
+        assert one["reward/mean"] == two["reward/mean"]
+        assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-6 * abs(one["grad_norm"])
+        # The loss is a mean of advantage-weighted terms that nearly cancel (group advantages
+        # sum to 0): its float32 error is relative to the size of those terms, ~|adv| = O(1).
+        assert abs(one["loss"] - two["loss"]) <= 1e-6 * max(abs(one["loss"]),
+                                                            one["adv_abs_mean"])
 
 
 # --- another world size ----------------------------------------------------------------------
