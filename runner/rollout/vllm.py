@@ -11,8 +11,10 @@ the policy recomputes.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -146,11 +148,13 @@ class VLLMEngine:
         if _media_norms_differ(str(model_path)):
             kwargs["mm_device_do_normalize"] = False
         self.sleep_between_rollouts = enable_sleep_mode and not _on_cpu()
-        self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed,
-                       enforce_eager=True, max_model_len=max_model_len,
-                       trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
-                       load_format="safetensors",  # never a pickled .bin (torch.load)
-                       **kwargs)
+        with _quiet_narrowing():  # a checkpoint's fp32 weights into a bf16 engine
+            self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed,
+                           enforce_eager=True, max_model_len=max_model_len,
+                           trust_remote_code=trust_remote_code,
+                           logprobs_mode="processed_logprobs",
+                           load_format="safetensors",  # never a pickled .bin (torch.load)
+                           **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.eos_token_id = int(self.tokenizer.eos_token_id)
         self._asleep = False
@@ -189,7 +193,8 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(name, t.detach().to("cpu", copy=True)) for name, t in named_tensors]
         self._wake()
-        self.llm.apply_model(lambda model: model.load_weights(iter(weights)))
+        with _quiet_narrowing():
+            self.llm.apply_model(lambda model: model.load_weights(iter(weights)))
         self.llm.reset_prefix_cache()
         # A vision tower changed by the update must not serve embeddings of an image it
         # encoded before (the encoder cache is keyed by the image, not the weights).
@@ -209,3 +214,18 @@ class VLLMEngine:
     def close(self) -> None:
         llm, self.llm = self.llm, None
         del llm
+
+
+@contextlib.contextmanager
+def _quiet_narrowing() -> Iterator[None]:
+    """vLLM warns once per tensor when it narrows a weight into its own dtype: at every update
+    of a bf16 engine from an fp32 policy (hundreds of lines a step), and when it loads a
+    checkpoint's fp32 folder. That narrowing is the layout asked for (``train.precision``), so
+    the warning is held back while weights load."""
+    log = logging.getLogger("vllm.model_executor.models.utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
