@@ -304,6 +304,19 @@ for name, p in plain.named_parameters():
 state = full_state_dict(model, keep=True)
 assert "lm_head.weight" not in state and torch.equal(state["model.norm.weight"],
                                                      plain.model.norm.weight.detach())
+# An empty model (meta parameters) sharded and filled from the folder's files holds exactly
+# what from_pretrained loads, buffers included.
+from runner.train.sharding import load_for_sharding
+empty, folder = load_for_sharding(path, "float32", False)
+assert folder == path and all(p.is_meta for p in empty.parameters())
+shard_model(empty, bf16=False, weights=folder)
+filled, want = full_state_dict(empty, keep=True), plain.state_dict()
+assert filled and set(filled) <= set(want)
+for n, t in filled.items():
+    assert torch.equal(t, want[n]), n
+buffers = dict(empty.named_buffers())
+for n, b in plain.named_buffers():
+    assert torch.equal(buffers[n], b), n
 # LoRA on the sharded base: the merged weights the engine gets equal peft's merge of the same
 # adapters on the whole model, and a checkpoint gathers the adapters alone.
 from runner.recipe.schema import LoraConfig
@@ -336,9 +349,9 @@ print("ok")
 def test_one_process_fsdp_gathers_the_fp32_weights_after_a_forward():
     """World size 1 (an in-memory process group): the blocks are found by _no_split_modules,
     bf16 compute, and what leaves the model after a forward without backward (the root then
-    holds unsharded bf16 parameters) is the fp32 weights, whole, tied LM head written once. A
-    sharded LoRA model gives the engine peft's merge of its adapters, and checkpoints them
-    alone."""
+    holds unsharded bf16 parameters) is the fp32 weights, whole, tied LM head written once. An
+    empty model filled shard by shard from the files equals a loaded one. A sharded LoRA model
+    gives the engine peft's merge of its adapters, and checkpoints them alone."""
     done = subprocess.run([sys.executable, "-c", _ONE_PROCESS], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

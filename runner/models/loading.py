@@ -232,3 +232,26 @@ def _known_failure(exc: ValueError, folder: Path, trust_remote_code: bool) -> Ex
             "model.path", f"{folder}: transformers does not know model_type {model_type!r} and "
             "the folder brings no code for it", hint="upgrade transformers or use another model")])
     return exc
+
+
+def empty_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False,
+                    *, key: str = "model.path") -> Any:
+    """``load_causal_lm``'s model without its weights: the parameters on the meta device (no
+    memory), the buffers computed on the CPU as a load computes them. Sharded ranks fill in
+    their own shards from the folder's files (runner.train.sharding.fill_shards)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    folder = _folder(path)
+    require_safetensors(folder, key)
+    auto = AutoModelForImageTextToText if is_multimodal(folder) else AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        with init_empty_weights(include_buffers=False):
+            model = auto.from_config(config, dtype=getattr(torch, dtype),
+                                     trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise _known_failure(exc, folder, trust_remote_code) from exc
+    model.tie_weights()  # as from_pretrained ties them (e.g. the LM head to the embeddings)
+    return model.eval()

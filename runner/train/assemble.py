@@ -357,8 +357,18 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     # With LoRA the base weights always come from the base folder; a checkpoint holds adapters.
     lora = recipe.model.lora.rank > 0
     model_dir = ckpt.model_dir if ckpt and not lora else base
-    model = step("policy", lambda: _trained(load_causal_lm(model_dir, dtype=dtype,
-                                                           trust_remote_code=trust), recipe))
+    # Sharded (full fine-tuning): an empty model whose shards each rank reads after the
+    # handshake, so that no rank holds the whole model (LoRA wraps a loaded one).
+    weights: Path | None = None
+    if recipe.train.sharding == "fsdp" and not lora:
+        from runner.train.sharding import load_for_sharding
+
+        model, weights = step("policy", lambda: load_for_sharding(model_dir, dtype, trust)) or (
+            None, None)
+    else:
+        model = step("policy", lambda: load_causal_lm(model_dir, dtype=dtype,
+                                                      trust_remote_code=trust))
+    model = _trained(model, recipe) if model is not None else None
     if lora and model is not None:
         model = step("policy", lambda: _with_adapters(model, recipe, ckpt, reporter))
     factory = recipe.data_packer.factory
@@ -391,7 +401,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None,
                                sharded=recipe.train.sharding == "fsdp", rank=ctx.rank,
-                               world=ctx.world_size)
+                               world=ctx.world_size, weights=weights)
     engine = ((actors.rollout_engine(ctx) if remote and actors is not None
                else make_engine(recipe, model_dir, dtype=precision.engine_dtype,
                                 max_model_len=limit.max_model_len if limit else None))

@@ -88,17 +88,18 @@ def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | 
                       ckpt_optimizer: dict[str, Any] | None = None,
                       ckpt_scheduler: dict[str, Any] | None = None,
                       pad_free: bool = False, sharded: bool = False,
-                      rank: int = 0, world: int = 1) -> Trainable:
+                      rank: int = 0, world: int = 1, weights: Path | None = None) -> Trainable:
     """``sharded``: FSDP2 (runner.train.sharding) instead of Accelerate's DDP; the optimizer is
-    built after sharding, so its state is sharded too. ``ckpt_optimizer`` is a checkpoint's
-    whole optimizer state, or the index of a sharded one (``{"sharded": index, "folder": ...}``,
-    this rank's shard read by ``rank`` of ``world``)."""
+    built after sharding, so its state is sharded too; ``weights``: the folder an empty model
+    (``load_for_sharding``) fills its shards from. ``ckpt_optimizer`` is a checkpoint's whole
+    optimizer state, or the index of a sharded one (``{"sharded": index, "folder": ...}``, this
+    rank's shard read by ``rank`` of ``world``)."""
     model.train()
     if sharded:
         from runner.train.sharding import shard_model
 
         model = shard_model(model, bf16=accelerator.mixed_precision == "bf16",
-                            device=accelerator.device)
+                            device=accelerator.device, weights=weights)
         optimizer = make_optimizer(model, recipe.train, lr)
     else:
         optimizer = make_optimizer(model, recipe.train, lr)
@@ -275,13 +276,16 @@ class Frozen:
 
         self.path = path
         self.pad_free = pad_free
-        self.model = load_causal_lm(path, dtype=recipe.model.dtype,
-                                    trust_remote_code=recipe.model.trust_remote_code)
-        self.model.requires_grad_(False).eval().to(device)
-        if sharded:
-            from runner.train.sharding import shard_model
+        m = recipe.model
+        if sharded:  # each rank reads its own shards (or, failing that, loads the whole model)
+            from runner.train.sharding import load_for_sharding, shard_model
 
-            shard_model(self.model, bf16=False, device=device)
+            self.model, weights = load_for_sharding(path, m.dtype, m.trust_remote_code)
+            self.model.requires_grad_(False).eval()
+            shard_model(self.model, bf16=False, device=device, weights=weights)
+        else:
+            self.model = load_causal_lm(path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+            self.model.requires_grad_(False).eval().to(device)
         self.sharded = sharded
         self.device_type = torch.device(device).type
         self.bf16 = bf16

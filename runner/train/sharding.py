@@ -59,11 +59,15 @@ def blocks_of(model: Any) -> list[torch.nn.Module]:
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 
-def shard_model(model: Any, bf16: bool, device: torch.device | str = "cpu") -> Any:
+def shard_model(model: Any, bf16: bool, device: torch.device | str = "cpu",
+                weights: Path | None = None) -> Any:
     """``model`` moved to ``device`` and sharded in place over every rank of the default process
     group, block by block and then the root (fp32 master weights; with ``bf16`` the forward and
     backward compute in bf16 and gradients are reduced in fp32). The mesh is named explicitly:
-    FSDP2's default one would take the accelerator even for a run on the CPU."""
+    FSDP2's default one would take the accelerator even for a run on the CPU.
+
+    An empty model (``load_for_sharding``: parameters on the meta device) is sharded empty and
+    each rank then fills its own shards from the safetensors files of ``weights``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -71,7 +75,9 @@ def shard_model(model: Any, bf16: bool, device: torch.device | str = "cpu") -> A
     device = torch.device(device)
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    model.to(device)
+    empty = weights is not None
+    if not empty:
+        model.to(device)
     blocks = blocks_of(model)
     if not blocks:
         raise ValueError(f"train.sharding = 'fsdp': found no transformer blocks in "
@@ -81,7 +87,65 @@ def shard_model(model: Any, bf16: bool, device: torch.device | str = "cpu") -> A
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if empty:
+        fill_shards(model, weights, device)
     return model
+
+
+def load_for_sharding(path: Path, dtype: str, trust_remote_code: bool) -> tuple[Any, Path | None]:
+    """(the model of ``path`` for ``shard_model``, the folder its shards are filled from).
+
+    Empty (nothing loaded; ``shard_model(..., weights=folder)`` then reads each rank's shards)
+    when the folder's safetensors files name every parameter as the model does; otherwise the
+    whole model, loaded as without sharding (folder None), e.g. for a model family whose
+    checkpoint keys transformers renames on load."""
+    from runner.models.loading import empty_causal_lm, load_causal_lm
+    from runner.models.memory import tensor_shapes
+
+    model = empty_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    stored = tensor_shapes(path)
+    if all(tuple(p.shape) == stored.get(name) for name, p in model.named_parameters()):
+        return model, path
+    return load_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code), None
+
+
+def fill_shards(model: Any, folder: Path, device: torch.device) -> None:
+    """Materialise an empty sharded ``model`` on ``device``: each parameter's shard on this rank
+    read from ``folder``'s safetensors files, one whole tensor at a time from the
+    memory-mapped file, cast to the parameter's dtype as ``from_pretrained`` casts it; the
+    buffers (computed when the model was built) kept, and a persistent one the files hold
+    read from them. No rank ever holds the whole model."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    buffers = [(name, b) for name, b in model.named_buffers()]
+    model.to_empty(device=device)
+    where = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            where.update(dict.fromkeys(f.keys(), path))
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            whole = _read(where[name], name).to(p.dtype)
+            if isinstance(p, DTensor):
+                local = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(local.to_local())
+            else:
+                p.copy_(whole)
+            del whole
+        for name, b in buffers:
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            module._buffers[leaf] = (_read(where[name], name).to(b.dtype) if name in state
+                                     and name in where else b).to(device)
+
+
+def _read(path: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return f.get_tensor(name)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
