@@ -1186,3 +1186,22 @@ def test_a_dead_rank_is_named_and_the_survivors_tracebacks_are_in_files(tmp_path
     assert str(info.value) == (
         f"rank 1 (pid {ranks.procs[1].pid}) was killed by SIGKILL; the other ranks were stopped "
         f"(their tracebacks: {trace}). {RESUME}")
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_a_peer_that_failed_after_it(tmp_path):
+    """Both ranks already ended when the driver first looks: rank 1 killed by SIGKILL, rank 0
+    failed with a traceback (its collective broke). The line names rank 1, the cause."""
+    import os
+    import signal
+    import time
+
+    from runner.errors import RunnerError
+
+    ranks, _ = _fake_ranks(tmp_path, 0.0)
+    os.kill(ranks.procs[1].pid, signal.SIGKILL)
+    while any(p.poll() is None for p in ranks.procs):
+        time.sleep(0.05)
+    with pytest.raises(RunnerError) as info:
+        ranks.watch()
+    assert str(info.value).startswith(f"rank 1 (pid {ranks.procs[1].pid}) was killed by SIGKILL; "
+                                      "the other ranks were stopped"), str(info.value)

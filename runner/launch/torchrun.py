@@ -179,7 +179,9 @@ class _Ranks:
                 self.kill()
                 return 130
             if failed:
-                rank, code = failed[0]
+                # Seen in one poll, a rank killed by a signal is the cause and the ranks whose
+                # collectives then broke (errors) its consequence, whatever their numbers.
+                rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
                 stopped = [r for r, p in enumerate(self.procs)
                            if p.poll() is None and is_stopped(p.pid)]
                 deadline = time.monotonic() + GRACE_S
