@@ -200,8 +200,8 @@ class StateEstimate:
     sharded_roles: tuple[str, ...] = ("policy", "critic")  # runner.recipe.plan.sharded_roles
 
     def part(self, role: str, sharded: bool) -> Any:
-        """A role's bytes per rank: FSDP shards the roles of ``sharded_roles`` (the policy,
-        PPO's critic, GRPO's and PPO's reference); the others stay whole on every rank."""
+        """A role's bytes per rank: FSDP shards the roles of ``sharded_roles``
+        (runner.recipe.plan.sharded_roles); the others stay whole on every rank."""
         s = self.full[role]
         return s.sharded(self.world) if sharded and role in self.sharded_roles else s
 

@@ -65,6 +65,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+def _worst_rel(got: dict, want: dict) -> float:
+    """The largest relative difference of ``got``'s tensors from ``want``'s (non-zero) ones."""
+    return max(_rel(got[k], want[k]) for k in want if want[k].norm() > 0)
+
+
 def both_layouts(root, recipe: str, overrides: tuple[str, ...]) -> dict:
     """``{"none": folder, "fsdp": folder}``: ``recipe`` with ``overrides`` on 2 ranks each way."""
     made = {}
@@ -97,7 +102,7 @@ def test_fsdp_and_ddp_agree_in_float64(runs):
         one, two = final_weights(ddp, step), final_weights(fsdp, step)
         assert one.keys() == two.keys()  # the tied LM head is not written twice
         assert all(t.dtype == torch.float64 for t in two.values())
-        worst = max(_rel(two[k], one[k]) for k in one if one[k].norm() > 0)
+        worst = _worst_rel(two, one)
         assert worst < 1e-10, (step, worst)
     start, end = final_weights(fsdp, 1), final_weights(fsdp, N)
     assert any(not torch.equal(start[k], end[k]) for k in start)  # training moved the weights
@@ -253,7 +258,7 @@ def test_resume_across_world_size_and_sharding(runs, tmp_path, written, world, s
     assert "(step 2)" in done.stdout
     assert item_ids(out) == item_ids(runs[written])
     one, two = final_weights(out, N), final_weights(runs[written], N)
-    assert max(_rel(one[k], two[k]) for k in two if two[k].norm() > 0) < 1e-10
+    assert _worst_rel(one, two) < 1e-10
 
 
 @pytest.mark.slow
@@ -281,7 +286,7 @@ def test_sharded_resume_from_two_ranks_to_one_and_back(runs, tmp_path):
     assert item_ids(out) == item_ids(runs["fsdp"])
     for step in (2, N):
         one, two = final_weights(out, step), final_weights(runs["fsdp"], step)
-        assert max(_rel(one[k], two[k]) for k in two if two[k].norm() > 0) < 1e-10, step
+        assert _worst_rel(one, two) < 1e-10, step
 
 
 _ONE_PROCESS = """
@@ -472,7 +477,7 @@ def test_ppo_fsdp_and_ddp_agree_on_policy_and_critic_in_float64(ppo_runs):
             one, two = final_weights(ddp, step, name), final_weights(fsdp, step, name)
             assert one.keys() == two.keys()
             assert all(two[k].dtype == one[k].dtype == torch.float64 for k in one)
-            worst = max(_rel(two[k], one[k]) for k in one if one[k].norm() > 0)
+            worst = _worst_rel(two, one)
             assert worst < 1e-10, (step, name, worst)
     start, end = final_weights(fsdp, 1, CRITIC), final_weights(fsdp, N_PPO, CRITIC)
     assert any(not torch.equal(start[k], end[k]) for k in start)  # the critic trained
@@ -533,7 +538,7 @@ def test_ppo_resume_on_one_sharded_rank(ppo_runs, tmp_path):
     assert item_ids(out) == item_ids(ppo_runs[written])
     for name in ("model/model.safetensors", CRITIC):
         one, two = final_weights(out, N_PPO, name), final_weights(ppo_runs[written], N_PPO, name)
-        assert max(_rel(one[k], two[k]) for k in two if two[k].norm() > 0) < 1e-10, name
+        assert _worst_rel(one, two) < 1e-10, name
 
 
 def test_sharded_ranks_run_equally_many_micro_batches(monkeypatch):
@@ -594,7 +599,7 @@ def test_dpo_fsdp_and_ddp_agree_in_float64_with_an_uneven_held_out_set(tmp_path)
             assert abs(a["loss"] - b["loss"]) <= 1e-10 * abs(a["loss"])
     for step in (1, 3):
         one, two = final_weights(ddp, step), final_weights(fsdp, step)
-        worst = max(_rel(two[k], one[k]) for k in one if one[k].norm() > 0)
+        worst = _worst_rel(two, one)
         assert worst < 1e-10, (step, worst)
 
 
@@ -634,7 +639,7 @@ def test_lora_on_a_sharded_base_trains_and_saves_the_adapters_alone(lora_runs):
     for step in range(1, N_LORA + 1):
         one, two = final_weights(ddp, step, ADAPTERS), final_weights(fsdp, step, ADAPTERS)
         assert one.keys() == two.keys() and all("lora_" in k for k in two)
-        worst = max(_rel(two[k], one[k]) for k in one if one[k].norm() > 0)
+        worst = _worst_rel(two, one)
         assert worst < 1e-10, (step, worst)
     assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # trained
     folder = fsdp / "checkpoints" / step_dirname(N_LORA)

@@ -140,6 +140,8 @@ class RoleActors:
 class RemoteFrozen:
     """The ``Frozen`` interface of a model that lives in a ``FrozenActor``."""
 
+    sharded = False  # whole in its actor
+
     def __init__(self, actor: Any, role: str, device: Any, timeout_s: float,
                  pad_free: bool = False) -> None:
         self.actor, self.role, self.device, self.timeout_s = actor, role, device, timeout_s

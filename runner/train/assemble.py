@@ -358,16 +358,16 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     lora = recipe.model.lora.rank > 0
     model_dir = ckpt.model_dir if ckpt and not lora else base
     # Sharded (full fine-tuning): an empty model whose shards each rank reads after the
-    # handshake, so that no rank holds the whole model (LoRA wraps a loaded one).
-    weights: Path | None = None
-    if recipe.train.sharding == "fsdp" and not lora:
-        from runner.train.sharding import load_for_sharding
+    # handshake (``weights``: their folder), so that no rank holds the whole model (LoRA wraps
+    # a loaded one).
+    def load() -> tuple[Any, Path | None]:
+        if recipe.train.sharding == "fsdp" and not lora:
+            from runner.train.sharding import load_for_sharding
 
-        model, weights = step("policy", lambda: load_for_sharding(model_dir, dtype, trust)) or (
-            None, None)
-    else:
-        model = step("policy", lambda: load_causal_lm(model_dir, dtype=dtype,
-                                                      trust_remote_code=trust))
+            return load_for_sharding(model_dir, dtype, trust)
+        return load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust), None
+
+    model, weights = step("policy", load) or (None, None)
     model = _trained(model, recipe) if model is not None else None
     if lora and model is not None:
         model = step("policy", lambda: _with_adapters(model, recipe, ckpt, reporter))

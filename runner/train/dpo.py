@@ -130,19 +130,16 @@ def precompute(run: DPORun, reporter: Reporter) -> None:
     reporter.message(f"precomputing reference logprobs for {len(pairs)} pairs")
     chunks = split_even(len(pairs), max(1, len(pairs) // 64))
     # ranks hold unequal held-out shards: a sharded reference forwards as often on each
-    fillers = lockstep_fillers(run.run.svc.comm, len(chunks)) if _sharded(run.reference) else 0
+    fillers = lockstep_fillers(run.run.svc.comm, len(chunks)) if run.reference.sharded else 0
     for chunk in chunks:
         part = pairs[chunk]
         batch = run.packer.collate(_pack(run.packer, part)).to(run.device)
         chosen, rejected = reference_logprobs(run, part, batch)
         run.cache.update({p.id: (float(c), float(r))
                           for p, c, r in zip(part, chosen, rejected, strict=True)})
+    fill = filler_batch(run.packer, run.device) if fillers else None
     for _ in range(fillers):
-        sequence_logprobs(run.reference, filler_batch(run.packer, run.device))
-
-
-def _sharded(role: Any) -> bool:
-    return bool(getattr(role, "sharded", False))
+        sequence_logprobs(run.reference, fill)
 
 
 @attrs.frozen(eq=False)
@@ -240,9 +237,9 @@ def held_out(run: DPORun) -> dict[str, float]:
         margin = (x.policy_chosen_B - x.ref_chosen_B) - (x.policy_rejected_B - x.ref_rejected_B)
         correct += float((margin > 0).sum() + 0.5 * (margin == 0).sum())
         loss_sum += float(dpo_loss(x, run.algo)[0]) * len(part)
+    fill = filler_batch(run.packer, run.device) if fillers else None
     for _ in range(fillers):
-        fill = filler_batch(run.packer, run.device)
-        if _sharded(run.reference) and not run.algo.precompute_reference:
+        if run.reference.sharded and not run.algo.precompute_reference:
             sequence_logprobs(run.reference, fill)
         sequence_logprobs(ctx.policy, fill)
     correct, loss_sum, n = ctx.svc.comm.sum([correct, loss_sum, len(pairs)])

@@ -55,7 +55,6 @@ def handshake(comm: Collective, ctx: RankContext, failed: tuple[str, BaseExcepti
                                   f"{digest[:12]}): every rank must load the same weights")
 
 
-
 def check_shared_folder(comm: Collective, ctx: RankContext, folder: Path) -> None:
     """Every rank sees the files rank 0 writes in ``folder`` (the checkpoints of sharded ranks:
     each writes its optimizer shard there for rank 0 to move into the checkpoint). Ranks on

@@ -118,10 +118,10 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
             teacher_BT = teacher.logprobs(traj, inputs, student_BT.shape[1], temperature)
         total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
         count = float(mask_BT.sum())
+    fill = filler_batch(run.policy_packer, run.svc.accelerator.device) if fillers else None
     for _ in range(fillers):
-        fill = filler_batch(run.policy_packer, run.svc.accelerator.device)
         run.policy.logits(fill)
-        if getattr(teacher.frozen, "sharded", False):  # one tokenizer, the teacher on the ranks
+        if teacher.frozen.sharded:  # one tokenizer, the teacher on the ranks
             teacher.logits(fill, 1.0)
     total, count, exact = run.svc.comm.sum([total, count, exact])
     out = {"eval/reverse_kl": total / max(1.0, count)}

@@ -235,6 +235,8 @@ def disable_dropout(model: Any) -> Any:
 class FrozenScorer(Protocol):
     """A frozen model that scores batches: ``Frozen`` here, or one in a role's actor."""
 
+    sharded: bool  # its forwards are collectives (FSDP2 over the ranks)
+
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token logprobs at ``temperature`` and their mask, on the shifted grid [B, T-1]."""

@@ -118,16 +118,14 @@ def fill_shards(model: Any, folder: Path, device: torch.device) -> None:
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    buffers = [(name, b) for name, b in model.named_buffers()]
+    buffers = list(model.named_buffers())
     model.to_empty(device=device)
-    where = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            where.update(dict.fromkeys(f.keys(), path))
-    state = model.state_dict(keep_vars=True)
+    files = [safe_open(path, "pt") for path in sorted(Path(folder).glob("*.safetensors"))]
+    where = {name: f for f in files for name in f.keys()}
+    persistent = model.state_dict(keep_vars=True).keys()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            whole = _read(where[name], name).to(p.dtype)
+            whole = where[name].get_tensor(name).to(p.dtype)
             if isinstance(p, DTensor):
                 local = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
                 p.to_local().copy_(local.to_local())
@@ -136,16 +134,9 @@ def fill_shards(model: Any, folder: Path, device: torch.device) -> None:
             del whole
         for name, b in buffers:
             owner, _, leaf = name.rpartition(".")
-            module = model.get_submodule(owner)
-            module._buffers[leaf] = (_read(where[name], name).to(b.dtype) if name in state
-                                     and name in where else b).to(device)
-
-
-def _read(path: Path, name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        return f.get_tensor(name)
+            stored = name in persistent and name in where
+            value = where[name].get_tensor(name).to(b.dtype) if stored else b
+            model.get_submodule(owner)._buffers[leaf] = value.to(device)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
