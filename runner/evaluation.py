@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from runner.errors import Problem, RecipeError
+from runner.recipe.algos import spec_of
 from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
@@ -40,7 +41,7 @@ def eval_job(recipe: Recipe, plan: RunPlan, *, checkpoint: str = "", out: str = 
              save_completions: bool = False) -> dict[str, Any]:
     """The job every rank runs (plain data): the checkpoint folder (absolute, "" for
     ``model.path``), its step, the output folder and its label, whether completions are kept."""
-    reason = held_out_reason(recipe.data, recipe.algo.kind)
+    reason = held_out_reason(recipe.data, spec_of(recipe).stream)
     if reason:
         raise RecipeError([Problem("data.validation", f"the recipe has no held-out set to "
                                    f"evaluate on ({reason})", source=SOURCE)])

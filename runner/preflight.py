@@ -17,6 +17,7 @@ import attrs
 
 from runner.errors import ExtensionError, Problem, show_value
 from runner.extensions import check_binds, load_callable
+from runner.recipe.algos import spec_of
 from runner.recipe.checks import BUILTIN_REWARDS, trackers_of
 from runner.recipe.plan import sharded_roles
 from runner.recipe.schema import Recipe
@@ -35,7 +36,7 @@ def _calls(recipe: Recipe) -> list[tuple[str, str, tuple | None, dict[str, Any]]
     calls += [
         (f"reward.functions[{i}]", fn, ([], []), {})
         for i, fn in enumerate(recipe.reward.functions)
-        if fn not in BUILTIN_REWARDS and recipe.algo.kind in ("grpo", "ppo")
+        if fn not in BUILTIN_REWARDS and spec_of(recipe).trains_on_rewards
     ]
     e = recipe.env
     calls.append(("env.factory", e.factory, (), e.factory_kwargs))
@@ -45,12 +46,8 @@ def _calls(recipe: Recipe) -> list[tuple[str, str, tuple | None, dict[str, Any]]
 
 def _model_paths(recipe: Recipe) -> list[tuple[str, str]]:
     """(key, path) of every model folder the recipe names."""
-    paths = [("model.path", recipe.model.path)]
-    if recipe.algo.kind == "opd":
-        paths.append(("algo.teacher_path", recipe.algo.teacher_path))
-    if recipe.algo.kind == "ppo" and recipe.algo.critic_path:
-        paths.append(("algo.critic_path", recipe.algo.critic_path))
-    return paths
+    return [("model.path", recipe.model.path)] + [
+        (m.key, m.path) for m in spec_of(recipe).models(recipe.algo)]
 
 
 def check_model_folder(path: str, key: str, trust_remote_code: bool = False) -> list[Problem]:
@@ -128,16 +125,17 @@ def validate_models(recipe: Recipe) -> list[Problem]:
     problems = [p for key, path in _model_paths(recipe)
                 for p in check_model_folder(path, key, trust)]
     problems += check_output_dir(recipe.run.output_dir)
-    if problems or recipe.algo.kind != "opd" or recipe.algo.mode != "same_tokenizer":
+    shared = [m for m in spec_of(recipe).models(recipe.algo) if m.same_vocab]
+    if problems or not shared:
         return problems
     from runner.errors import RecipeError
     from runner.models import resolve_model_path
     from runner.models.vocab import check_same_vocab
 
     try:
-        check_same_vocab(resolve_model_path(recipe.model.path),
-                         resolve_model_path(recipe.algo.teacher_path),
-                         trust_remote_code=recipe.model.trust_remote_code)
+        for m in shared:
+            check_same_vocab(resolve_model_path(recipe.model.path), resolve_model_path(m.path),
+                             trust_remote_code=recipe.model.trust_remote_code)
     except RecipeError as exc:
         return list(exc.problems)
     return []
@@ -197,7 +195,7 @@ class StateEstimate:
     full: dict[str, Any]  # role -> StateBytes with every rank holding a full copy
     device_bytes: int | None
     device: str
-    sharded_roles: tuple[str, ...] = ("policy", "critic")  # runner.recipe.plan.sharded_roles
+    sharded_roles: tuple[str, ...]  # the roles fsdp shards (runner.recipe.plan.sharded_roles)
 
     def part(self, role: str, sharded: bool) -> Any:
         """A role's bytes per rank: FSDP shards the roles of ``sharded_roles``
@@ -264,22 +262,23 @@ def estimate_state(recipe: Recipe, world: int) -> StateEstimate:
     n = count(shapes)
     trained = lora_count(shapes, m.lora.rank, m.lora.target_modules) if m.lora.rank else n
     full: dict[str, Any] = {"policy": trained_bytes(n, trained, dtype)}
-    a = recipe.algo
+    refs = {m.role: m for m in spec_of(recipe).models(recipe.algo)}
+
+    def params(role: str) -> int:  # a model of its own folder, or a copy of the policy
+        ref = refs.get(role)
+        return count(tensor_shapes(resolve_model_path(ref.path, key=ref.key))) if ref else n
+
     if "critic" in roles:
-        critic = count(tensor_shapes(resolve_model_path(a.critic_path, key="algo.critic_path"))
-                       ) if a.critic_path else n
-        full["critic"] = trained_bytes(critic, critic, dtype)
+        full["critic"] = trained_bytes(params("critic"), params("critic"), dtype)
     # Under Ray's separate placement the frozen models live in role actors of their own.
     on_ranks = not (recipe.launch.backend == "ray" and recipe.launch.placement == "separate")
     if "reference" in roles and on_ranks:
         full["reference"] = frozen_bytes(n, frozen_dtype)
     if "teacher" in roles and on_ranks:
-        teacher = tensor_shapes(resolve_model_path(a.teacher_path, key="algo.teacher_path"))
-        full["teacher"] = frozen_bytes(count(teacher), frozen_dtype)
+        full["teacher"] = frozen_bytes(params("teacher"), frozen_dtype)
     device_bytes, device = device_memory(recipe)
     layout = "FSDP" if recipe.train.sharding == "fsdp" else "DDP"
-    return StateEstimate(layout, world, full, device_bytes, device,
-                         sharded_roles(recipe.algo))
+    return StateEstimate(layout, world, full, device_bytes, device, sharded_roles(recipe))
 
 
 def device_memory(recipe: Recipe) -> tuple[int | None, str]:

@@ -12,8 +12,10 @@ from typing import Any
 
 import tomli_w
 
+from runner.recipe.algos import spec_of
 from runner.recipe.plan import RunPlan
 from runner.recipe.resolved import recipe_hash, resolved_document
+from runner.recipe.rules import env_enabled
 from runner.recipe.schema import Recipe
 
 
@@ -26,7 +28,7 @@ def plan_sections(recipe: Recipe, plan: RunPlan) -> list[tuple[str, list[tuple[s
                 ("Data", describe_data(recipe))]
     packing: dict[str, Any] = {}
     sections.append(("Model and packing", packing_rows(recipe, packing)))
-    if packing.get("item") is not None and (recipe.env.factory or recipe.env.tools):
+    if packing.get("item") is not None and env_enabled(recipe):
         sections.append(("One episode (played with the current model)",
                          episode_rows(recipe, packing["path"], packing["packer"],
                                       packing["item"])))
@@ -66,7 +68,7 @@ def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:
 
     p = resolve(recipe)
     rows = [("precision", p.train_label)]
-    if recipe.algo.kind != "dpo":
+    if spec_of(recipe).samples_online:
         rows.append(("rollout dtype", p.engine_dtype))
     return rows + [("precision chosen because", p.why)]
 
@@ -92,7 +94,7 @@ def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None
             ("data packer", f"{type(packer).__module__}.{type(packer).__qualname__}"
              + (f" (from {recipe.data_packer.factory})" if recipe.data_packer.factory else
                 " (model_type registry)"))]
-    if recipe.algo.kind == "dpo":
+    if spec_of(recipe).stream == "pairs":
         pair = DatasetPreferenceEnv(recipe.data, seed=recipe.run.seed).train.pair(0)
         chosen, rejected = packer.get_preference_input(ObsBundle(pair.prompt, id=pair.id),
                                                        pair.chosen, pair.rejected)
@@ -117,9 +119,9 @@ def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None
         built.update(path=path, packer=packer, item=item)
     rows.append(("rollout max_model_len", f"{limit.max_model_len or 'the engine default'} "
                  f"({limit.why})"))
-    if recipe.algo.kind == "opd":
-        teacher = resolve_model_path(recipe.algo.teacher_path)
-        rows.append(("teacher", f"{recipe.algo.teacher_path} -> {teacher} ({recipe.algo.mode})"))
+    for m in spec_of(recipe).models(recipe.algo):
+        note = f" ({m.note})" if m.note else ""
+        rows.append((m.role, f"{m.path} -> {resolve_model_path(m.path)}{note}"))
     return rows
 
 

@@ -238,15 +238,15 @@ def test_custom_train_source_without_held_out_source_trains_without_evaluation(
     d = DataConfig(prompt_column="q", **{train_key: value})
     train, held = build_prompt_sources(d, "grpo")
     assert len(train) == 3 and held is None
-    assert held_out_reason(d, "grpo") == (
+    assert held_out_reason(d, "prompts") == (
         f"none: no held-out set is given for the data.{train_key} training source, so the run "
         "trains without held-out evaluation; set data.validation.factory or "
         "data.validation.path to evaluate")
-    assert held_out_reason(attrs.evolve(d, validation=ValidationConfig(enabled=False)), "grpo") \
+    assert held_out_reason(attrs.evolve(d, validation=ValidationConfig(enabled=False)), "prompts") \
         == "off: data.validation.enabled is false"
-    assert held_out_reason(DataConfig(), "grpo") == ""  # built-in prompts: built-in held-out set
+    assert held_out_reason(DataConfig(), "prompts") == ""  # built-in prompts: built-in held-out set
     assert held_out_reason(attrs.evolve(d, validation=ValidationConfig(factory=f"{HERE}.indexed")),
-                           "grpo") == ""
+                           "prompts") == ""
 
 
 # --- hub names, offline ----------------------------------------------------------------------

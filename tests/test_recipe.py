@@ -131,7 +131,7 @@ def test_ppo_only_keys(key, value):
 @pytest.mark.parametrize("key,value", [("image_column", "img"), ("video_column", "vid")])
 def test_media_columns_are_for_ppo_grpo_and_opd(key, value):
     line = one_problem({"algo": {"kind": "dpo"}, "data": {key: value}})
-    assert f"data.{key}: only used by PPO, GRPO and OPD" in line
+    assert f"data.{key}: only used by GRPO, PPO and OPD" in line
     for kind in ("ppo", "grpo", "opd"):
         recipe_from_mapping({"algo": {"kind": kind}, "data": {key: value}})
 

@@ -303,6 +303,10 @@ def screenshot(page: Path, png: Path, size: tuple[int, int]) -> None:
            "--no-default-browser-check", "--disable-extensions", "--disable-background-networking",
            "--disable-component-update", "--disable-sync", "--hide-scrollbars",
            "--force-device-scale-factor=1", f"--user-data-dir={png.parent / 'profile'}",
+           # Paint the whole page before the capture: every compositor stage (raster included)
+           # runs before a frame is drawn, and the capture waits for the page's virtual time
+           # to pass the budget, so a loaded machine cannot cut the capture short.
+           "--run-all-compositor-stages-before-draw", "--virtual-time-budget=5000",
            f"--window-size={size[0]},{size[1]}", f"--screenshot={png}", page.as_uri()]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

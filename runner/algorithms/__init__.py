@@ -1,8 +1,8 @@
 """Pure loss and advantage functions of the four algorithms (torch only, no engine).
 
 Each loss takes its own attrs inputs class and its config slice and returns
-``(loss, metrics)``. Each training loop imports its own algorithm's module directly; the one
-dispatch table is ``runner.train.LOOPS``, keyed by ``recipe.algo.kind``.
+``(loss, metrics)``. Each training loop imports its own algorithm's module directly; each
+loop is named by its row of ``runner.recipe.algos.ALGORITHMS``.
 """
 
 from __future__ import annotations

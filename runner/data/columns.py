@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from runner.errors import Problem, RecipeError
+from runner.recipe.algos import ALGORITHMS
 from runner.recipe.schema import DataConfig
 from runner.types import MediaOrigin, ObsBundle
 
@@ -60,21 +61,18 @@ class ColumnMap:
         )
 
 
-MEDIA_ALGORITHMS = ("ppo", "grpo", "opd")  # algorithms whose items may carry images / videos
-
-
 def column_map(data: DataConfig, algo_kind: str) -> ColumnMap:
-    """The mapping a recipe asks for. Keys of other algorithms are refused with the recipe
-    (``runner.recipe.checks.check_algorithm_keys``), so here they are only ever empty: image
-    and video columns for PPO, GRPO and OPD, id and metadata columns for PPO."""
-    if algo_kind in MEDIA_ALGORITHMS and algo_kind != "ppo":
-        return ColumnMap(prompt=data.prompt_column, response=data.response_column,
-                         image=data.image_column, video=data.video_column)
-    if algo_kind != "ppo":
-        return ColumnMap(prompt=data.prompt_column, response=data.response_column)
-    return ColumnMap(prompt=data.prompt_column, response=data.response_column,
-                     image=data.image_column, video=data.video_column, id=data.id_column,
-                     metadata=tuple(data.metadata_columns))
+    """The mapping a recipe asks for: the prompt and response columns, and those of the
+    algorithm's own keys (``AlgoSpec.owned_keys``: image and video columns, id and metadata
+    columns). Keys of other algorithms are refused with the recipe
+    (``runner.recipe.checks.check_algorithm_keys``)."""
+    reads = ALGORITHMS[algo_kind].reads
+    return ColumnMap(
+        prompt=data.prompt_column, response=data.response_column,
+        image=data.image_column if reads("data.image_column") else "",
+        video=data.video_column if reads("data.video_column") else "",
+        id=data.id_column if reads("data.id_column") else "",
+        metadata=tuple(data.metadata_columns) if reads("data.metadata_columns") else ())
 
 
 class _Getter:

@@ -13,6 +13,7 @@ import attrs
 
 from runner.data.preference import DatasetPreferenceEnv
 from runner.data.sources import build_prompt_sources
+from runner.recipe.algos import spec_of
 from runner.recipe.held_out import held_out_reason
 from runner.recipe.schema import Recipe
 
@@ -22,7 +23,8 @@ ITEM_CHARS = 200
 def describe_data(recipe: Recipe) -> list[tuple[str, str]]:
     """(label, value) rows: source, size, first item, order, fingerprint, held-out set."""
     data = recipe.data
-    if recipe.algo.kind == "dpo":
+    stream = spec_of(recipe).stream
+    if stream == "pairs":
         env = DatasetPreferenceEnv(data, seed=recipe.run.seed)
         train, held_out, first = env.train, env.held_out, env.train.pair(0)
     else:
@@ -39,11 +41,11 @@ def describe_data(recipe: Recipe) -> list[tuple[str, str]]:
         ("cursor resume", data.cursor_resume),
     ]
     if held_out is None:
-        rows.append(("held-out", held_out_reason(data, recipe.algo.kind) or "off"))
+        rows.append(("held-out", held_out_reason(data, stream) or "off"))
     else:
         held = held_out.describe()
         rows.append(("held-out", f"{held['size']} items, {held['kind']}: {held['identity']}"))
-        if recipe.algo.kind != "dpo":
+        if stream == "prompts":
             rows.append(("overlap check", f"training ids from {train.membership_from}, held-out "
                                           f"ids from {held_out.membership_from}"))
     return rows

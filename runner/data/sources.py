@@ -49,6 +49,7 @@ from runner.data.membership import check_overlap, item_id, text_id
 from runner.data.prompt_text import prompt_chars
 from runner.errors import Problem, RecipeError
 from runner.extensions import load_callable
+from runner.recipe.algos import ALGORITHMS
 from runner.recipe.held_out import held_out_reason
 from runner.recipe.schema import DataConfig
 from runner.types import ObsBundle
@@ -146,15 +147,16 @@ class PromptSource:
 def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = False
                         ) -> PromptSource:
     """The training source (or, with ``validation``, the held-out source) a recipe describes."""
-    if algo_kind == "dpo":
-        raise ValueError("DPO reads preference pairs: use runner.data.preference")
+    spec = ALGORITHMS[algo_kind]
+    if spec.stream != "prompts":
+        raise ValueError(f"{spec.title} reads preference pairs: use runner.data.preference")
     columns = column_map(data, algo_kind)
     items_fn = load_callable(data.items_fn, key="data.items_fn") if data.items_fn else None
     common = {"shuffle": data.shuffle, "items_fn": items_fn, "items_fn_path": data.items_fn}
     if not validation:
         if data.factory:
             return _from_factory(data.factory, data.factory_kwargs, "data.factory", columns,
-                                 need_fp=algo_kind == "ppo", **common)
+                                 need_fp=spec.needs_fingerprint, **common)
         if data.path:
             return _from_path(data.path, data.split, ("data.path", "data.split"), columns,
                               **common)
@@ -173,7 +175,7 @@ def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = 
         return _from_hub(data, v.split, columns, limit=v.size, **common)
     if not (data.factory or data.path or data.name):
         return _builtin(data, "held_out", v.size, columns, **common)
-    raise RecipeError([Problem("data.validation", held_out_reason(data, algo_kind))])
+    raise RecipeError([Problem("data.validation", held_out_reason(data, "prompts"))])
 
 
 def build_prompt_sources(data: DataConfig, algo_kind: str
@@ -183,7 +185,7 @@ def build_prompt_sources(data: DataConfig, algo_kind: str
     training."""
     train = build_prompt_source(data, algo_kind)
     held_out = None
-    if not held_out_reason(data, algo_kind):
+    if not held_out_reason(data, "prompts"):
         held_out = build_prompt_source(data, algo_kind, validation=True)
         check_overlap(train, held_out)  # ids only: reads no item
         check_columns(held_out)

@@ -8,11 +8,7 @@ from typing import Any
 from runner.envs.tools import ToolBox
 from runner.errors import Problem, RecipeError
 from runner.extensions import check_binds, load_callable
-
-
-def env_enabled(recipe: Any) -> bool:
-    """Whether the recipe plays multi-turn episodes: ``env.factory`` or ``env.tools`` set."""
-    return bool(recipe.env.factory or recipe.env.tools)
+from runner.recipe.rules import env_enabled
 
 
 def load_tools(cfg: Any) -> dict[str, Callable[..., Any]]:

@@ -10,14 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from runner.errors import Problem
+from runner.recipe.algos import ALGORITHMS, spec_of, titles
+from runner.recipe.algos.spec import OWNED_KEY_HINTS
+from runner.recipe.rules import env_enabled
+from runner.recipe.rules import in_range as _range
+from runner.recipe.rules import is_set as _set
 from runner.recipe.schema import (
     DataConfig,
-    DPOConfig,
-    GRPOConfig,
     LaunchConfig,
     LoggingConfig,
-    OPDConfig,
-    PPOConfig,
     Recipe,
     default_of,
 )
@@ -29,13 +30,10 @@ BUILTIN_REWARDS = ("arithmetic_exact", "format", "math_verify", "exact_match")
 _DOTTED_HINT = "write a dotted path like 'my_package.my_module.build'"
 
 
-def _set(value: object) -> bool:
-    return value not in ("", 0, [], {}, None)
-
-
 def check_prompt_source(r: Recipe) -> list[Problem]:
-    """At most one of data.factory / data.path / data.name (not for DPO, see check_dpo_source)."""
-    if isinstance(r.algo, DPOConfig):
+    """At most one of data.factory / data.path / data.name (for prompts; preference pairs:
+    check_pair_source)."""
+    if spec_of(r).stream != "prompts":
         return []
     chosen = [k for k in ("factory", "path", "name") if _set(getattr(r.data, k))]
     if len(chosen) > 1:
@@ -51,8 +49,9 @@ _OFF = {"jsonl_path": 'data.jsonl_path=""', "tar_path": 'data.tar_path=""',
         "synthetic_pairs": "data.synthetic_pairs=0"}
 
 
-def check_dpo_source(r: Recipe) -> list[Problem]:
-    if not isinstance(r.algo, DPOConfig):
+def check_pair_source(r: Recipe) -> list[Problem]:
+    """One source of preference pairs (DPO): a factory or one of the built-in ones."""
+    if spec_of(r).stream != "pairs":
         return []
     problems = []
     others = [k for k in ("jsonl_path", "tar_path", "synthetic_pairs") if _set(getattr(r.data, k))]
@@ -80,35 +79,18 @@ def check_dpo_source(r: Recipe) -> list[Problem]:
     return problems
 
 
-_ONLY_FOR: tuple[tuple[tuple[str, ...], type | tuple[type, ...], str], ...] = (
-    (("image_column", "video_column"), (PPOConfig, GRPOConfig, OPDConfig), "PPO, GRPO and OPD"),
-    (("id_column", "metadata_columns"), PPOConfig, "PPO"),
-    (("jsonl_path", "tar_path", "synthetic_pairs", "chosen_key", "rejected_key"), DPOConfig, "DPO"),
-)
-
-
 def check_algorithm_keys(r: Recipe) -> list[Problem]:
-    """Keys that belong to another algorithm are errors, not silently ignored."""
-    problems = []
-    for keys, cls, name in _ONLY_FOR:
-        if isinstance(r.algo, cls):
+    """Keys that belong to another algorithm are errors, not silently ignored: every key some
+    algorithm owns (``AlgoSpec.owned_keys``) and this recipe's algorithm does not read."""
+    spec, problems = spec_of(r), []
+    owned = dict.fromkeys(k for s in ALGORITHMS.values() for k in s.owned_keys)
+    for key in owned:
+        value = _lookup(r, key)
+        if spec.reads(key) or not _set(value):
             continue
-        for k in keys:
-            if _set(getattr(r.data, k)):
-                problems.append(Problem(f"data.{k}", f"only used by {name}, but algo.kind is "
-                                        f"{r.algo.kind!r}", got=getattr(r.data, k),
-                                        hint="remove the key"))
-    if _set(r.data.validation.jsonl_path) and not isinstance(r.algo, DPOConfig):
-        problems.append(Problem("data.validation.jsonl_path", "only used by DPO",
-                                got=r.data.validation.jsonl_path, hint="use data.validation.path"))
-    if _set(r.data_packer.teacher_model_factory) and not (
-        isinstance(r.algo, OPDConfig) and r.algo.mode == "cross_token_multimodal"
-    ):
-        problems.append(Problem(
-            "data_packer.teacher_model_factory",
-            "only used by OPD in mode 'cross_token_multimodal'",
-            got=r.data_packer.teacher_model_factory,
-            hint="remove it, or set algo.kind = 'opd' and algo.mode = 'cross_token_multimodal'"))
+        problems.append(Problem(key, f"only used by {titles(lambda s, k=key: s.reads(k))}, but "
+                                f"algo.kind is {r.algo.kind!r}", got=value,
+                                hint=OWNED_KEY_HINTS.get(key, "remove the key")))
     return problems
 
 
@@ -124,9 +106,8 @@ def check_validation_source(r: Recipe) -> list[Problem]:
 
 def batch_key(r: Recipe) -> tuple[str, int]:
     """The recipe key that sets the global batch of items per step, and its value."""
-    if r.algo.kind == "dpo":
-        return "algo.pairs_per_step", r.algo.pairs_per_step
-    return "algo.prompts_per_step", r.algo.prompts_per_step
+    spec = spec_of(r)
+    return spec.batch_key, spec.items_per_step(r.algo)
 
 
 def check_launch(r: Recipe) -> list[Problem]:
@@ -186,26 +167,19 @@ def check_ray_keys(r: Recipe) -> list[Problem]:
     return p
 
 
-def _env_set(r: Recipe) -> bool:
-    return bool(r.env.factory or r.env.tools)
-
-
 def check_env(r: Recipe) -> list[Problem]:
-    """``[env]``: multi-turn episodes where a rollout loop plays them (GRPO, PPO, OPD with one
-    vocabulary), with bounds that leave room for a turn."""
+    """``[env]``: multi-turn episodes where a rollout loop plays them (the algorithms that
+    sample online; OPD's mode is OPD's own check), with bounds that leave room for a turn."""
     e = r.env
-    if not _env_set(r):
+    if not env_enabled(r):
         return []
     p: list[Problem] = []
-    kind = r.algo.kind
-    if kind == "dpo":
+    spec = spec_of(r)
+    if not spec.samples_online:
         key = "env.factory" if e.factory else "env.tools"
-        p.append(Problem(key, "DPO trains on given pairs and plays no episodes",
-                         got=e.factory or e.tools, hint="remove the [env] table, or use GRPO, "
-                         "PPO or OPD"))
-    if kind == "opd" and r.algo.mode != "same_tokenizer":
-        p.append(Problem("algo.mode", "[env] episodes need mode 'same_tokenizer' (the teacher "
-                         "scores the episode's own tokens)", got=r.algo.mode))
+        p.append(Problem(key, f"{spec.title} trains on given pairs and plays no episodes",
+                         got=e.factory or e.tools, hint="remove the [env] table, or use "
+                         + titles(lambda s: s.samples_online)))
     p += _range("env.max_turns", e.max_turns, 1 <= e.max_turns <= 1024, "in [1, 1024]")
     p += _range("env.max_total_tokens", e.max_total_tokens,
                 2 <= e.max_total_tokens <= MAX_PER_STEP, f"in [2, {MAX_PER_STEP:,}]")
@@ -272,10 +246,6 @@ def check_logging(r: Recipe) -> list[Problem]:
     return []
 
 
-def _range(key: str, value: float, ok: bool, rule: str) -> list[Problem]:
-    return [] if ok else [Problem(key, f"must be {rule}", got=value)]
-
-
 def check_ranges(r: Recipe) -> list[Problem]:
     d: DataConfig = r.data
     p: list[Problem] = []
@@ -328,7 +298,7 @@ def check_ranges(r: Recipe) -> list[Problem]:
     if r.reward.weights and len(r.reward.weights) != len(r.reward.functions):
         p.append(Problem("reward.weights", f"needs one weight per function "
                          f"({len(r.reward.functions)})", got=r.reward.weights))
-    return p + _ALGO_RANGES[r.algo.kind](r)
+    return p + spec_of(r).checks(r)
 
 
 def _eval_ranges(r: Recipe) -> list[Problem]:
@@ -350,109 +320,6 @@ def _eval_ranges(r: Recipe) -> list[Problem]:
     return p
 
 
-def _off_policy_ranges(r: Recipe) -> list[Problem]:
-    """algo.max_off_policy_steps: >= 0 (each rank samples ahead on a producer thread of its own,
-    with its own engine or its Ray rollout actor)."""
-    k = r.algo.max_off_policy_steps
-    p = _range("algo.max_off_policy_steps", k, k >= 0, ">= 0 (0: synchronous)")
-    p += _range("rollout.producer_threads", r.rollout.producer_threads,
-                r.rollout.producer_threads >= 0, ">= 0 (0: torch's default)")
-    return p
-
-
-def _grpo_ranges(r: Recipe) -> list[Problem]:
-    a = r.algo
-    p = _range("algo.group_size", a.group_size, a.group_size >= 2, ">= 2 (advantages compare "
-               "completions within a group)")
-    p += _range("algo.prompts_per_step", a.prompts_per_step, a.prompts_per_step >= 1, ">= 1")
-    p += _range("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1")
-    p += _range("algo.minibatches", a.minibatches, a.minibatches >= 1, ">= 1")
-    p += _range("algo.clip_eps_low", a.clip_eps_low, 0 <= a.clip_eps_low < 1, "in [0, 1)")
-    p += _range("algo.clip_eps_high", a.clip_eps_high, a.clip_eps_high >= 0, ">= 0")
-    p += _range("algo.kl_beta", a.kl_beta, a.kl_beta >= 0, ">= 0")
-    rollouts = a.prompts_per_step * a.group_size
-    if a.minibatches >= 1 and rollouts % a.minibatches:
-        p.append(Problem("algo.minibatches", f"must divide prompts_per_step x group_size "
-                         f"({rollouts})", got=a.minibatches))
-    if not r.reward.functions and not _env_set(r):
-        p.append(Problem("reward.functions", "GRPO needs at least one reward function (or an "
-                         "[env] whose episodes are rewarded)", got=[]))
-    p += _engine_is_ranges(r)
-    p += _off_policy_ranges(r)
-    if a.engine_is_correction and a.old_logprobs == "engine":
-        p.append(Problem("algo.engine_is_correction", "compares the policy's behaviour logprobs "
-                         "with the engine's, but algo.old_logprobs = 'engine' makes them the same",
-                         got=True,
-                         hint="set algo.old_logprobs = 'policy', or turn the correction off"))
-    return p
-
-
-def _engine_is_ranges(r: Recipe) -> list[Problem]:
-    a = r.algo
-    return _range("algo.engine_is_cap", a.engine_is_cap, a.engine_is_cap >= 1, ">= 1")
-
-
-def _dpo_ranges(r: Recipe) -> list[Problem]:
-    a = r.algo
-    p = _range("algo.beta", a.beta, a.beta > 0, "> 0")
-    p += _range("algo.pairs_per_step", a.pairs_per_step, a.pairs_per_step >= 1, ">= 1")
-    # 0.5 would make the loss symmetric in chosen and rejected: nothing left to learn.
-    p += _range("algo.label_smoothing", a.label_smoothing, 0 <= a.label_smoothing < 0.5,
-                "in [0, 0.5)")
-    if a.loss == "ipo" and a.label_smoothing:
-        p.append(Problem("algo.label_smoothing", "applies to the sigmoid loss only, but algo.loss "
-                         "is 'ipo'", got=a.label_smoothing,
-                         hint="set algo.label_smoothing = 0, or algo.loss = 'sigmoid'"))
-    p += _range("algo.sft_weight", a.sft_weight, a.sft_weight >= 0, ">= 0")
-    return p
-
-
-def _ppo_ranges(r: Recipe) -> list[Problem]:
-    a = r.algo
-    p = _range("algo.prompts_per_step", a.prompts_per_step, a.prompts_per_step >= 1, ">= 1")
-    p += _range("algo.samples_per_prompt", a.samples_per_prompt, a.samples_per_prompt >= 1, ">= 1")
-    p += _range("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1")
-    p += _range("algo.minibatches", a.minibatches, a.minibatches >= 1, ">= 1")
-    p += _range("algo.clip_eps", a.clip_eps, 0 < a.clip_eps < 1, "in (0, 1)")
-    p += _range("algo.value_clip_eps", a.value_clip_eps, a.value_clip_eps > 0, "> 0")
-    p += _range("algo.gamma", a.gamma, 0 <= a.gamma <= 1, "in [0, 1]")
-    p += _range("algo.lam", a.lam, 0 <= a.lam <= 1, "in [0, 1]")
-    p += _range("algo.kl_coef", a.kl_coef, a.kl_coef >= 0, ">= 0")
-    p += _range("algo.critic_lr", a.critic_lr, a.critic_lr >= 0, ">= 0")
-    rollouts = a.prompts_per_step * a.samples_per_prompt
-    if a.minibatches >= 1 and rollouts % a.minibatches:
-        p.append(Problem("algo.minibatches", f"must divide prompts_per_step x samples_per_prompt "
-                         f"({rollouts})", got=a.minibatches))
-    if not r.reward.functions and not _env_set(r):
-        p.append(Problem("reward.functions", "PPO needs at least one reward function (or an "
-                         "[env] whose episodes are rewarded)", got=[]))
-    return p + _engine_is_ranges(r) + _off_policy_ranges(r)
-
-
-def _opd_ranges(r: Recipe) -> list[Problem]:
-    a = r.algo
-    p = _range("algo.prompts_per_step", a.prompts_per_step, a.prompts_per_step >= 1, ">= 1")
-    p += _range("algo.samples_per_prompt", a.samples_per_prompt, a.samples_per_prompt >= 1, ">= 1")
-    p += _range("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1")
-    p += _range("algo.clip_eps", a.clip_eps, 0 < a.clip_eps < 1, "in (0, 1)")
-    p += _range("algo.kl_coef", a.kl_coef, a.kl_coef > 0, "> 0")
-    if not a.teacher_path:
-        p.append(Problem("algo.teacher_path", "OPD needs a teacher model", got="",
-                         hint="set algo.teacher_path to a model folder or builtin:NAME"))
-    if a.full_kl and a.mode != "same_tokenizer":
-        p.append(Problem("algo.full_kl", "needs mode 'same_tokenizer' (one shared vocabulary)",
-                         got=True))
-    return p + _off_policy_ranges(r)
-
-
-_ALGO_RANGES: dict[str, Callable[[Recipe], list[Problem]]] = {
-    "grpo": _grpo_ranges,
-    "dpo": _dpo_ranges,
-    "ppo": _ppo_ranges,
-    "opd": _opd_ranges,
-}
-
-
 def check_sharding(r: Recipe) -> list[Problem]:
     """``train.sharding = "fsdp"`` where this version shards correctly: the policy of GRPO,
     DPO, OPD or PPO (with PPO's critic; full or LoRA), on local, torchrun or Ray ranks, in fp32 /
@@ -469,7 +336,7 @@ def check_sharding(r: Recipe) -> list[Problem]:
 
 RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
     check_prompt_source,
-    check_dpo_source,
+    check_pair_source,
     check_algorithm_keys,
     check_validation_source,
     check_launch,

@@ -17,7 +17,7 @@ from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.gen import make_dict_structure_fn
 
 from runner.errors import Problem
-from runner.recipe.schema import ALGO_KINDS, AlgoConfig, Recipe
+from runner.recipe.schema import ALGO_KINDS, DEFAULT_KIND, AlgoConfig, Recipe
 
 
 class _Invalid(Exception):
@@ -211,7 +211,7 @@ def _algo_hook(conv: cattrs.Converter) -> Callable:
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, Mapping):
             raise _mismatch(dict, value)
-        kind = value.get("kind", "grpo")
+        kind = value.get("kind", DEFAULT_KIND)
         cls = ALGO_KINDS.get(kind) if isinstance(kind, str) else None
         if cls is None:
             raise _Invalid(

@@ -16,19 +16,20 @@ def train_key(data: DataConfig) -> str:
     return "data.factory" if data.factory else "data.path" if data.path else "data.name"
 
 
-def held_out_reason(data: DataConfig, algo_kind: str) -> str:
+def held_out_reason(data: DataConfig, stream: str) -> str:
     """"" when a run of ``[data]`` evaluates on a held-out set; otherwise why it does not, as a
-    sentence for the dry-run plan and the start of the run.
+    sentence for the dry-run plan and the start of the run. ``stream`` is the data the
+    algorithm trains on (``AlgoSpec.stream``: "prompts" or "pairs").
 
-    DPO: held-out pairs whenever ``data.validation.enabled`` (a custom training source without a
-    held-out source is an error, raised when the sources are built: the overlap check needs both
-    sides' ``membership_ids()``). Prompt sources: the built-in prompts come with their held-out
-    set; a source of the user's needs one named beside it.
+    Preference pairs (DPO): held-out pairs whenever ``data.validation.enabled`` (a custom
+    training source without a held-out source is an error, raised when the sources are built:
+    the overlap check needs both sides' ``membership_ids()``). Prompt sources: the built-in
+    prompts come with their held-out set; a source of the user's needs one named beside it.
     """
     v = data.validation
     if not v.enabled:
         return "off: data.validation.enabled is false"
-    if algo_kind == "dpo":
+    if stream == "pairs":
         return ""
     if (v.factory or v.path or (data.name and v.split)
             or not (data.factory or data.path or data.name)):

@@ -18,7 +18,7 @@ import attrs
 from runner.errors import Problem, RecipeError
 from runner.recipe.checks import check_limits, check_recipe
 from runner.recipe.converter import structure_recipe
-from runner.recipe.schema import ALGO_KINDS, FREEFORM_KEYS, Recipe
+from runner.recipe.schema import ALGO_KINDS, DEFAULT_KIND, FREEFORM_KEYS, Recipe
 
 OVERRIDE_SOURCE = "command line"
 RESOLVED_TABLE = "resolved"  # informational table of recipe.resolved.toml, ignored on load
@@ -110,7 +110,7 @@ def _schema_node(path: list[str], algo_kind: str) -> tuple[type | None, str]:
             return cls, part
         tp = names[part].type
         if cls is Recipe and part == "algo":
-            tp = ALGO_KINDS.get(algo_kind, ALGO_KINDS["grpo"])
+            tp = ALGO_KINDS.get(algo_kind, ALGO_KINDS[DEFAULT_KIND])
         cls = tp
     return None, ""
 
@@ -130,9 +130,11 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[Override]) -> list[
             node = child
         else:
             node[parts[-1]] = ov.value
-    kind = raw.get("algo", {}).get("kind", "grpo") if isinstance(raw.get("algo"), dict) else "grpo"
+    algo = raw.get("algo")
+    kind = algo.get("kind", DEFAULT_KIND) if isinstance(algo, dict) else DEFAULT_KIND
     for ov in overrides:
-        cls, unknown = _schema_node(ov.key.split("."), kind if isinstance(kind, str) else "grpo")
+        cls, unknown = _schema_node(ov.key.split("."),
+                                    kind if isinstance(kind, str) else DEFAULT_KIND)
         if unknown and cls is not None and attrs.has(cls):
             valid = [f.name for f in attrs.fields(cls)]
             close = difflib.get_close_matches(unknown, valid, n=1)

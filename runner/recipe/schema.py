@@ -4,7 +4,7 @@ Nothing here imports torch. Empty strings (and empty lists, zero counts) mean "n
 no null, and this keeps a resolved recipe round-trippable.
 """
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import attrs
 
@@ -273,12 +273,10 @@ class OPDConfig:
 
 
 AlgoConfig = GRPOConfig | DPOConfig | PPOConfig | OPDConfig
-ALGO_KINDS: dict[str, type] = {
-    "grpo": GRPOConfig,
-    "dpo": DPOConfig,
-    "ppo": PPOConfig,
-    "opd": OPDConfig,
-}
+# kind tag -> config class, read off the union (the converter's tagged-union table); what else
+# the package knows of each kind is its spec, runner.recipe.algos.ALGORITHMS.
+ALGO_KINDS: dict[str, type] = {attrs.fields(c).kind.default: c for c in get_args(AlgoConfig)}
+DEFAULT_KIND = attrs.fields(GRPOConfig).kind.default  # an [algo] table without kind
 
 
 @attrs.frozen

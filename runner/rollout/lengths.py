@@ -31,6 +31,7 @@ import attrs
 
 from runner.data.prompt_text import prompt_chars
 from runner.errors import Problem, RecipeError
+from runner.recipe.rules import env_enabled
 from runner.types import ObsBundle
 
 ROUND_TO = 64  # a derived max_model_len is rounded up to a multiple of this
@@ -134,7 +135,7 @@ def derived_limit(recipe: Any, model_path: str | Path, tokens: Iterable[int]) ->
     model's context."""
     context = model_context(model_path)
     longest = max(tokens, default=0)
-    episodes = bool(recipe.env.factory or recipe.env.tools)
+    episodes = env_enabled(recipe)
     # An episode's every engine call fits in env.max_total_tokens (the turns are cut to it).
     need = recipe.env.max_total_tokens if episodes else generated_tokens(recipe) + longest
     wanted = -(-need // ROUND_TO) * ROUND_TO

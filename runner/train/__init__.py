@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
+from runner.recipe.algos import spec_of
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
-from runner.train import dpo, grpo, opd, ppo
 from runner.train.assemble import RunContext, assemble
 from runner.train.loop import AgreedStop
 from runner.train.roles import RoleProvider
 from runner.ui import SilentReporter, make_reporter
 
-# algorithm kind -> its loop: runs the assembled run to its last step, returns {"step": ...}
-LOOPS: dict[str, Callable[[RunContext], dict[str, Any]]] = {
-    "grpo": grpo.run,
-    "dpo": dpo.run,
-    "ppo": ppo.run,
-    "opd": opd.run,
-}
+
+def loop_of(recipe: Recipe) -> Callable[[RunContext], dict[str, Any]]:
+    """The recipe's training loop (``AlgoSpec.loop``): runs the assembled run to its last step,
+    returns {"step": ...}."""
+    return importlib.import_module(spec_of(recipe).loop).run
 
 
 def _eval(recipe: Recipe, plan: RunPlan, **kwargs: Any) -> int:
@@ -44,7 +43,7 @@ def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collect
         return JOBS[job["command"]](recipe, plan, ctx=ctx, comm=comm, job=job, plain=plain,
                                     actors=actors)
     started = time.monotonic()
-    loop = LOOPS[recipe.algo.kind]
+    loop = loop_of(recipe)
     # Leaving the block by any path (an error, Ctrl-C) tears the live view down first.
     with make_reporter(plain) if ctx.is_main else SilentReporter() as reporter:
         run = assemble(recipe, plan, ctx=ctx, comm=comm, reporter=reporter, source=source,

@@ -25,6 +25,7 @@ from runner.packers.base import DataPacker
 from runner.precision import Precision, device_type, resolve
 from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
+from runner.recipe.algos import spec_of
 from runner.recipe.checks import batch_key, trackers_of
 from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
@@ -54,7 +55,7 @@ from runner.train.roles import (
 )
 from runner.train.seeds import seed_everything
 from runner.train.services import RunServices
-from runner.train.streams import OPEN, OpenedData, Streamed
+from runner.train.streams import OpenedData, Streamed, open_data
 from runner.train.teacher import Teacher
 from runner.types import ObsBundle
 from runner.ui import MetricsLog, Reporter
@@ -82,7 +83,7 @@ class RunState:
 
     start_step: int
     ckpt: LoadedCheckpoint | None
-    data: PromptData | PreferenceData  # the algorithm's kind (runner.train.streams.OPEN)
+    data: PromptData | PreferenceData  # the algorithm's stream (runner.train.streams.open_data)
     parts: dict[str, str]  # the data's fingerprint parts (saved with the cursor)
     val_items: list[ObsBundle]  # this rank's shard of the held-out prompts
     has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
@@ -333,7 +334,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     if ckpt is not None:
         step("checkpoint", lambda: check_world_change(recipe, plan, ckpt))
         step("checkpoint", lambda: refuse_pickled(ckpt))
-    opened = step("data", lambda: OPEN[recipe.algo.kind](recipe, ctx))
+    opened = step("data", lambda: open_data(recipe, ctx))
     parts = opened.fingerprint_parts() if opened else {}
     cursor = step("data", lambda: resume_cursor(recipe, ckpt, parts))  # before any model
     streamed = step("data", lambda: opened.stream(recipe, ctx, cursor))
@@ -411,7 +412,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     svc = RunServices(recipe=recipe, plan=plan, rank=ctx, comm=comm, reporter=reporter,
                       metrics=_metrics_log(plan, ctx, ckpt), precision=precision,
                       accelerator=accelerator, stop_poll=stop, lock=lock)
-    reason = held_out_reason(recipe.data, recipe.algo.kind)
+    reason = held_out_reason(recipe.data, spec_of(recipe).stream)
     if reason:
         reporter.message(f"held-out evaluation: {reason}")
     assert streamed is not None and data is not None  # the handshake raised otherwise

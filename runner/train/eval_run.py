@@ -35,7 +35,7 @@ from runner.train.handshake import handshake, model_files_hash
 from runner.train.roles import RoleProvider, Rollout
 from runner.train.rollouts import generate_held_out, prompt_passes
 from runner.train.seeds import seed_everything
-from runner.train.streams import OPEN
+from runner.train.streams import open_data
 from runner.types import ObsBundle
 from runner.ui import Reporter, SilentReporter, make_reporter
 
@@ -76,7 +76,7 @@ def _build(recipe: Recipe, ctx: RankContext, comm: Collective, job: dict[str, An
     seed_everything(recipe.run.seed, recipe.run.deterministic)
     ckpt = Path(job["checkpoint"]) if job.get("checkpoint") else None
     step = BuildSteps()
-    opened = step("data", lambda: OPEN[recipe.algo.kind](recipe, ctx))
+    opened = step("data", lambda: open_data(recipe, ctx))
     streamed = step("data", lambda: opened.stream(recipe, ctx, None))
     m = recipe.model
     base = step("policy", lambda: resolve_model_path(m.path))

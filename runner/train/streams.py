@@ -3,7 +3,8 @@
 fingerprint parts with the checkpoint's cursor, then builds this rank's stream resumed at that
 cursor, with its shard of the held-out prompts that evaluation generates from.
 
-Which kind an algorithm uses is one table, ``OPEN``; the assembly has no branch on the kind.
+Which kind an algorithm uses is its spec's ``stream``; ``open_data`` opens it, so the assembly
+has no branch on the kind.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from runner.data.pairs import PreferencePair
 from runner.data.preference import DatasetPreferenceEnv, PreferenceData
 from runner.data.sources import PromptSource, build_prompt_sources
 from runner.ranks.context import RankContext
+from runner.recipe.algos import spec_of
 from runner.recipe.schema import Recipe
 from runner.types import ObsBundle
 
@@ -108,13 +110,16 @@ def open_pairs(recipe: Recipe, ctx: RankContext) -> OpenedPairs:
                                                         world=ctx.world_size))
 
 
-# algorithm kind -> how its data is opened
-OPEN: dict[str, Callable[[Recipe, RankContext], OpenedData]] = {
-    "grpo": open_prompts,
-    "ppo": open_prompts,
-    "opd": open_prompts,
-    "dpo": open_pairs,
+# the data an algorithm trains on (AlgoSpec.stream) -> how it is opened
+_OPENERS: dict[str, Callable[[Recipe, RankContext], OpenedData]] = {
+    "prompts": open_prompts,
+    "pairs": open_pairs,
 }
+
+
+def open_data(recipe: Recipe, ctx: RankContext) -> OpenedData:
+    """This rank's data for the recipe's algorithm: its prompt sources or preference pairs."""
+    return _OPENERS[spec_of(recipe).stream](recipe, ctx)
 
 
 def pair_item(pair: PreferencePair) -> ObsBundle:

@@ -1,0 +1,42 @@
+"""Rules shared by the algorithms that train on their own samples (GRPO, PPO, OPD)."""
+
+from __future__ import annotations
+
+from runner.errors import Problem
+from runner.recipe.rules import env_enabled, in_range
+from runner.recipe.schema import Recipe
+
+MEDIA_KEYS = ("data.image_column", "data.video_column")
+
+
+def off_policy_ranges(r: Recipe) -> list[Problem]:
+    """algo.max_off_policy_steps: >= 0 (each rank samples ahead on a producer thread of its own,
+    with its own engine or its Ray rollout actor)."""
+    k = r.algo.max_off_policy_steps
+    p = in_range("algo.max_off_policy_steps", k, k >= 0, ">= 0 (0: synchronous)")
+    p += in_range("rollout.producer_threads", r.rollout.producer_threads,
+                  r.rollout.producer_threads >= 0, ">= 0 (0: torch's default)")
+    return p
+
+
+def engine_is_ranges(r: Recipe) -> list[Problem]:
+    a = r.algo
+    return in_range("algo.engine_is_cap", a.engine_is_cap, a.engine_is_cap >= 1, ">= 1")
+
+
+def needs_rewards(r: Recipe, title: str) -> list[Problem]:
+    """An algorithm whose loss uses rewards needs a reward function or a rewarded [env]."""
+    if r.reward.functions or env_enabled(r):
+        return []
+    return [Problem("reward.functions", f"{title} needs at least one reward function (or an "
+                    "[env] whose episodes are rewarded)", got=[])]
+
+
+def minibatches_divide(r: Recipe, per_prompt_key: str) -> list[Problem]:
+    """``algo.minibatches`` splits a step's sequences evenly."""
+    a = r.algo
+    rollouts = a.prompts_per_step * getattr(a, per_prompt_key)
+    if a.minibatches >= 1 and rollouts % a.minibatches:
+        return [Problem("algo.minibatches", f"must divide prompts_per_step x {per_prompt_key} "
+                        f"({rollouts})", got=a.minibatches)]
+    return []
