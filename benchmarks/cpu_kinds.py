@@ -10,8 +10,8 @@ Emulation covers the kernels torch picks, not everything a CPU kind changes (its
 reductions inside vendor libraries, its bf16 support): a CPU of another kind is still the
 final word, which is why the README says which kinds the suite ran on.
 
-Run: ``.venv/bin/python benchmarks/cpu_kinds.py [--quick] [--levels default,avx2] [-- PYTEST_ARGS]``.
-Exits non-zero when a test fails under any level.
+Run: ``.venv/bin/python benchmarks/cpu_kinds.py [--quick] [--levels default,avx2]
+[-- PYTEST_ARGS]``. Exits non-zero when a test fails under any level.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ def tools_folder(tmp_path_factory) -> Path:
 def _check_tools_tokenizer(folder: Path) -> None:
     from transformers import AutoTokenizer
 
-    from runner.models.tiny_tools import TOOLS, tool_call_text
+    from runner.models.transcripts import TOOLS, tool_call_text
 
     tok = AutoTokenizer.from_pretrained(folder)
     assert type(tok).__name__ == "Qwen2Tokenizer"
@@ -203,11 +203,11 @@ def test_tools_template_is_append_only(tools_folder):
     from transformers import AutoTokenizer
 
     from runner.data.arithmetic import problems
-    from runner.models.tiny_tools import (
+    from runner.models.tiny_tools import conversation_ids
+    from runner.models.transcripts import (
         TOOLS,
         Conversation,
         arithmetic_transcript,
-        conversation_ids,
         guess_transcript,
     )
 
@@ -235,7 +235,7 @@ def test_tools_transcripts_follow_their_rules():
     import random
 
     from runner.data.arithmetic import Problem
-    from runner.models.tiny_tools import (
+    from runner.models.transcripts import (
         GUESS_MAX_TURNS,
         arithmetic_transcript,
         guess_reply,

@@ -25,7 +25,7 @@ ASCII text, with other special tokens, other ids and another template::
 A user or system turn ends with a newline, the assistant turn with the eos token ``</s>``.
 
 ``tools`` (tiny-arith-tools): the special tokens, ids and text pipeline of ``bpe``, a byte-level
-BPE trained on the text of the tool and guess transcripts (``runner.models.tiny_tools``), no
+BPE trained on the text of the tool and guess transcripts (``runner.models.transcripts``), no
 whole-number tokens (every digit is a token of its own), and four added tokens that are *not*
 special, so that decoding with ``skip_special_tokens=True`` keeps them: ``<tool_call>``,
 ``</tool_call>``, ``<tool_response>``, ``</tool_response>``. Its template opens with a system
@@ -63,6 +63,7 @@ from tokenizers import (
 )
 
 from runner.data.arithmetic import problems
+from runner.models.transcripts import corpus_texts
 
 # Must equal transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX (a test checks it).
 QWEN2_PRETOKENIZE_REGEX = (
@@ -212,8 +213,6 @@ def train_bpe() -> Tokenizer:
 def tools_corpus() -> list[str]:
     """The text of the warm-up transcripts of ``tiny-arith-tools``, markers cut out (they are
     added tokens, never merged), in a fixed order."""
-    from runner.models.tiny_tools import corpus_texts  # torch-free; imported late (no cycle)
-
     texts = []
     for text in corpus_texts():
         for marker in TOOL_MARKERS:
