@@ -184,10 +184,11 @@ class EnvRunner:
             raise self._fail(step, ep.item, turn, f"step() returned {_brief(out)}, not a "
                              "runner.envs.EnvStep")
         self._messages(out.messages, "step()", ROLES_FROM_ENV, step, ep.item, turn)
-        if _finite(out.reward) is None:
+        reward = _finite(out.reward)
+        if reward is None:
             raise self._fail(step, ep.item, turn, f"step() returned the reward "
                              f"{show_value(out.reward)}, not a finite number")
-        if abs(out.reward) > MAX_REWARD:
+        if abs(reward) > MAX_REWARD:
             raise self._fail(step, ep.item, turn, f"step() returned the reward "
                              f"{show_value(out.reward)}, beyond the largest reward "
                              f"({MAX_REWARD:g} in magnitude)")
@@ -340,7 +341,6 @@ class EnvRunner:
         ep.ids += ids
         ep.logprobs += [0.0] * len(ids)
         ep.mask += [0] * len(ids)
-
 
     def _room(self, ep: _Episode) -> int | None:
         """The most characters the episode's remaining tokens can spell (None: unknown)."""
