@@ -338,6 +338,12 @@ def test_an_environment_that_breaks_its_contract_is_named(packer, factory, messa
         play(run, Scripted([[20, 2], [20, 2]]))
 
 
+def test_numpy_numbers_and_booleans_are_accepted(packer):
+    (ep,) = play(runner_for(packer, "env.factory=tests.extmods.envs.done_as_numpy"),
+                 Scripted([[20, 2]]))
+    assert (ep.env_reward, ep.stats["found"], ep.stats["truncated"]) == (0.5, 1.0, 0.0)
+
+
 def test_an_environment_that_never_returns_is_named(packer):
     run = runner_for(packer, "env.factory=tests.extmods.envs.hangs_in_step",
                      "env.step_timeout_s=0.2")

@@ -167,3 +167,9 @@ def rewards_that_add_up():
 
 def huge_answer():
     return _Steps(EnvStep(messages=[{"role": "user", "content": "7" * 50_000_000}]))
+
+
+def done_as_numpy():
+    import numpy as np
+
+    return _Steps(EnvStep(reward=np.float32(0.5), done=np.bool_(True), info={"found": np.int64(1)}))
