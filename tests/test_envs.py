@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runner.envs.episodes import EnvRunner
-from runner.envs.tools import ToolBox, tool_schema
+from runner.envs.tools import MAX_TOOL_RESULT_CHARS, ToolBox, ToolResult, cut_text, tool_schema
 from runner.errors import RecipeError, RuntimeFailure
 from runner.models.builtin import builtin_folder
 from runner.packers.chat import ToolCall, parse_hermes_tool_calls
@@ -243,6 +243,73 @@ def test_a_tool_episode_goes_on_after_a_failed_call(tool_packer):
     assert ep.completion.text == "42" and sum(ep.loss_mask) == sum(len(r) for r in replies)
 
 
+def test_a_tool_result_that_cannot_be_rendered_becomes_a_tool_message():
+    """The conversion to text runs inside the guard: a result whose str() raises, one nested
+    beyond the recursion limit, and an exception whose str() raises each become an error
+    message; a lone surrogate is replaced (U+FFFD), not fatal."""
+    box = ToolBox({"unprintable": E.unprintable, "deep": E.deep, "surrogate": E.surrogate,
+                   "raises_unprintable": E.raises_unprintable}, timeout_s=5.0)
+    bad = box.call(ToolCall("unprintable", {}))
+    assert bad.failed and bad.content == ("error: unprintable returned a _NoText that cannot be "
+                                          "rendered as text: ValueError: no text for you")
+    deep = box.call(ToolCall("deep", {}))
+    assert deep.failed and deep.content.startswith(
+        "error: deep returned a list that cannot be rendered as text: RecursionError: ")
+    assert box.call(ToolCall("surrogate", {})) == ToolResult("x\ufffdy", False)
+    raised = box.call(ToolCall("raises_unprintable", {}))
+    assert raised.failed and raised.content == ("error: raises_unprintable raised _Unspeakable "
+                                                "(its message cannot be rendered)")
+
+
+def test_an_episode_goes_on_after_tool_results_that_cannot_be_rendered(tool_packer):
+    calls = "".join(f'<tool_call>{{"name": "{n}", "arguments": {{}}}}</tool_call>'
+                    for n in ("surrogate", "unprintable", "deep"))
+    replies = [ids(tool_packer, calls) + [2], ids(tool_packer, "42") + [2]]
+    run = runner_for(tool_packer, "env.tools=[\"tests.extmods.envs.surrogate\", "
+                     "\"tests.extmods.envs.unprintable\", \"tests.extmods.envs.deep\"]")
+    (ep,) = play(run, Scripted(replies), max_new_tokens=256)
+    tool_msgs = [m["content"] for m in ep.messages if m["role"] == "tool"]
+    assert tool_msgs[0] == "x\ufffdy" and len(tool_msgs) == 3
+    assert ep.stats["turns"] == 2.0 and ep.stats["tool_failures"] == 2.0
+    assert ep.completion.text == "42"
+
+
+def test_a_huge_tool_result_is_cut_to_a_fixed_number_of_characters():
+    out = ToolBox({"huge": E.huge}, timeout_s=30.0).call(ToolCall("huge", {"n": 50_000_000}))
+    marker = "\n[cut: 50,000,000 characters in all]"
+    assert out == ToolResult("7" * (MAX_TOOL_RESULT_CHARS - len(marker)) + marker, False)
+
+
+class Spy(DecoderOnlyLLMDataPacker):
+    """Records the most characters of one message it was asked to render."""
+
+    longest = 0
+
+    def env_message_ids(self, conversation, new_messages, tools=None):
+        Spy.longest = max([Spy.longest, *(len(m["content"]) for m in new_messages)])
+        return super().env_message_ids(conversation, new_messages, tools)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("env.tools=[\"tests.extmods.envs.huge\"]",),
+    ("env.tools=[\"tests.extmods.envs.huge\"]", "env.factory=tests.extmods.envs.huge_answer")])
+def test_what_the_context_cannot_hold_is_never_tokenised(overrides):
+    """A tool's result is cut to the characters the episode's remaining tokens can spell (the
+    tokens left times the longest vocabulary entry, 16 characters here); an environment's
+    answer beyond them ends the episode (truncated) unrendered."""
+    packer = Spy()
+    packer.setup(str(builtin_folder("tiny-arith-tools")))
+    Spy.longest = 0
+    reply = ('<tool_call>{"name": "huge", "arguments": {"n": 300000}}</tool_call>'
+             if len(overrides) == 1 else "12")
+    (ep,) = play(runner_for(packer, *overrides), Scripted([ids(packer, reply) + [2]]),
+                 max_new_tokens=256)
+    room = 512 - len(ep.prompt_ids) - len(ids(packer, reply)) - 1
+    assert ep.stats["truncated"] == 1.0
+    assert Spy.longest == (room * 16 if len(overrides) == 1 else 0)
+    assert cut_text("7" * 300_000, room * 16).endswith("\n[cut: 300,000 characters in all]")
+
+
 # --- the environment's failures: one line naming its path, the item and the turn ------------
 
 @pytest.mark.parametrize("factory, message", [
@@ -252,11 +319,29 @@ def test_a_tool_episode_goes_on_after_a_failed_call(tool_packer):
                          r"turn 0\)"),
     ("raises_in_step", r"step\(\) raised KeyError: 'no such door' \(item 'q17', turn 0\)"),
     ("not_an_env", r"the factory returned a int, which has no reset\(\) method"),
+    ("done_is_a_string", r"step\(\) returned done = a str \('no'\), not a bool \(item 'q17', "
+                         r"turn 0\)"),
+    ("info_names_turns", r"step\(\) returned info\['turns'\], a name the runner logs itself "
+                         r"\(env/turns\); rename it \(item 'q17', turn 0\)"),
+    ("info_not_a_dict", r"step\(\) returned info = a list \(\[\('solved', 1.0\)\]\), not a dict "
+                        r"of numbers by name \(item 'q17', turn 0\)"),
+    ("info_too_big", r"step\(\) returned info\['score'\] = an integer of about 401 digits, not "
+                     r"a finite number \(item 'q17', turn 0\)"),
+    ("reward_beyond_float32", r"step\(\) returned the reward 1e\+308, beyond the largest reward "
+                              r"\(1e\+15 in magnitude\) \(item 'q17', turn 0\)"),
+    ("rewards_that_add_up", r"the episode's env reward \(its turns' sum\) is 1.8e\+15, beyond the "
+                            r"largest reward \(1e\+15 in magnitude\) \(item 'q17', turn 1\)"),
 ])
 def test_an_environment_that_breaks_its_contract_is_named(packer, factory, message):
     run = runner_for(packer, f"env.factory=tests.extmods.envs.{factory}")
     with pytest.raises(RuntimeFailure, match=rf"^env: tests.extmods.envs.{factory}: {message}"):
-        play(run, Scripted([[20, 2]]))
+        play(run, Scripted([[20, 2], [20, 2]]))
+
+
+def test_numpy_numbers_and_booleans_are_accepted(packer):
+    (ep,) = play(runner_for(packer, "env.factory=tests.extmods.envs.done_as_numpy"),
+                 Scripted([[20, 2]]))
+    assert (ep.env_reward, ep.stats["found"], ep.stats["truncated"]) == (0.5, 1.0, 0.0)
 
 
 def test_an_environment_that_never_returns_is_named(packer):

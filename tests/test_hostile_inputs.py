@@ -176,13 +176,15 @@ def _np(name: str, value: object) -> object:
     return getattr(np, name)(value)
 
 
+BEYOND = ("rewards must be at most 1e+15 in magnitude (they train as float32, where a group's "
+          "mean and variance must stay finite); scale the reward down")
 REWARD_CASES = {
-    "1e39 (inf as a float32)": (1e39, "reward at step 3: judge returned 1e+39 at index 0: it is "
-                                "infinite as a float32 (the training dtype of rewards; the "
-                                "largest finite value is 3.403e+38); scale the reward down"),
-    "-1e308": (-1e308, "reward at step 3: judge returned -1e+308 at index 0: it is infinite as a "
-               "float32 (the training dtype of rewards; the largest finite value is 3.403e+38); "
-               "scale the reward down"),
+    "1e39 (inf as a float32)": (1e39, f"reward at step 3: judge returned 1e+39 at index 0: "
+                                f"{BEYOND}"),
+    "-1e308": (-1e308, f"reward at step 3: judge returned -1e+308 at index 0: {BEYOND}"),
+    "3e38 (a float32 whose group mean overflows)": (
+        3e38, f"reward at step 3: judge returned 3e+38 at index 0: {BEYOND}"),
+    "inf": (float("inf"), f"reward at step 3: judge returned inf at index 0: {BEYOND}"),
     "nan": (float("nan"), "reward at step 3: judge returned nan at index 0: NaN is not a reward; "
             "return a finite number"),
     "a string": ("1.0", "reward at step 3: judge returned '1.0' at index 0: a str is not a "
@@ -204,19 +206,41 @@ def test_rewards_of_any_real_number_type_are_accepted(value):
     assert _reward_outcome(value) == [1.0, 1.0]
 
 
-def test_a_weighted_total_beyond_float32_is_refused():
+def test_a_weighted_total_beyond_the_bound_is_refused():
     from runner.errors import RewardFailure
     from runner.rewards import RewardSet
 
     def one(completions, items):
-        return [3e38] * len(completions)
+        return [9e14] * len(completions)
 
     rewards = RewardSet(("a", "b"), (one, one), (1.0, 1.0))
     with pytest.raises(RewardFailure) as info:
         rewards.score(["x"], [None], step=2)
-    assert str(info.value) == ("reward at step 2: the weighted total (reward.weights) is 6e+38 at "
-                               "item 0, not a finite float32; lower reward.weights or the "
-                               "rewards' scale")
+    assert str(info.value) == ("reward at step 2: the weighted total (reward.weights) is 1.8e+15 "
+                               "at item 0, beyond the largest reward (1e+15 in magnitude); lower "
+                               "reward.weights or the rewards' scale")
+
+
+def test_a_total_with_the_env_reward_beyond_the_bound_names_both():
+    """The functions' total and the episode's env reward are each within the bound; their sum
+    is not (it would overflow the float32 group statistics and be blamed on the policy)."""
+    from runner.errors import RewardFailure
+    from runner.rewards import RewardSet
+    from runner.rollout.base import Completion
+    from runner.train.rollouts import score
+    from runner.train.trajectory import Trajectory
+    from runner.types import ObsBundle
+
+    item = ObsBundle("p")
+    traj = Trajectory((item, item), ((1,), (1,)), (Completion((2,), "a", (0.0,), "stop"),) * 2,
+                      env_rewards=(0.0, 9e14))
+    rewards = RewardSet(("judge",), (lambda completions, items: [9e14] * len(completions),),
+                        (1.0,))
+    with pytest.raises(RewardFailure) as info:
+        score(traj, rewards, 4)
+    assert str(info.value) == ("reward at step 4: the reward functions' total plus the env "
+                               "reward is 1.8e+15 at item 1 (9e+14 + 9e+14), beyond the largest "
+                               "reward (1e+15 in magnitude); scale the rewards down")
 
 
 # --- a step whose loss or gradient is not finite ------------------------------------------------

@@ -174,6 +174,22 @@ def test_a_failing_producer_ends_the_step_naming_itself():
         producer.wait()
 
 
+def test_the_producer_never_samples_past_the_last_step():
+    """k = 300 on a 2-step run: the first take samples steps 1 and 2 only, and a start past
+    the last step samples nothing."""
+    sampled = []
+
+    def sample(step: int) -> tuple[Trajectory, list[int]]:
+        sampled.append(step)
+        return Trajectory((), (), ()), []
+
+    producer = Producer(sample, 300, last_step=2)
+    assert producer.take(1).step == 1 and sampled == [1, 2]
+    producer.start(3, version=1)
+    producer.wait()
+    assert producer.take(2).step == 2 and sampled == [1, 2]
+
+
 @pytest.mark.slow
 def test_ppo_with_k_1_killed_and_resumed_equals_its_uninterrupted_run(tmp_path):
     """PPO (policy and critic) with a batch in flight: the staleness schedule, and a kill

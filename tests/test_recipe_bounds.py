@@ -7,7 +7,7 @@ import pytest
 
 from runner.errors import Problem, RecipeError, safe_line, show_value
 from runner.recipe import load_recipe, recipe_from_mapping
-from runner.recipe.checks import MAX_ITEMS
+from runner.recipe.checks import MAX_ITEMS, _lookup
 
 GRPO = "recipes/grpo-arith.toml"
 
@@ -55,6 +55,37 @@ def test_arithmetic_pool_is_bounded():
         "command line: data.max_operand: the built-in arithmetic pool (max_operand - "
         "min_operand + 1)**2 x len(operators) must be at most 1,000,000 (got 100000). "
         "Narrow the operand range."]
+
+
+TIMEOUTS = ("reward.timeout_s", "env.step_timeout_s", "env.tool_timeout_s",
+            "launch.collective_timeout_s")
+
+
+@pytest.mark.parametrize("key", TIMEOUTS)
+def test_timeouts_are_bounded(key):
+    """1e300 s would overflow the thread joins and the collectives' timedelta."""
+    assert _problems(f"{key}=1e300") == [
+        f"command line: {key}: must be at most 604,800 seconds (a week) (got 1e+300)."]
+    assert _lookup(recipe_from_mapping({}, overrides=[f"{key}=604800"]), key) == 604800
+
+
+def test_max_off_policy_steps_is_bounded():
+    for kind in ("grpo", "ppo", "opd"):
+        raw = {"algo": {"kind": kind, "max_off_policy_steps": 10**9}}
+        assert _problems(raw=raw) == [
+            "r.toml: algo.max_off_policy_steps: must be at most 32 (got 1000000000)."]
+    recipe = recipe_from_mapping({}, overrides=["algo.max_off_policy_steps=32"])
+    assert recipe.algo.max_off_policy_steps == 32
+
+
+def test_a_timeout_beyond_the_bound_exits_2_in_one_line(run_cli):
+    rc, out, err = run_cli("--validate-manifest", GRPO, "env.tool_timeout_s=1e300",
+                           "algo.max_off_policy_steps=300")
+    assert rc == 2, (out, err)
+    assert err.strip().splitlines() == [
+        "command line: algo.max_off_policy_steps: must be at most 32 (got 300).",
+        "command line: env.tool_timeout_s: must be at most 604,800 seconds (a week) (got "
+        "1e+300)."], err
 
 
 def test_float_for_a_count_is_a_type_error():

@@ -16,9 +16,12 @@ single-turn rollout's. Per episode and turn:
 
 An episode ends when the environment says done, or truncated: a turn cut by the token limit (no
 eos), ``env.max_turns`` assistant turns, or no room left for the environment's answer and one
-more token. Its tokens are the prompt, then every turn's engine ids (trained: loss mask 1, the
-engine's logprobs) and the environment's ids (mask 0, never trained); its text for the recipe's
-reward functions is its last assistant reply; its env reward is the sum of its turns' rewards.
+more token (an answer with more characters than the remaining tokens can spell is not even
+rendered; a tool's result is first cut to the characters they can spell). Its tokens are the
+prompt, then every turn's engine ids (trained: loss mask 1, the engine's logprobs) and the
+environment's ids (mask 0, never trained); its text for the recipe's reward functions is its
+last assistant reply; its env reward is the sum of its turns' rewards (each turn's, and the
+sum, at most ``MAX_REWARD`` in magnitude).
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ from typing import Any
 import attrs
 
 from runner.envs import EnvStep
-from runner.envs.tools import ToolBox, run_with_timeout, tool_messages
-from runner.errors import Problem, RecipeError, RuntimeFailure
+from runner.envs.tools import ToolBox, cut_text, run_with_timeout, tool_messages
+from runner.errors import Problem, RecipeError, RuntimeFailure, show_value
 from runner.packers.chat import NotAppendOnly
+from runner.rewards.calls import MAX_REWARD
 from runner.rollout.base import Completion, SamplingConfig, prompt_seeds
+from runner.rollout.lengths import chars_per_token
 from runner.types import ObsBundle
 
 ROLES_FROM_ENV = ("user", "tool")
+RUNNER_STATS = ("turns", "tool_calls", "tool_failures", "truncated", "reward")  # env/NAME: ours
 
 
 @attrs.frozen
@@ -128,6 +134,11 @@ class EnvRunner:
         # The most tokens of an episode: env.max_total_tokens, and the engine's context
         # (``play`` lowers it to the engine's max_model_len: an episode reaching it is truncated).
         self.total = cfg.max_total_tokens
+        # The most characters one token spells (None: no vocabulary to read), so that text the
+        # remaining tokens cannot hold is never handed to the tokenizer.
+        tokenizer = getattr(packer, "tokenizer", None)
+        self.chars_per_token = (chars_per_token(tokenizer) if callable(
+            getattr(tokenizer, "get_vocab", None)) else None)
 
     # --- the environment's calls, each checked ------------------------------------------------
     def _fail(self, step: int | None, item: ObsBundle, turn: int, what: str) -> RuntimeFailure:
@@ -173,13 +184,33 @@ class EnvRunner:
             raise self._fail(step, ep.item, turn, f"step() returned {_brief(out)}, not a "
                              "runner.envs.EnvStep")
         self._messages(out.messages, "step()", ROLES_FROM_ENV, step, ep.item, turn)
-        if not (isinstance(out.reward, numbers.Real) and math.isfinite(out.reward)):
-            raise self._fail(step, ep.item, turn, f"step() returned the reward {out.reward!r}, "
-                             "not a finite number")
-        bad = [k for k, v in out.info.items() if not isinstance(v, numbers.Real)]
-        if bad:
-            raise self._fail(step, ep.item, turn, f"step() returned info[{bad[0]!r}] = "
-                             f"{_brief(out.info[bad[0]])}, not a number")
+        reward = _finite(out.reward)
+        if reward is None:
+            raise self._fail(step, ep.item, turn, f"step() returned the reward "
+                             f"{show_value(out.reward)}, not a finite number")
+        if abs(reward) > MAX_REWARD:
+            raise self._fail(step, ep.item, turn, f"step() returned the reward "
+                             f"{show_value(out.reward)}, beyond the largest reward "
+                             f"({MAX_REWARD:g} in magnitude)")
+        if not _is_bool(out.done):
+            raise self._fail(step, ep.item, turn, f"step() returned done = {_brief(out.done)}, "
+                             "not a bool")
+        if not isinstance(out.info, dict):
+            raise self._fail(step, ep.item, turn, f"step() returned info = {_brief(out.info)}, "
+                             "not a dict of numbers by name")
+        for k, v in out.info.items():
+            if not isinstance(k, str):
+                raise self._fail(step, ep.item, turn, f"step() returned info with the key "
+                                 f"{_brief(k)}, not a name (str)")
+            if k in RUNNER_STATS:
+                raise self._fail(step, ep.item, turn, f"step() returned info[{k!r}], a name the "
+                                 f"runner logs itself (env/{k}); rename it")
+            if not isinstance(v, numbers.Real):
+                raise self._fail(step, ep.item, turn, f"step() returned info[{k!r}] = "
+                                 f"{_brief(v)}, not a number")
+            if _finite(v) is None:
+                raise self._fail(step, ep.item, turn, f"step() returned info[{k!r}] = "
+                                 f"{show_value(v)}, not a finite number")
         return out
 
     def _rendered(self, render: Callable[[], list[int]], item: ObsBundle, turn: int,
@@ -268,22 +299,30 @@ class EnvRunner:
             ep.truncated = ep.done = True
             return
         calls = self.packer.parse_tool_calls(ep.last_reply) if self.tools else []
+        room = self._room(ep)
         if calls:
             new, failed = tool_messages(self.tools, calls)
+            if room is not None:
+                new = [{**m, "content": cut_text(m["content"], room)} for m in new]
             ep.tool_calls += len(calls)
             ep.tool_failures += failed
             done = False
         else:
             out = self._step(ep, step, turn)
             ep.reward += float(out.reward)
+            if abs(ep.reward) > MAX_REWARD:
+                raise self._fail(step, ep.item, turn, f"the episode's env reward (its turns' sum) "
+                                 f"is {ep.reward:g}, beyond the largest reward ({MAX_REWARD:g} in "
+                                 "magnitude)")
             for k, v in out.info.items():
                 ep.info[k] = ep.info.get(k, 0.0) + float(v)
             new, done = [dict(m) for m in out.messages], bool(out.done)
         if done:
             ep.done = True
             return
-        if turn + 1 >= self.cfg.max_turns:
-            ep.truncated = ep.done = True
+        if turn + 1 >= self.cfg.max_turns or (
+                room is not None and sum(len(m["content"]) for m in new) > room):
+            ep.truncated = ep.done = True  # the last turn, or no room for the answer's text
             return
         try:
             ids = self._rendered(lambda: self.packer.env_message_ids(
@@ -303,10 +342,32 @@ class EnvRunner:
         ep.logprobs += [0.0] * len(ids)
         ep.mask += [0] * len(ids)
 
+    def _room(self, ep: _Episode) -> int | None:
+        """The most characters the episode's remaining tokens can spell (None: unknown)."""
+        if self.chars_per_token is None:
+            return None
+        return max(0, self.total - ep.length) * self.chars_per_token
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (a string, NaN, inf, an integer beyond floats)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python or a numpy boolean."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in
+                                       ("bool_", "bool"))
+
 
 def _brief(value: Any) -> str:
-    from runner.errors import show_value
-
     return f"a {type(value).__name__} ({show_value(value)})"
 
 

@@ -5,17 +5,24 @@ A tool is described to the chat template as an OpenAI-style function schema (``t
 its name, the first paragraph of its docstring, and one JSON-schema property per parameter, typed
 from the annotation. The model's replies are parsed by its DataPacker (``parse_tool_calls``; the
 Qwen / Hermes syntax ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` by default), and
-each call runs in a daemon thread of its own under ``env.tool_timeout_s``. Whatever goes wrong in
-a call (malformed JSON, an unknown tool, arguments that do not bind, an exception, the time limit)
-becomes the tool message the model reads next, never a crash: a call still running at the
-deadline cannot be stopped from outside, so its thread is abandoned (it never blocks the process
-from exiting) and the episode goes on.
+each call runs in a daemon thread of its own under ``env.tool_timeout_s``, and so does the
+conversion of its result to text (``json.dumps``, else ``str``). Whatever goes wrong in a call
+(malformed JSON, an unknown tool, arguments that do not bind, an exception, a result that cannot
+be rendered as text, the time limit) becomes the tool message the model reads next, never a
+crash: a call still running at the deadline cannot be stopped from outside, so its thread is
+abandoned (it never blocks the process from exiting) and the episode goes on.
+
+A result's text is bounded before anything tokenises it: cut to ``MAX_TOOL_RESULT_CHARS``
+characters, ending in a line that says how long it was (the episode cuts it further, to what its
+remaining tokens can spell). Lone surrogates, which no
+tokenizer can encode, are replaced by U+FFFD.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import re
 import threading
 import types
 import typing
@@ -25,6 +32,9 @@ from typing import Any
 import attrs
 
 from runner.packers.chat import ToolCall
+
+MAX_TOOL_RESULT_CHARS = 65_536  # a tool message's characters at most
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
                list: "array", tuple: "array", dict: "object"}
@@ -115,19 +125,65 @@ class ToolBox:
             return ToolResult(f"error: {call.name}: {exc}", True)
         except ValueError:
             pass  # no signature to check against: let the call say
-        finished, value = run_with_timeout(lambda: fn(**call.arguments), self.timeout_s)
+        finished, value = run_with_timeout(lambda: _called(call.name, fn, call.arguments),
+                                           self.timeout_s)
         if not finished:
             return ToolResult(f"error: {call.name} timed out after {self.timeout_s:g} s", True)
-        if isinstance(value, BaseException):
-            return ToolResult(f"error: {call.name} raised {type(value).__name__}: {value}", True)
-        return ToolResult(value if isinstance(value, str) else _as_text(value), False)
+        if isinstance(value, BaseException):  # SystemExit and the like, past _called's guard
+            return ToolResult(f"error: {call.name} raised {type(value).__name__}", True)
+        return value
+
+
+def _called(name: str, fn: Callable[..., Any], arguments: dict[str, Any]) -> ToolResult:
+    """The tool message of ``fn(**arguments)``, made on the tool's own thread (under its time
+    limit): its result as text (cut to ``MAX_TOOL_RESULT_CHARS``), or what went wrong."""
+    try:
+        value = fn(**arguments)
+    except Exception as exc:  # noqa: BLE001 - a tool may raise anything: the model is told
+        return ToolResult(_clean(f"error: {name} raised {_describe(exc)}"), True)
+    try:
+        text = cut_text(_as_text(value), MAX_TOOL_RESULT_CHARS)
+    except Exception as exc:  # noqa: BLE001 - a result's __str__ may raise anything, or recurse
+        return ToolResult(_clean(f"error: {name} returned a {type(value).__name__} that cannot "
+                                 f"be rendered as text: {_describe(exc)}"), True)
+    return ToolResult(_clean(text), False)
 
 
 def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return str.__str__(value)
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
         return str(value)
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message``, or the type alone when the message cannot be rendered."""
+    try:
+        message = cut_text(str(exc), MAX_TOOL_RESULT_CHARS)
+    except Exception:  # noqa: BLE001 - an exception's own __str__ may raise
+        return f"{type(exc).__name__} (its message cannot be rendered)"
+    return f"{type(exc).__name__}: {message}"
+
+
+def _clean(text: str) -> str:
+    """``text`` with each lone surrogate (which no tokenizer encodes) replaced by U+FFFD."""
+    return _SURROGATES.sub("\ufffd", text)
+
+
+def cut_text(text: str, limit: int) -> str:
+    """``text`` unchanged when it has at most ``limit`` characters; else its start followed by a
+    line saying how long it was, ``limit`` characters in all.
+
+    >>> cut_text("abcdefghijklmnopqrstuvwxyz0123456789" * 2, 40)
+    'abcdefghijkl\\n[cut: 72 characters in all]'
+    """
+    if len(text) <= limit:
+        return text
+    marker = f"\n[cut: {len(text):,} characters in all]"
+    keep = limit - len(marker)
+    return text[:keep] + marker if keep > 0 else text[:max(0, limit)]
 
 
 def tool_messages(box: ToolBox, calls: Sequence[ToolCall]) -> tuple[list[dict[str, str]], int]:

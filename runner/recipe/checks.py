@@ -361,6 +361,7 @@ MAX_STEPS = 1_000_000_000  # run.max_steps and every "every N steps" key
 MAX_PER_STEP = 1_048_576  # per-step sizes: prompts, samples, pairs, epochs, minibatches, tokens
 MAX_TAR_MEMBER_BYTES = 1 << 34  # data.tar_member_max_bytes (16 GiB)
 MAX_TAR_BYTES = 1 << 40  # data.tar_max_bytes (1 TiB)
+MAX_TIMEOUT_S = 604_800  # every *_timeout_s key: a week (beyond it, thread joins overflow)
 
 _ITEM_KEYS = ("data.count", "data.validation.size", "data.synthetic_pairs")
 _STEP_KEYS = ("run.max_steps", "train.warmup_steps", "train.eval_every", "checkpoint.every_steps",
@@ -369,6 +370,8 @@ _PER_STEP_KEYS = ("train.grad_accum_steps", "rollout.max_new_tokens", "rollout.m
                   "rollout.top_k", "rollout.batch_size", "algo.prompts_per_step", "algo.group_size",
                   "algo.samples_per_prompt", "algo.pairs_per_step", "algo.ppo_epochs",
                   "algo.minibatches")
+_TIMEOUT_KEYS = ("reward.timeout_s", "env.tool_timeout_s", "env.step_timeout_s",
+                 "launch.collective_timeout_s")
 
 
 def _lookup(r: Recipe, dotted: str) -> object:
@@ -379,9 +382,9 @@ def _lookup(r: Recipe, dotted: str) -> object:
 
 
 def check_limits(r: Recipe) -> list[Problem]:
-    """Integer keys bounded to what a run can use, so an absurd value fails here and not after
-    minutes of building data (or when seeding). The generic rules (finite floats, 64-bit
-    integers) are the converter's."""
+    """Integer keys and timeouts bounded to what a run can use, so an absurd value fails here
+    and not after minutes of building data (or when seeding, or waiting on a thread). The
+    generic rules (finite floats, 64-bit integers) are the converter's."""
     p: list[Problem] = []
     for keys, limit in ((_ITEM_KEYS, MAX_ITEMS), (_STEP_KEYS, MAX_STEPS),
                         (_PER_STEP_KEYS, MAX_PER_STEP)):
@@ -389,6 +392,10 @@ def check_limits(r: Recipe) -> list[Problem]:
             value = _lookup(r, k)
             if isinstance(value, int) and value > limit:
                 p.append(Problem(k, f"must be at most {limit:,}", got=value))
+    for k in _TIMEOUT_KEYS:
+        value = _lookup(r, k)
+        if isinstance(value, int | float) and value > MAX_TIMEOUT_S:
+            p.append(Problem(k, f"must be at most {MAX_TIMEOUT_S:,} seconds (a week)", got=value))
     d = r.data
     span = d.max_operand - d.min_operand + 1
     if span > 0 and span * span * max(1, len(d.operators)) > MAX_ARITHMETIC_POOL:

@@ -196,7 +196,7 @@ class GRPOConfig:
         0, "0: sample, then train (synchronous). k >= 1: a producer samples the batches of the "
         "next k steps while the current one trains, so the batch trained at step t was sampled "
         "by the policy of at least step t - k (its behaviour logprobs are the engine's; "
-        "engine_is_correction weighs the loss by the truncated ratio against them)."
+        "engine_is_correction weighs the loss by the truncated ratio against them). At most 32."
     )
 
 
@@ -244,7 +244,7 @@ class PPOConfig:
     engine_is_cap: float = key(2.0, "Upper bound (>= 1) of the engine importance weight.")
     max_off_policy_steps: int = key(
         0, "0: sample, then train (synchronous). k >= 1: a producer samples the batches of the "
-        "next k steps while the current one trains (as for GRPO)."
+        "next k steps while the current one trains (as for GRPO). At most 32."
     )
 
 
@@ -268,7 +268,8 @@ class OPDConfig:
     max_off_policy_steps: int = key(
         0, "0: sample, then train (synchronous). k >= 1: a producer samples the batches of the "
         "next k steps while the current one trains (as for GRPO); the loss's importance ratio "
-        "is then taken against the engine's logprobs of the stale samples, clipped at clip_eps."
+        "is then taken against the engine's logprobs of the stale samples, clipped at clip_eps. "
+        "At most 32."
     )
 
 
@@ -327,10 +328,11 @@ class EnvConfig:
         "the chat template's tools from each signature and docstring); the runner answers the "
         "model's calls to them.")
     tool_timeout_s: float = key(
-        5.0, "Seconds one tool call may take; a slower call becomes a tool message saying so.")
+        5.0, "Seconds one tool call may take; a slower call becomes a tool message saying so. "
+        "0: no limit; at most 604800 (a week).")
     step_timeout_s: float = key(
         60.0, "Seconds the environment's reset or step may take; a slower one ends the run, "
-        "naming it, the item and the turn.")
+        "naming it, the item and the turn. 0: no limit; at most 604800 (a week).")
 
 
 @attrs.frozen
@@ -343,7 +345,8 @@ class RewardConfig:
     weights: list[float] = key([], "One weight per function; empty: all 1.0.")
     timeout_s: float = key(
         60.0, "Seconds each reward function may take on one batch (they run concurrently, each "
-        "in a worker thread); a slower one fails the step, naming it. 0: no limit."
+        "in a worker thread); a slower one fails the step, naming it. 0: no limit; at most "
+        "604800 (a week)."
     )
 
 
@@ -449,7 +452,8 @@ class LaunchConfig:
         0.0, "ray, placement = 'separate': GPUs of each role actor (rollout, reference, teacher).")
     collective_timeout_s: float = key(
         300.0, "Upper bound in seconds of every collective between ranks and of every call to a "
-        "role's actor (a dead rank or actor ends the run instead of hanging it).")
+        "role's actor (a dead rank or actor ends the run instead of hanging it). At most 604800 "
+        "(a week).")
 
 
 @attrs.frozen

@@ -19,7 +19,7 @@ from runner.rewards.builtin import (
     format_reward,
     math_verify_reward,
 )
-from runner.rewards.calls import FLOAT32_MAX, RewardFn, call_all
+from runner.rewards.calls import MAX_REWARD, RewardFn, call_all
 from runner.types import ObsBundle
 
 __all__ = ["BUILTIN_REWARDS", "RewardSet", "arithmetic_exact", "build_rewards", "format_reward",
@@ -53,11 +53,12 @@ class RewardSet:
         for name, values, weight in zip(self.names, per_function, self.weights, strict=True):
             values_of[name] = [float(v) for v in values]
             total = [t + weight * v for t, v in zip(total, values, strict=True)]
-        bad = next((i for i, t in enumerate(total) if not abs(t) <= FLOAT32_MAX), None)
+        bad = next((i for i, t in enumerate(total) if not abs(t) <= MAX_REWARD), None)
         if bad is not None:
             raise RewardFailure(step, [("the weighted total (reward.weights)", bad,
-                                        f"is {total[bad]:g} at item {bad}, not a finite float32; "
-                                        "lower reward.weights or the rewards' scale")])
+                                        f"is {total[bad]:g} at item {bad}, beyond the largest "
+                                        f"reward ({MAX_REWARD:g} in magnitude); lower "
+                                        "reward.weights or the rewards' scale")])
         return total, values_of
 
 

@@ -142,11 +142,17 @@ def _check_values(result: Any, n: int) -> list[float] | tuple[int | None, str]:
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: rewards train as float32
+# The largest reward in magnitude (each function's value, a weighted total, an episode's env
+# reward, and their sum): a group's mean and unbiased variance stay finite in float32 for any
+# group the recipe allows (up to 1,048,576 members: 1,048,576 x (2e15)**2 < FLOAT32_MAX).
+MAX_REWARD = 1e15
+BEYOND_MAX_REWARD = (f"rewards must be at most {MAX_REWARD:g} in magnitude (they train as float32, "
+                     "where a group's mean and variance must stay finite); scale the reward down")
 
 
 def _not_a_reward(value: Any) -> str:
     """Why ``value`` cannot be a reward, or "" when it is a real number (of any numeric type:
-    Python, numpy, ...) that stays finite as a float32."""
+    Python, numpy, ...) of at most ``MAX_REWARD`` in magnitude."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         kind = "a boolean" if isinstance(value, bool) else f"a {type(value).__name__}"
         return f"{kind} is not a number; return int or float values"
@@ -156,9 +162,8 @@ def _not_a_reward(value: Any) -> str:
         return "it cannot be converted to a float"
     if math.isnan(number):
         return "NaN is not a reward; return a finite number"
-    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
-        return ("it is infinite as a float32 (the training dtype of rewards; the largest finite "
-                f"value is {FLOAT32_MAX:.4g}); scale the reward down")
+    if not abs(number) <= MAX_REWARD:
+        return BEYOND_MAX_REWARD
     return ""
 
 

@@ -79,12 +79,14 @@ class Producer:
     ``take(t)`` returns step ``t``'s batch (sampling it here when none is ahead: the first
     steps, or after a resume without batches in flight); ``start(t)`` samples step ``t``'s batch
     on the producer thread with the engine's current weights (version ``version``); ``wait()``
-    returns once that batch is complete, raising what the producer raised.
+    returns once that batch is complete, raising what the producer raised. No batch is ever
+    sampled for a step past ``last_step`` (the run's last; 0: no last step).
     """
 
     def __init__(self, sample: Sampler, k: int, in_flight: list[Produced] | None = None,
-                 threads: int = 0) -> None:
+                 threads: int = 0, last_step: int = 0) -> None:
         self.sample, self.k, self.threads = sample, k, threads
+        self.last_step = last_step
         self.ahead: deque[Produced] = deque(in_flight or [])
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
@@ -98,10 +100,12 @@ class Producer:
         return self.ahead[-1].step if self.ahead else 0
 
     def take(self, step: int) -> Produced:
-        """Step ``step``'s batch; the batches up to ``step + k - 1`` are ahead afterwards
-        (those missing are sampled here, by the engine of version ``step - 1``)."""
+        """Step ``step``'s batch; the batches up to ``step + k - 1`` (and at most the last
+        step's) are ahead afterwards (those missing are sampled here, by the engine of version
+        ``step - 1``)."""
         self.wait()
-        for missing in range(max(step, self._last() + 1), step + self.k):
+        end = min(step + self.k, self.last_step + 1) if self.last_step else step + self.k
+        for missing in range(max(step, self._last() + 1), max(end, step + 1)):
             self.ahead.append(self._produce(missing, step - 1))
         got = self.ahead.popleft()
         if got.step != step:
@@ -109,8 +113,9 @@ class Producer:
         return got
 
     def start(self, step: int, version: int) -> None:
-        """Sample step ``step``'s batch on the producer thread (unless it is ahead already)."""
-        if step <= self._last():
+        """Sample step ``step``'s batch on the producer thread (unless it is ahead already, or
+        past the last step)."""
+        if step <= self._last() or (self.last_step and step > self.last_step):
             return
         import torch
 
@@ -169,7 +174,8 @@ def make_producer(run: Any, sample: Sampler, k: int) -> Producer | None:
             "that wrote it")])
     source = run.state.data.source
     return Producer(sample, k, [Produced.from_json(raw, source.item) for raw in held],
-                    threads=run.svc.recipe.rollout.producer_threads)
+                    threads=run.svc.recipe.rollout.producer_threads,
+                    last_step=run.svc.plan.max_steps)
 
 
 def staleness_metrics(run: Any, produced: Produced, step: int, k: int) -> dict[str, float]:

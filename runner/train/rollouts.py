@@ -10,9 +10,11 @@ import attrs
 import torch
 
 from runner.envs.episodes import EpisodeResult, episode_stats
+from runner.errors import RewardFailure
 from runner.ranks.collective import interleave
 from runner.recipe.schema import Recipe, RolloutConfig
 from runner.rewards import RewardSet
+from runner.rewards.calls import MAX_REWARD
 from runner.rewards.passk import ANSWER_OF, majority_passes, pass_at_k, pass_function, pass_ks
 from runner.rollout.base import RolloutOutput, SamplingConfig
 from runner.train.assemble import RunContext
@@ -230,11 +232,20 @@ def _weighted_means(run: RunContext, count: int, means: dict[str, float], prefix
             for k in names}
 
 
-def with_env_rewards(values: Sequence[float], traj: Trajectory) -> list[float]:
-    """Each completion's reward functions' total plus its episode's env reward (if any)."""
+def with_env_rewards(values: Sequence[float], traj: Trajectory, step: int | None = None
+                     ) -> list[float]:
+    """Each completion's reward functions' total plus its episode's env reward (if any); a sum
+    beyond ``MAX_REWARD`` (each part is within it) is a ``RewardFailure`` naming both parts."""
     if not traj.env_rewards:
         return list(values)
-    return [v + e for v, e in zip(values, traj.env_rewards, strict=True)]
+    total = [v + e for v, e in zip(values, traj.env_rewards, strict=True)]
+    bad = next((i for i, t in enumerate(total) if not abs(t) <= MAX_REWARD), None)
+    if bad is not None:
+        raise RewardFailure(step, [(
+            "the reward functions' total plus the env reward", bad,
+            f"is {total[bad]:g} at item {bad} ({values[bad]:g} + {traj.env_rewards[bad]:g}), "
+            f"beyond the largest reward ({MAX_REWARD:g} in magnitude); scale the rewards down")])
+    return total
 
 
 def score(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:
@@ -243,7 +254,8 @@ def score(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:
     values, parts = rewards.score(traj.texts, traj.items, step=step)
     if traj.env_rewards:
         parts = {**parts, "reward/env": sum(traj.env_rewards) / len(traj.env_rewards)}
-    return attrs.evolve(traj, rewards=tuple(with_env_rewards(values, traj)), reward_parts=parts)
+    return attrs.evolve(traj, rewards=tuple(with_env_rewards(values, traj, step)),
+                        reward_parts=parts)
 
 
 @attrs.frozen

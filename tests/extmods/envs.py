@@ -84,3 +84,92 @@ class _ToolAnswer(Retry):
 
 def answers_as_tool():
     return _ToolAnswer()
+
+
+# --- hostile tools and environments ---------------------------------------------------------
+
+class _NoText:
+    def __str__(self):
+        raise ValueError("no text for you")
+
+    __repr__ = __str__
+
+
+def unprintable() -> str:
+    """A result whose str() raises."""
+    return _NoText()
+
+
+def deep() -> str:
+    """A list nested beyond the recursion limit."""
+    value: list = []
+    for _ in range(100_000):
+        value = [value]
+    return value
+
+
+def surrogate() -> str:
+    """A string with a lone surrogate."""
+    return "x\ud800y"
+
+
+class _Unspeakable(Exception):
+    def __str__(self):
+        raise RuntimeError("cannot say")
+
+
+def raises_unprintable() -> str:
+    """Raises an exception whose str() raises."""
+    raise _Unspeakable()
+
+
+def huge(n: int) -> str:
+    """n characters."""
+    return "7" * n
+
+
+class _Steps(Retry):
+    """Answers every turn with the next of ``steps``."""
+
+    def __init__(self, *steps):
+        self.steps = list(steps)
+
+    def step(self, messages):
+        return self.steps.pop(0)
+
+
+AGAIN = [{"role": "user", "content": "Again."}]
+
+
+def done_is_a_string():
+    return _Steps(EnvStep(done="no"))
+
+
+def info_names_turns():
+    return _Steps(EnvStep(info={"turns": 9.0}))
+
+
+def info_not_a_dict():
+    return _Steps(EnvStep(info=[("solved", 1.0)]))
+
+
+def info_too_big():
+    return _Steps(EnvStep(info={"score": 10**400}))
+
+
+def reward_beyond_float32():
+    return _Steps(EnvStep(reward=1e308, done=True))
+
+
+def rewards_that_add_up():
+    return _Steps(EnvStep(messages=AGAIN, reward=9e14), EnvStep(reward=9e14, done=True))
+
+
+def huge_answer():
+    return _Steps(EnvStep(messages=[{"role": "user", "content": "7" * 50_000_000}]))
+
+
+def done_as_numpy():
+    import numpy as np
+
+    return _Steps(EnvStep(reward=np.float32(0.5), done=np.bool_(True), info={"found": np.int64(1)}))

@@ -7,6 +7,7 @@ from runner.recipe.rules import env_enabled, in_range
 from runner.recipe.schema import Recipe
 
 MEDIA_KEYS = ("data.image_column", "data.video_column")
+MAX_OFF_POLICY_STEPS = 32  # algo.max_off_policy_steps: batches sampled ahead (and checkpointed)
 
 
 def off_policy_ranges(r: Recipe) -> list[Problem]:
@@ -14,6 +15,9 @@ def off_policy_ranges(r: Recipe) -> list[Problem]:
     with its own engine or its Ray rollout actor)."""
     k = r.algo.max_off_policy_steps
     p = in_range("algo.max_off_policy_steps", k, k >= 0, ">= 0 (0: synchronous)")
+    if k > MAX_OFF_POLICY_STEPS:
+        p.append(Problem("algo.max_off_policy_steps", f"must be at most {MAX_OFF_POLICY_STEPS}",
+                         got=k))
     p += in_range("rollout.producer_threads", r.rollout.producer_threads,
                   r.rollout.producer_threads >= 0, ">= 0 (0: torch's default)")
     return p
