@@ -61,6 +61,7 @@ class RunPlan:
     sharding: str = "none"  # train.sharding
     sharded: tuple[str, ...] = ()  # the roles sharded over the ranks (sharded_roles)
     samples_online: bool = True  # AlgoSpec.samples_online: the engine samples training batches
+    ahead: int = 0  # steps whose batches a producer samples ahead (AlgoSpec.ahead; 0: synchronous)
 
     def rows(self) -> list[tuple[str, str]]:
         """Rows for the dry-run table."""
@@ -119,4 +120,5 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         sharding=recipe.train.sharding,
         sharded=sharded_roles(recipe) if recipe.train.sharding == "fsdp" else (),
         samples_online=spec.samples_online,
+        ahead=spec.ahead(recipe.algo),
     )

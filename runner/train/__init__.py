@@ -12,9 +12,10 @@ from runner.ranks.context import RankContext
 from runner.recipe.algos import spec_of
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
-from runner.train.assemble import RunContext, assemble
+from runner.train.assemble import assemble
 from runner.train.loop import AgreedStop
 from runner.train.roles import RoleProvider
+from runner.train.run import RunContext
 from runner.ui import SilentReporter, make_reporter
 
 

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from runner.data.cursor import DataCursor, PromptData, check_resume
-from runner.data.preference import PreferenceData
+from runner.data.cursor import DataCursor, check_resume
 from runner.envs.build import build_env_runner
 from runner.errors import Problem, RecipeError, RunnerError, RuntimeFailure
 from runner.packers.base import DataPacker
@@ -31,205 +30,24 @@ from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
 from runner.recipe.resolved import resolved_document, write_resolved
 from runner.recipe.schema import Recipe
-from runner.rewards import RewardSet, build_rewards
+from runner.rewards import build_rewards
 from runner.rollout.lengths import PromptLimit
-from runner.state.checkpoint import (
-    LoadedCheckpoint,
-    TrainingState,
-    capture_rng,
-    load_latest,
-    restore_rng,
-    save_checkpoint,
-)
+from runner.state.checkpoint import LoadedCheckpoint, load_latest, restore_rng
 from runner.state.run_folder import RunLock
 from runner.train.handshake import check_shared_folder, handshake, model_files_hash
-from runner.train.policy import scheduler_state
-from runner.train.roles import (
-    Frozen,
-    FrozenScorer,
-    RoleProvider,
-    Rollout,
-    Trainable,
-    disable_dropout,
-    prepare_trainable,
-)
+from runner.train.pipeline import Producer, make_producer
+from runner.train.roles import RoleProvider, Rollout, disable_dropout, prepare_trainable
+from runner.train.rollouts import sample_ahead
+from runner.train.run import Roles, RunContext, RunState
 from runner.train.seeds import seed_everything
 from runner.train.services import RunServices
 from runner.train.streams import OpenedData, Streamed, open_data
 from runner.train.teacher import Teacher
-from runner.types import ObsBundle
 from runner.ui import MetricsLog, Reporter
 from runner.ui.trackers import Trackers, TrackerSetup
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-
-@attrs.define
-class Roles:
-    """The models and functions a loop uses besides the policy and the rollout, built by the
-    assembly exactly as the plan lists them (``RunPlan.roles``); None where it lists none."""
-
-    reference: FrozenScorer | None = None
-    critic: Trainable | None = None
-    teacher: Teacher | None = None
-    rewards: RewardSet | None = None
-
-
-@attrs.frozen(eq=False)
-class RunState:
-    """Where this rank's run starts and what it reads: the step and checkpoint it resumes from
-    and its data."""
-
-    start_step: int
-    ckpt: LoadedCheckpoint | None
-    data: PromptData | PreferenceData  # the algorithm's stream (runner.train.streams.open_data)
-    parts: dict[str, str]  # the data's fingerprint parts (saved with the cursor)
-    val_items: list[ObsBundle]  # this rank's shard of the held-out prompts
-    has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
-
-
-@attrs.define
-class RunContext:
-    """One rank's run, built by ``assemble``: its services (``svc``), its data and resume state
-    (``state``), the policy with its rollout, and the other roles (``roles``)."""
-
-    svc: RunServices
-    state: RunState
-    model_path: Path  # the base model folder (tokenizer and packers come from it)
-    tokenizer: Any  # the base model's tokenizer, or its processor (a vision-language model)
-    policy: Trainable
-    policy_packer: DataPacker
-    rollout: Rollout | None
-    roles: Roles = attrs.field(factory=Roles)
-    actors: RoleProvider | None = None  # roles served outside this rank (Ray role actors)
-    producer: Any = None  # the batches sampled ahead (runner.train.pipeline.Producer), if any
-
-    def frozen(self, role: str, path: Path, pad_free: bool = False) -> FrozenScorer:
-        """The frozen model of ``role`` ("reference" or "teacher") loaded from ``path``, scoring
-        padding-free batches when ``pad_free``: in this process, or the role's actor when it has
-        one."""
-        if self.actors is not None and self.actors.frozen_of(role) is not None:
-            return self.actors.remote_frozen(role, self.svc.accelerator.device, pad_free)
-        recipe = self.svc.recipe
-        sharded = role in self.svc.plan.sharded
-        return Frozen(path, recipe, self.svc.accelerator.device, pad_free,
-                      bf16=self.svc.precision.train == "bf16", sharded=sharded)
-
-    @property
-    def rollout_packer(self) -> DataPacker:
-        return self.rollout.packer if self.rollout else self.policy_packer
-
-    def build_packer(self) -> DataPacker:
-        """A fresh packer from the student's factory (each role builds its own)."""
-        from runner.models import read_model_type
-        from runner.packers import build_packer
-
-        m = self.svc.recipe.model
-        model_type = m.model_type or read_model_type(self.model_path)
-        return build_packer(self.model_path, model_type, self.svc.recipe.data_packer.factory,
-                            trust_remote_code=m.trust_remote_code, dtype=m.dtype)
-
-    def sync_weights(self) -> None:
-        """The rollout gets the policy's weights. An engine every rank shares (a rollout actor)
-        gets them from rank 0 once, after every rank's producer has finished its batch (with
-        ``algo.max_off_policy_steps >= 1``), and no rank goes on before it has them."""
-        if self.rollout is None:
-            return
-        if not self.rollout.shared:
-            self.rollout.update_weights(self.policy.named_weights())
-            return
-        if self.producer is not None:  # no rank's producer may still be sampling from it
-            self.svc.comm.barrier()
-        if self.svc.rank.is_main:
-            self.rollout.update_weights(self.policy.named_weights())
-        elif self.policy.sharded:  # the gathers are collectives: every rank takes part
-            for _ in self.policy.named_weights():
-                pass
-        self.svc.comm.barrier()
-
-    def save(self, step: int, extra: dict[str, Trainable] | None = None) -> Path | None:
-        """Checkpoint ``step``: every rank's RNG state goes to rank 0, which writes; the ranks
-        leave together once the checkpoint is complete."""
-        rngs = self.svc.comm.gather(capture_rng())
-        flights = self.svc.comm.gather(self.producer.to_json()) if self.producer else []
-        extra = extra or {}
-        sharded = self._sharded_parts(step, self.policy) if self.policy.sharded else None
-        # every rank in the same (the caller's) order: the gathers are collectives
-        sharded_extra = {name: self._sharded_parts(step, t, f"optimizer-{name}")
-                         for name, t in extra.items() if t.sharded}
-        path = None
-        if self.svc.rank.is_main:
-            path = write_checkpoint(self, step, rngs, extra, sharded, flights, sharded_extra)
-        self.svc.comm.barrier()
-        return path
-
-    def _sharded_parts(self, step: int, trainable: Trainable, prefix: str = "optimizer"
-                       ) -> ShardedParts:
-        """A sharded module's part of a checkpoint (the policy's, or an extra module's such as
-        PPO's critic), made by every rank: the whole weights (gathered one tensor at a time,
-        kept by rank 0) and each rank's optimizer shard, staged beside the checkpoints for
-        rank 0 to move in."""
-        from runner.train.lora import is_adapter, is_lora
-        from runner.train.sharding import full_state_dict, optimizer_shard, stage_optimizer_shard
-
-        is_main = self.svc.rank.is_main
-        weights = full_state_dict(trainable.model, keep=is_main,  # LoRA: the adapters alone
-                                  only=is_adapter if is_lora(trainable.model) else None)
-        index, tensors = optimizer_shard(trainable.optimizer, trainable.model)
-        staged = stage_optimizer_shard(self.svc.plan.checkpoint_dir, step, self.svc.rank.rank,
-                                       tensors, prefix)
-        del tensors
-        paths = [Path(p) for p in self.svc.comm.gather(str(staged))]
-        return ShardedParts(weights, index, paths)
-
-    def close(self, outcome: str = "finished") -> None:
-        """``outcome`` (finished, stopped or failed) is what the trackers record."""
-        self.svc.metrics.close(outcome)
-        if self.rollout is not None:
-            self.rollout.close()
-        if self.svc.lock is not None:
-            self.svc.lock.release()
-
-
-@attrs.frozen
-class ShardedParts:
-    """What the ranks of a sharded module (the policy, PPO's critic) made for rank 0's
-    checkpoint write."""
-
-    weights: dict[str, Any]  # the whole tensors, by state-dict name
-    optimizer_index: dict[str, Any]  # runner.train.sharding.optimizer_shard
-    optimizer_files: list[Path]  # every rank's staged shard, in rank order
-
-
-def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable],
-                     sharded: ShardedParts | None = None, in_flight: list[Any] | None = None,
-                     sharded_extra: dict[str, ShardedParts] | None = None) -> Path:
-    """Rank 0's write of checkpoint ``step``. ``sharded``: the sharded policy's gathered
-    weights and staged optimizer shards; ``sharded_extra``: those of the sharded modules of
-    ``extra`` (their whole weights go where an unsharded one's would, their optimizer shards
-    under ``optimizer-NAME``)."""
-    sharded_extra = sharded_extra or {}
-    cursor, plan = run.state.data.cursor, run.svc.plan
-    state = TrainingState(
-        step=step,
-        cursor={"cursor": json.loads(cursor.to_json()), "parts": run.state.parts},
-        scheduler=scheduler_state(run.policy.scheduler),
-        extra={name: {"scheduler": scheduler_state(t.scheduler)} for name, t in extra.items()},
-        world_size=plan.world_size, items_per_step=plan.items_per_step,
-        trackers=run.svc.metrics.tracker_ids(), in_flight=list(in_flight or []),
-    )
-    return save_checkpoint(
-        plan.checkpoint_dir, step, model=run.policy.unwrapped(), tokenizer=run.tokenizer,
-        optimizer=run.policy.optimizer, state=state, metrics_rows=run.svc.metrics.rows,
-        extra_modules={name: t.unwrapped() for name, t in extra.items()},
-        keep_last=run.svc.recipe.checkpoint.keep_last, rng_per_rank=rngs,
-        extra_optimizers={name: t.optimizer for name, t in extra.items()},
-        model_state=sharded.weights if sharded else None,
-        optimizer_shards=(sharded.optimizer_index, sharded.optimizer_files) if sharded else None,
-        extra_states={name: s.weights for name, s in sharded_extra.items()},
-        extra_optimizer_shards={name: (s.optimizer_index, s.optimizer_files)
-                                for name, s in sharded_extra.items()})
 
 
 def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedCheckpoint | None:
@@ -362,7 +180,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     # handshake (``weights``: their folder), so that no rank holds the whole model (LoRA wraps
     # a loaded one).
     def load() -> tuple[Any, Path | None]:
-        if recipe.train.sharding == "fsdp" and not lora:
+        if "policy" in plan.sharded and not lora:
             from runner.train.sharding import load_for_sharding
 
             return load_for_sharding(model_dir, dtype, trust)
@@ -390,7 +208,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     # Before the first collective of the build (DDP's parameter broadcast, the engine's setup):
     # a rank that failed must not leave the others waiting inside one.
     handshake(comm, ctx, step.failed, fingerprint, hashes)
-    if recipe.train.sharding == "fsdp" and ctx.world_size > 1:
+    if plan.sharded and ctx.world_size > 1:
         check_shared_folder(comm, ctx, plan.checkpoint_dir)
     accelerator = make_accelerator(device, precision)
     if accelerator.num_processes != ctx.world_size:  # no DDP: the ranks would train apart
@@ -401,7 +219,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     policy = prepare_trainable(accelerator, model, recipe, pad_free=pad_free,
                                ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
                                ckpt_scheduler=ckpt.state.scheduler if ckpt else None,
-                               sharded=recipe.train.sharding == "fsdp", rank=ctx.rank,
+                               sharded="policy" in plan.sharded, rank=ctx.rank,
                                world=ctx.world_size, weights=weights)
     engine = ((actors.rollout_engine(ctx) if remote and actors is not None
                else make_engine(recipe, model_dir, dtype=precision.engine_dtype,
@@ -420,7 +238,8 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
                      val_items=streamed.held_out_items, has_held_out=streamed.has_held_out)
     run = RunContext(svc=svc, state=state, model_path=base, tokenizer=tokenizer, policy=policy,
                      policy_packer=packer, rollout=rollout, actors=actors)
-    run.roles = build_roles(run)
+    run = attrs.evolve(run, roles=build_roles(run))
+    run = attrs.evolve(run, producer=build_producer(run))
     # A rollout actor, and any engine under LoRA (a checkpoint holds adapters only), starts from
     # the base model.
     if rollout is not None and ckpt is not None and (remote or lora):
@@ -452,6 +271,19 @@ def start_trackers(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint | None,
                     rows=ckpt.metrics_rows if ckpt else [], say=reporter.message)
 
 
+def build_producer(run: RunContext) -> Producer | None:
+    """The producer of the batches the plan samples ahead (``plan.ahead`` steps, each the
+    plan's items with their samples), holding those a checkpoint left in flight; None for a
+    synchronous run. Its sampler reads the run's data, rollout and services, which the
+    finished run shares with the one given here."""
+    plan = run.svc.plan
+    if not plan.samples_online:
+        return None
+    per_item = plan.samples_per_step // plan.items_per_step
+    return make_producer(run, lambda step: sample_ahead(run, plan.items_per_step, per_item, step),
+                         plan.ahead)
+
+
 def build_roles(run: RunContext) -> Roles:
     """The roles of ``run.svc.plan.roles`` besides the policy and the rollout, built in the
     plan's order (the reference, the critic, the teacher, the reward functions)."""
@@ -463,6 +295,7 @@ def build_roles(run: RunContext) -> Roles:
         from runner.train.critic import build_critic
 
         critic = build_critic(recipe, run.model_path, run.svc.accelerator, run.state.ckpt,
+                              sharded="critic" in run.svc.plan.sharded,
                               rank=run.svc.rank.rank, world=run.svc.rank.world_size)
     teacher = build_teacher(run) if "teacher" in wanted else None
     rewards = build_rewards(recipe.reward) if "reward" in wanted else None

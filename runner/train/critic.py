@@ -60,10 +60,12 @@ def critic_backbone(lm: Any) -> Any:
 
 
 def build_critic(recipe: Recipe, model_path: Path, accelerator: Any,
-                 ckpt: LoadedCheckpoint | None, rank: int = 0, world: int = 1) -> Trainable:
-    """The critic, its optimizer and schedule, restored from ``ckpt`` when resuming. Under
-    ``train.sharding = "fsdp"`` it is sharded as the policy is (its optimizer built after
-    sharding; a sharded checkpoint's optimizer shards read by ``rank`` of ``world``)."""
+                 ckpt: LoadedCheckpoint | None, *, sharded: bool = False, rank: int = 0,
+                 world: int = 1) -> Trainable:
+    """The critic, its optimizer and schedule, restored from ``ckpt`` when resuming. When the
+    plan shards it (``sharded``: ``"critic" in plan.sharded``) it is sharded as the policy is
+    (its optimizer built after sharding; a sharded checkpoint's optimizer shards read by
+    ``rank`` of ``world``)."""
     from runner.models import load_causal_lm, resolve_model_path, text_hidden_size
 
     algo = recipe.algo
@@ -81,4 +83,4 @@ def build_critic(recipe: Recipe, model_path: Path, accelerator: Any,
     return prepare_trainable(accelerator, critic, recipe, lr=algo.critic_lr or None,
                              ckpt_optimizer=ckpt.extra_optimizer_state(CRITIC) if ckpt else None,
                              ckpt_scheduler=saved.get("scheduler"),
-                             sharded=recipe.train.sharding == "fsdp", rank=rank, world=world)
+                             sharded=sharded, rank=rank, world=world)

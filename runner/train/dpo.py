@@ -34,7 +34,6 @@ from runner.packers.base import DataPacker, PolicyBatch, RLPolicyInput
 from runner.ranks.collective import interleave
 from runner.recipe.schema import DPOConfig
 from runner.rewards import RewardSet
-from runner.train.assemble import RunContext
 from runner.train.batches import (
     Minibatch,
     filler_batch,
@@ -46,6 +45,7 @@ from runner.train.batches import (
 from runner.train.loop import run_loop
 from runner.train.roles import FrozenScorer
 from runner.train.rollouts import evaluate
+from runner.train.run import RunContext
 from runner.types import ObsBundle
 from runner.ui import Reporter
 

@@ -27,7 +27,6 @@ from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, group_adva
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import GRPOConfig
 from runner.rewards import RewardSet
-from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
     Minibatch,
@@ -39,17 +38,16 @@ from runner.train.batches import (
     train_minibatch_keeping,
 )
 from runner.train.loop import run_loop
-from runner.train.pipeline import make_producer
 from runner.train.policy import completion_grid
 from runner.train.rollouts import (
     evaluate,
     sample,
-    sample_ahead,
     shared_prefixes,
     stages,
     step_metrics,
 )
 from runner.train.rollouts import score as reward_trajectory
+from runner.train.run import RunContext
 from runner.train.seeds import step_seed
 from runner.train.trajectory import Trajectory
 
@@ -59,8 +57,6 @@ def run(run: RunContext) -> dict[str, Any]:
     assert isinstance(algo, GRPOConfig)
     rewards = run.roles.rewards
     assert rewards is not None
-    run.producer = make_producer(run, lambda step: sample_ahead(
-        run, algo.prompts_per_step, algo.group_size, step), algo.max_off_policy_steps)
     return run_loop(run, lambda step: one_step(run, algo, rewards, step),
                     (lambda: evaluate(run, rewards)) if run.state.has_held_out else None)
 

@@ -36,7 +36,6 @@ from runner.algorithms.opd import (
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import OPDConfig
 from runner.rewards import RewardSet
-from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
     Minibatch,
@@ -49,7 +48,6 @@ from runner.train.batches import (
     train_minibatch,
 )
 from runner.train.loop import run_loop
-from runner.train.pipeline import make_producer
 from runner.train.policy import completion_grid
 from runner.train.rollouts import (
     Trajectory,
@@ -57,12 +55,12 @@ from runner.train.rollouts import (
     position_seeds,
     roll_out,
     sample,
-    sample_ahead,
     sampling,
     stages,
     step_metrics,
 )
 from runner.train.rollouts import score as reward_trajectory
+from runner.train.run import RunContext
 from runner.train.teacher import Teacher
 
 
@@ -75,8 +73,6 @@ def run(run: RunContext) -> dict[str, Any]:
     def held_out() -> dict[str, float]:
         return evaluate(run, rewards) | held_out_reverse_kl(run, teacher)
 
-    run.producer = make_producer(run, lambda step: sample_ahead(
-        run, algo.prompts_per_step, algo.samples_per_prompt, step), algo.max_off_policy_steps)
     return run_loop(run, lambda step: one_step(run, algo, teacher, rewards, step),
                     held_out if run.state.has_held_out else None)
 

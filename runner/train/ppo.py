@@ -33,7 +33,6 @@ from runner.packers.base import PolicyBatch
 from runner.ranks.collective import Collective
 from runner.recipe.schema import PPOConfig
 from runner.rewards import RewardSet
-from runner.train.assemble import RunContext
 from runner.train.batches import (
     Layout,
     Minibatch,
@@ -46,11 +45,11 @@ from runner.train.batches import (
 )
 from runner.train.critic import CRITIC
 from runner.train.loop import run_loop
-from runner.train.pipeline import make_producer
 from runner.train.policy import completion_grid
 from runner.train.roles import Trainable
-from runner.train.rollouts import evaluate, sample, sample_ahead, stages, step_metrics
+from runner.train.rollouts import evaluate, sample, stages, step_metrics
 from runner.train.rollouts import score as reward_trajectory
+from runner.train.run import RunContext
 from runner.train.seeds import step_seed
 from runner.train.trajectory import Trajectory
 
@@ -60,8 +59,6 @@ def run(run: RunContext) -> dict[str, Any]:
     assert isinstance(algo, PPOConfig)
     rewards, critic = run.roles.rewards, run.roles.critic
     assert rewards is not None and critic is not None
-    run.producer = make_producer(run, lambda step: sample_ahead(
-        run, algo.prompts_per_step, algo.samples_per_prompt, step), algo.max_off_policy_steps)
     return run_loop(run, lambda step: one_step(run, algo, rewards, critic, step),
                     (lambda: evaluate(run, rewards)) if run.state.has_held_out else None,
                     save=lambda step: run.save(step, {CRITIC: critic}))

@@ -17,9 +17,9 @@ from runner.rewards import RewardSet
 from runner.rewards.calls import MAX_REWARD
 from runner.rewards.passk import ANSWER_OF, majority_passes, pass_at_k, pass_function, pass_ks
 from runner.rollout.base import RolloutOutput, SamplingConfig
-from runner.train.assemble import RunContext
 from runner.train.batches import rank_mean
 from runner.train.roles import Rollout
+from runner.train.run import RunContext
 from runner.train.seeds import item_seed
 from runner.train.trajectory import Trajectory
 from runner.types import ObsBundle

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from runner.errors import Problem
 from runner.recipe.rules import env_enabled, in_range
 from runner.recipe.schema import Recipe
 
 MEDIA_KEYS = ("data.image_column", "data.video_column")
 MAX_OFF_POLICY_STEPS = 32  # algo.max_off_policy_steps: batches sampled ahead (and checkpointed)
+
+
+def ahead(algo: Any) -> int:
+    """``algo.max_off_policy_steps``: the batches a producer samples ahead of training."""
+    return algo.max_off_policy_steps
 
 
 def off_policy_ranges(r: Recipe) -> list[Problem]:

@@ -58,6 +58,10 @@ def _no_models(algo: Any) -> tuple[ModelRef, ...]:
     return ()
 
 
+def _none_ahead(algo: Any) -> int:
+    return 0
+
+
 def _trained_and_reference(algo: Any) -> tuple[str, ...]:
     return ("policy", "critic", "reference")
 
@@ -84,6 +88,7 @@ class AlgoSpec:
     - ``needs_fingerprint``: a custom prompt source must have ``cursor_fingerprint()``.
     - ``sharded(algo)``: the roles ``train.sharding = "fsdp"`` shards, of those it may have.
     - ``models(algo)``: model folders it loads besides the policy (``ModelRef``).
+    - ``ahead(algo)``: the steps whose batches a producer samples ahead (0: synchronous).
     - ``loop``: the module of its training loop (its ``run(RunContext)``), imported when a run
       starts, so that the recipe layer stays free of torch.
     """
@@ -102,6 +107,7 @@ class AlgoSpec:
     needs_fingerprint: bool = False
     sharded: Callable[[Any], tuple[str, ...]] = _trained_and_reference
     models: Callable[[Any], tuple[ModelRef, ...]] = _no_models
+    ahead: Callable[[Any], int] = _none_ahead
 
     @property
     def kind(self) -> str:
