@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from runner.state.checkpoint import (
     load_latest,
     step_dirname,
 )
+from runner.state.fit import recipe_check
 from runner.train.policy import checkpoint_policy
 
 RESOLVED = "recipe.resolved.toml"
@@ -52,7 +54,7 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
         raise _refuse(f"{run_dir} is not a run folder (it has no {RESOLVED})",
                       "give the run.output_dir of a run")
     recipe = load_recipe(resolved, [])
-    loaded = pick_checkpoint(run_dir / "checkpoints", step)
+    loaded = pick_checkpoint(run_dir / "checkpoints", step, fits=recipe_check(recipe))
     ckpt = loaded.path
     model = checkpoint_policy(recipe, ckpt)
     base = resolve_model_path(recipe.model.path)
@@ -73,12 +75,14 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     return ckpt
 
 
-def pick_checkpoint(root: Path, step: int | None, source: str = "export") -> LoadedCheckpoint:
+def pick_checkpoint(root: Path, step: int | None, source: str = "export",
+                    fits: Callable[[LoadedCheckpoint], str] | None = None) -> LoadedCheckpoint:
     """The checkpoint under ``root`` (a run's checkpoints folder), intact and parsed: step
-    ``step``, or the newest that is (as a resume picks it: damaged or unparsable newer ones are
-    passed over, saying why). ``source``: the command its errors name."""
+    ``step``, or the newest that is (as a resume picks it: damaged, unparsable or, by ``fits``
+    (runner.state.fit), misfitting newer ones are passed over, saying why). ``source``: the
+    command its errors name."""
     if step is None:
-        found = load_latest(root) if root.is_dir() else None
+        found = load_latest(root, fits=fits) if root.is_dir() else None
         if found is None:
             raise _refuse(f"{root.parent} has no complete checkpoint",
                           "train first, or give another run folder", source)
@@ -92,7 +96,11 @@ def pick_checkpoint(root: Path, step: int | None, source: str = "export") -> Loa
     reason = integrity.verify(folder)
     if reason:
         raise CheckpointUnreadable(folder, reason)
-    return load_checkpoint(folder)
+    loaded = load_checkpoint(folder)
+    reason = fits(loaded) if fits is not None else ""
+    if reason:
+        raise CheckpointUnreadable(folder, reason)
+    return loaded
 
 
 def model_card(recipe: Recipe, step: int, rows: list[dict[str, Any]], ckpt: Path) -> str:
