@@ -195,3 +195,76 @@ def test_every_builtin_checkpoint_fits_its_model(tmp_path):
     vl = tmp_path / "tiny-qwen3-vl" / "model"
     assert model_misfit(vl, model_shapes(resolve_model_path("builtin:tiny-arith"))).startswith(
         "model/model.safetensors: tensor 'model.language_model.")
+
+
+def _eval(*args: object):
+    from tests import forkserver
+    from tests.resume_helpers import CLI, _env
+
+    return forkserver.run([*CLI[:3], "eval", "--plain", *map(str, args)], cwd=REPO, env=_env(),
+                          timeout=300)
+
+
+def _foreign_model(newest: Path, name: str) -> None:
+    """Put builtin ``name``'s weights and tokenizer (or processor) into checkpoint ``newest``
+    in place of its own, and rebuild its manifest."""
+    from runner.models import load_causal_lm, load_codec, resolve_model_path
+
+    base = resolve_model_path(name)
+    shutil.rmtree(newest / "model")
+    load_causal_lm(base).save_pretrained(newest / "model")
+    load_codec(base).save_pretrained(newest / "model")
+    integrity.write_manifest(newest, 2, skip=(COMPLETE,))
+
+
+@pytest.mark.slow
+def test_eval_refuses_another_recipes_checkpoint(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    newest = out / "checkpoints" / "step-000002"
+    _foreign_model(newest, "builtin:tiny-qwen3-vl")
+    resolved = out / "recipe.resolved.toml"
+    resolved.write_text(resolved.read_text().replace('path = "builtin:tiny-arith"',
+                                                     'path = "builtin:tiny-qwen3-vl"', 1))
+    prefix = f"eval: checkpoint {newest} is not of this recipe: "
+    done = _eval(RECIPE, *SMALL, "--checkpoint", newest)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(
+        f"{prefix}its run trained model.path = 'builtin:tiny-qwen3-vl' (recipe hash "), \
+        done.stderr
+    assert f"in {resolved}) but the recipe has 'builtin:tiny-arith' (recipe hash " \
+        in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    resolved.unlink()  # a checkpoint copied out of its run: its files still tell
+    done = _eval(RECIPE, *SMALL, "--checkpoint", newest)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        f"{prefix}it holds a 'qwen3_vl' model but the recipe's model.path "
+        "'builtin:tiny-arith' is a 'qwen2' model. Evaluate it with the recipe of the run that "
+        "wrote it.")
+
+
+@pytest.mark.slow
+def test_eval_refuses_a_checkpoint_of_another_tokenizer(trained, tmp_path):
+    from runner.models import load_codec, resolve_model_path
+
+    out = _copy(trained, tmp_path)
+    newest = out / "checkpoints" / "step-000002"
+    load_codec(resolve_model_path("builtin:tiny-arith-char")).save_pretrained(newest / "model")
+    integrity.write_manifest(newest, 2, skip=(COMPLETE,))
+    done = _eval(RECIPE, *SMALL, "--checkpoint", newest)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(f"eval: checkpoint {newest} is not of this recipe: its "
+                                  "tokenizer ("), done.stderr
+    assert "is not the recipe model's (" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_eval_refuses_a_reshaped_checkpoint(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    newest = out / "checkpoints" / "step-000002"
+    _rewrite(newest, "model/model.safetensors", _reshape)
+    done = _eval(RECIPE, *SMALL, "--checkpoint", newest)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (f"eval: checkpoint {newest} is not of this recipe: it does not fit the "
+            f"recipe's model.path 'builtin:tiny-arith': model/model.safetensors: tensor "
+            f"{TENSOR!r} has shape") in done.stderr, done.stderr
