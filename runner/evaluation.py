@@ -22,6 +22,7 @@ from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
 from runner.state.checkpoint import LoadedCheckpoint, checkpoint_step
+from runner.state.run_folder import refuse_linked_folders
 
 SOURCE = "eval"
 _STEP_FOLDER = re.compile(r"step-\d+")
@@ -46,6 +47,8 @@ def eval_job(recipe: Recipe, plan: RunPlan, *, checkpoint: str = "", out: str = 
                                    f"evaluate on ({reason})", source=SOURCE)])
     loaded = find_checkpoint(plan, checkpoint, recipe) if checkpoint else None
     label = loaded.path.name if loaded else f"model-{_slug(recipe.model.path)}"
+    if not out:
+        refuse_linked_folders(plan.output_dir, (f"eval/{label}",), key="", source=SOURCE)
     folder = Path(out) if out else plan.output_dir / "eval" / label
     return {"command": "eval", "checkpoint": str(loaded.path.resolve()) if loaded else "",
             "step": loaded.state.step if loaded else None, "label": label,
