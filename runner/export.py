@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner.errors import Problem, RecipeError
+from runner.errors import Problem, RecipeError, RuntimeFailure
 from runner.models import load_codec, resolve_model_path
 from runner.recipe import load_recipe
 from runner.recipe.resolved import recipe_hash
@@ -32,6 +33,7 @@ from runner.state.checkpoint import (
     load_latest,
     step_dirname,
 )
+from runner.state.fit import recipe_check
 from runner.train.policy import checkpoint_policy
 
 RESOLVED = "recipe.resolved.toml"
@@ -44,6 +46,9 @@ def _refuse(what: str, hint: str = "", source: str = "export") -> RecipeError:
 def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     """Write the policy of ``run_dir``'s checkpoint (``step``, or the newest) to ``out_dir``;
     returns the checkpoint folder it came from."""
+    if out_dir.is_symlink():
+        raise _refuse(f"{out_dir} is a symbolic link", "name a new folder (export never writes "
+                      "through a symbolic link)")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise _refuse(f"{out_dir} exists and is not an empty folder",
                       "name a new folder (nothing is overwritten)")
@@ -51,13 +56,30 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     if not resolved.is_file():
         raise _refuse(f"{run_dir} is not a run folder (it has no {RESOLVED})",
                       "give the run.output_dir of a run")
+    inside = checkpoints_above(out_dir, run_dir)
+    if inside is not None:
+        raise _refuse(f"{out_dir} is inside a run's checkpoints folder ({inside}), whose "
+                      "checkpoint rotation deletes what it holds",
+                      "export to a folder outside any run's checkpoints/")
     recipe = load_recipe(resolved, [])
-    loaded = pick_checkpoint(run_dir / "checkpoints", step)
+    loaded = pick_checkpoint(run_dir / "checkpoints", step, fits=recipe_check(recipe))
     ckpt = loaded.path
     model = checkpoint_policy(recipe, ckpt)
     base = resolve_model_path(recipe.model.path)
     tmp = out_dir.parent / f".{out_dir.name}.export-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write(out_dir, tmp, recipe, loaded, model, base)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ckpt
+
+
+def _write(out_dir: Path, tmp: Path, recipe: Recipe, loaded: LoadedCheckpoint, model: Any,
+           base: Path) -> None:
+    """The folder written at ``tmp`` and renamed to ``out_dir``; a failed write is one line
+    naming ``out_dir`` (not the temporary folder beside it)."""
+    ckpt = loaded.path
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         load_codec(base, recipe.model.trust_remote_code).save_pretrained(tmp)
@@ -65,20 +87,34 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
             shutil.copyfile(base / "generation_config.json", tmp / "generation_config.json")
         (tmp / "README.md").write_text(model_card(recipe, loaded.state.step, loaded.metrics_rows,
                                                   ckpt), encoding="utf-8")
-        if out_dir.is_dir():
+        if out_dir.is_dir() and not out_dir.is_symlink():
             out_dir.rmdir()  # empty, checked above
         tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return ckpt
+    except OSError as exc:
+        raise RuntimeFailure("export", None, f"cannot write {out_dir}: "
+                             f"{exc.strerror or exc} [errno {exc.errno}]") from exc
 
 
-def pick_checkpoint(root: Path, step: int | None, source: str = "export") -> LoadedCheckpoint:
+def checkpoints_above(out_dir: Path, run_dir: Path) -> Path | None:
+    """The checkpoints folder of a run that ``out_dir`` lies in (links followed): ``run_dir``'s
+    own, or any folder named ``checkpoints`` beside a run's resolved recipe. None if none."""
+    target = out_dir.resolve()
+    own = (run_dir / "checkpoints").resolve()
+    for folder in (target, *target.parents):
+        if folder == own or (folder.name == "checkpoints" and
+                             (folder.parent / RESOLVED).is_file()):
+            return folder
+    return None
+
+
+def pick_checkpoint(root: Path, step: int | None, source: str = "export",
+                    fits: Callable[[LoadedCheckpoint], str] | None = None) -> LoadedCheckpoint:
     """The checkpoint under ``root`` (a run's checkpoints folder), intact and parsed: step
-    ``step``, or the newest that is (as a resume picks it: damaged or unparsable newer ones are
-    passed over, saying why). ``source``: the command its errors name."""
+    ``step``, or the newest that is (as a resume picks it: damaged, unparsable or, by ``fits``
+    (runner.state.fit), misfitting newer ones are passed over, saying why). ``source``: the
+    command its errors name."""
     if step is None:
-        found = load_latest(root) if root.is_dir() else None
+        found = load_latest(root, fits=fits) if root.is_dir() else None
         if found is None:
             raise _refuse(f"{root.parent} has no complete checkpoint",
                           "train first, or give another run folder", source)
@@ -92,7 +128,11 @@ def pick_checkpoint(root: Path, step: int | None, source: str = "export") -> Loa
     reason = integrity.verify(folder)
     if reason:
         raise CheckpointUnreadable(folder, reason)
-    return load_checkpoint(folder)
+    loaded = load_checkpoint(folder)
+    reason = fits(loaded) if fits is not None else ""
+    if reason:
+        raise CheckpointUnreadable(folder, reason)
+    return loaded
 
 
 def model_card(recipe: Recipe, step: int, rows: list[dict[str, Any]], ckpt: Path) -> str:

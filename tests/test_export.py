@@ -81,6 +81,34 @@ def test_refusals_are_one_line_and_write_nothing(full_run, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+
+def test_an_export_into_checkpoints_or_a_link_is_refused(full_run, tmp_path):
+    """Checkpoint rotation would delete an export inside checkpoints/ (the run's own, or
+    another run's reached through a link); a link as OUT_DIR is refused, naming it, instead of
+    'Not a directory' about a temporary folder."""
+    step = full_run / "checkpoints" / "step-000003"
+    empty, alias = tmp_path / "empty", tmp_path / "alias"
+    empty.mkdir()
+    (tmp_path / "link").symlink_to(empty)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    alias.symlink_to(full_run / "checkpoints")
+    inside = "is inside a run's checkpoints folder ({}), whose checkpoint rotation deletes what it "
+    cases = [((full_run, step / "exported"),
+              f"export: {step / 'exported'} " + inside.format(full_run / "checkpoints")),
+             ((full_run, alias / "exported"),
+              f"export: {alias / 'exported'} " + inside.format(full_run / "checkpoints")),
+             ((full_run, tmp_path / "link"), f"export: {tmp_path / 'link'} is a symbolic link. "
+              "Name a new folder (export never writes through a symbolic link)."),
+             ((full_run, tmp_path / "dangling"), f"export: {tmp_path / 'dangling'} is a "
+              "symbolic link.")]
+    for args, line in cases:
+        done = _export(*args)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith(line), done.stderr
+    assert not (step / "exported").exists() and list(empty.iterdir()) == []
+    assert not (tmp_path / "nowhere").exists()
+    assert not list(tmp_path.glob(".*.export-*")) and not list(step.parent.glob(".*export*"))
+
 @pytest.mark.slow
 def test_lora_run_exports_merged_weights_that_vllm_and_transformers_load(tmp_path):
     """The exported weights equal the base weights plus (alpha / r) B A of the saved adapters

@@ -382,6 +382,50 @@ def test_metrics_are_never_written_through_a_link(tmp_path, rows):
     assert target.read_text() == "keep me"
 
 
+
+@pytest.mark.parametrize("name", ["checkpoints", "tensorboard", "wandb", "mlruns", "eval"])
+def test_a_run_folder_that_is_a_link_is_refused_before_anything_is_written(tmp_path, name):
+    """Folders are not followed either: checkpoints/ linked elsewhere would take the run's
+    checkpoints (and rotation's deletions) outside the run folder."""
+    from runner.errors import RecipeError
+    from runner.state.run_folder import RunLock
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(RecipeError) as info:
+        RunLock.acquire(run)
+    assert info.value.lines() == [
+        f"run.output_dir: {run / name} is a symbolic link, and the run never writes through one. "
+        "Remove the link (a real folder in its place is fine), or choose another "
+        "run.output_dir."]
+    assert sorted(p.name for p in run.iterdir()) == [name]  # no lock file either
+    assert [p.name for p in elsewhere.iterdir()] == ["precious.txt"]
+    (run / name).unlink()
+    (run / name).mkdir()
+    RunLock.acquire(run).release()  # a real folder is fine
+
+
+def test_an_eval_folder_that_is_a_link_is_refused(tmp_path):
+    from runner.errors import RecipeError
+    from runner.evaluation import eval_job
+    from runner.recipe import load_recipe, make_plan
+    from tests.conftest import REPO
+
+    recipe = load_recipe(REPO / "recipes" / "grpo-arith.toml", [f"run.output_dir={tmp_path}"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "eval").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(RecipeError) as info:
+        eval_job(recipe, make_plan(recipe))
+    assert info.value.lines() == [
+        f"eval: {tmp_path / 'eval'} is a symbolic link, and the run never writes through one. "
+        "Remove the link (a real folder in its place is fine), or choose another "
+        "run.output_dir."]
+
 def test_the_resolved_recipe_replaces_a_link_instead_of_following_it(tmp_path):
     from runner.recipe.resolved import write_resolved
     from runner.recipe.schema import Recipe

@@ -406,3 +406,32 @@ def test_mlflow_resume_keeps_the_first_parameters_and_a_lost_run_starts_anew(
                         "the checkpoint's rows")
     lost.close("failed")
     assert lost._client.get_run(lost.run_id).info.status == "FAILED"
+
+
+_W_AND_B_ALONE = """
+import json, os, sys
+from pathlib import Path
+from runner.ui.trackers import TrackerSetup, WandbTracker
+out = Path(sys.argv[1])
+tracker = WandbTracker(TrackerSetup(out, "r", "p", {}), None, lambda line: None)
+tracker.log({"a": 1.0}, 1)
+tracker.close("finished")
+print(json.dumps(os.environ.get("WANDB_CACHE_DIR")))
+"""
+
+
+def test_wandb_writes_nothing_outside_the_run_folder(tmp_path):
+    """W&B's service logs (core-debug-*.log) went to the user's cache folder; they go under
+    <output_dir>/wandb/, and the process's environment is as it was after the start."""
+    home, out = tmp_path / "home", tmp_path / "run"
+    home.mkdir()
+    env = {k: v for k, v in tracker_env().items()
+           if not k.startswith(("XDG_", "WANDB_CACHE", "WANDB_CONFIG", "WANDB_DATA"))}
+    env["HOME"] = str(home)
+    done = subprocess.run([sys.executable, "-c", _W_AND_B_ALONE, str(out)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "null"  # not left set in the process
+    assert [p for p in home.rglob("*") if p.is_file()] == []
+    logs = sorted(p.name.split("-")[0] for p in (out / "wandb").rglob("*-debug-*.log"))
+    assert "core" in logs, sorted(out.rglob("*"))

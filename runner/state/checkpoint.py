@@ -390,10 +390,13 @@ def latest_checkpoint(root: Path, on_skip: Callable[[str], None] | None = None,
     return found
 
 
-def load_latest(root: Path, on_skip: Callable[[str], None] | None = None
+def load_latest(root: Path, on_skip: Callable[[str], None] | None = None,
+                fits: Callable[[LoadedCheckpoint], str] | None = None
                 ) -> LoadedCheckpoint | None:
     """The newest checkpoint that is intact and loads: one that verifies but does not parse is
-    reported (``cannot load checkpoint ...: what``) and passed over like a damaged one."""
+    reported (``cannot load checkpoint ...: what``) and passed over like a damaged one, and so
+    is one for which ``fits(loaded)`` gives a reason (runner.state.fit: a tensor whose name or
+    shape is not the model's)."""
     loaded: dict[Path, LoadedCheckpoint] = {}
 
     def loads(folder: Path) -> str:
@@ -401,7 +404,7 @@ def load_latest(root: Path, on_skip: Callable[[str], None] | None = None
             loaded[folder] = load_checkpoint(folder)
         except CheckpointUnreadable as exc:
             return exc.what
-        return ""
+        return fits(loaded[folder]) if fits is not None else ""
 
     path = latest_checkpoint(root, on_skip, check=loads)
     return loaded[path] if path is not None else None

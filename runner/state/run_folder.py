@@ -4,7 +4,9 @@
 run lives. The operating system drops the lock when the process ends, however it ends (a crash,
 SIGKILL), so a stale lock file never blocks the next run; the pid written into the file only
 serves the message. ``no_follow`` is an ``opener`` for ``open`` that refuses to write through a
-symbolic link, so a link planted at ``metrics.jsonl`` cannot redirect the run's writes.
+symbolic link, so a link planted at ``metrics.jsonl`` cannot redirect the run's writes; a
+folder the run writes into (``checkpoints/``, ``tensorboard/``, ...) that is a link is refused
+when the run takes its lock (``refuse_linked_folders``).
 
 A write that fails (a full disk, a read-only folder, a quota) is an ``OSError`` that names no file
 when it comes from ``write`` or ``close`` ("No space left on device"): ``writing`` turns it into
@@ -24,6 +26,8 @@ from typing import IO
 from runner.errors import Problem, RecipeError, RuntimeFailure
 
 LOCK_NAME = "run.lock"
+# The folders a run (and ``eval``) writes into its output_dir; none may be a symbolic link.
+RUN_FOLDERS = ("checkpoints", "tensorboard", "wandb", "mlruns", "eval")
 
 
 def no_follow(path: str | os.PathLike[str], flags: int) -> int:
@@ -35,6 +39,31 @@ def no_follow(path: str | os.PathLike[str], flags: int) -> int:
             raise OSError(errno.ELOOP, "it is a symbolic link, and the run never writes through "
                           "one", os.fspath(path)) from None
         raise
+
+
+def linked_folder(output_dir: Path, names: tuple[str, ...] = RUN_FOLDERS) -> Path | None:
+    """The first of ``output_dir``'s folders ``names`` (each a relative path, every part of it
+    checked) that is a symbolic link, or None. The run writes into these folders through
+    ``mkdir`` and libraries (TensorBoard, W&B) that follow links, so a link planted there
+    would take the writes, and checkpoint rotation's deletions, outside the run folder."""
+    for name in names:
+        path = output_dir
+        for part in Path(name).parts:
+            path = path / part
+            if path.is_symlink():
+                return path
+    return None
+
+
+def refuse_linked_folders(output_dir: Path, names: tuple[str, ...] = RUN_FOLDERS,
+                          key: str = "run.output_dir", source: str = "") -> None:
+    """A RecipeError naming the first folder of ``linked_folder`` that is a link."""
+    link = linked_folder(output_dir, names)
+    if link is not None:
+        raise RecipeError([Problem(
+            key, f"{link} is a symbolic link, and the run never writes through one",
+            hint="remove the link (a real folder in its place is fine), or choose another "
+            "run.output_dir", source=source)])
 
 
 def write_text(path: Path, text: str) -> None:
@@ -68,6 +97,7 @@ class RunLock:
         """Lock ``output_dir`` (created if needed); a RecipeError naming ``run.output_dir`` and
         the holder's pid when another live run holds it."""
         output_dir.mkdir(parents=True, exist_ok=True)
+        refuse_linked_folders(output_dir)
         path = output_dir / LOCK_NAME
         handle = open(path, "a+", encoding="utf-8", opener=no_follow)  # noqa: SIM115 - held
         try:

@@ -51,11 +51,13 @@ if TYPE_CHECKING:
 
 
 def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedCheckpoint | None:
-    """The newest intact checkpoint that loads (damaged or unparsable newer ones are skipped,
-    saying why)."""
+    """The newest intact checkpoint that loads and fits the recipe's model (damaged, unparsable
+    or misfitting newer ones are skipped, saying why)."""
+    from runner.state.fit import recipe_check
+
     if recipe.checkpoint.resume == "never":
         return None
-    return load_latest(plan.checkpoint_dir, on_skip=reporter.message)
+    return load_latest(plan.checkpoint_dir, on_skip=reporter.message, fits=recipe_check(recipe))
 
 
 def refuse_pickled(ckpt: LoadedCheckpoint) -> None:

@@ -22,13 +22,14 @@ HTTP retries are bounded, so a dead server costs seconds, not minutes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import string
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -96,6 +97,17 @@ _ID_CHARS = string.ascii_lowercase + string.digits  # W&B's run ids: 8 of these
 _EXIT_CODES = {"finished": 0, "stopped": 130, "failed": 1}  # the CLI's own exit codes
 
 
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` inside the block only (each key is one it did not hold)."""
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key in values:
+            os.environ.pop(key, None)
+
+
 class WandbTracker:
     name = "wandb"
 
@@ -110,10 +122,18 @@ class WandbTracker:
             settings["silent"] = True  # the runner says where the run is, in one line
         self.resumed = bool(resume_id)
         self.run_id = resume_id or "".join(secrets.choice(_ID_CHARS) for _ in range(8))
-        self._run = wandb.init(
-            project=setup.project, name=setup.run_name, id=self.run_id, resume="allow",
-            dir=str(setup.output_dir), mode=None if os.environ.get("WANDB_MODE") else "offline",
-            settings=wandb.Settings(**settings))
+        # W&B's service writes its own logs (core-debug-*.log, symon-debug-*.log) under
+        # WANDB_CACHE_DIR, by default the user's cache folder: unless the user chose one, the
+        # run folder's wandb/cache/, set for the start of the service alone (it reads the
+        # environment once, when it starts) and taken back after.
+        cache = {} if "WANDB_CACHE_DIR" in os.environ else {
+            "WANDB_CACHE_DIR": str((setup.output_dir / "wandb" / "cache").resolve())}
+        with _environment(cache):
+            self._run = wandb.init(
+                project=setup.project, name=setup.run_name, id=self.run_id, resume="allow",
+                dir=str(setup.output_dir),
+                mode=None if os.environ.get("WANDB_MODE") else "offline",
+                settings=wandb.Settings(**settings))
         # A resumed run may extend the recipe (run.max_steps): its config is the latest one.
         self._run.config.update(dict(setup.config), allow_val_change=True)
         where = Path(self._run.dir).parent
