@@ -82,8 +82,11 @@ def run_level(level: str, tests: list[str], extra: list[str]) -> dict:
     if seen != level:
         raise SystemExit(f"asked torch for {level!r} kernels, it runs {seen!r}")
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not vllm", *tests,
-                           *extra], cwd=REPO, env=env, capture_output=True, text=True)
+    # As `make test` runs them: two workers, one file per worker at a time, each file in a
+    # worker process of its own (an engine one test starts keeps its thread binding).
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not vllm", "-n", "2",
+                           "--dist", "loadfile", *tests, *extra],
+                          cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
