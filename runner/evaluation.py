@@ -22,7 +22,7 @@ from runner.recipe.algos import spec_of
 from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
-from runner.state.checkpoint import LoadedCheckpoint, checkpoint_step
+from runner.state.checkpoint import MODEL_DIR, LoadedCheckpoint, checkpoint_step
 from runner.state.run_folder import refuse_linked_folders
 
 SOURCE = "eval"
@@ -61,8 +61,8 @@ def find_checkpoint(plan: RunPlan, checkpoint: str, recipe: Recipe) -> LoadedChe
     and intact. Its model must load from safetensors (nothing is unpickled) and be the recipe's
     (``refuse_foreign``)."""
     from runner.export import pick_checkpoint
-    from runner.state.fit import recipe_check
     from runner.train.assemble import refuse_pickled
+    from runner.train.build import recipe_check
 
     if checkpoint == "latest":
         loaded = pick_checkpoint(plan.checkpoint_dir, None, SOURCE, recipe_check(recipe))
@@ -87,7 +87,8 @@ def refuse_foreign(recipe: Recipe, loaded: LoadedCheckpoint) -> None:
     is therefore named, not required to be equal."""
     from runner.models import read_model_type, resolve_model_path
     from runner.recipe.resolved import recipe_hash
-    from runner.state.fit import misfit, model_shapes
+    from runner.state.fit import misfit
+    from runner.train.build import model_shapes
 
     ckpt, m = loaded.path, recipe.model
     mine = f"recipe hash {recipe_hash(recipe)[:12]}"
@@ -99,10 +100,10 @@ def refuse_foreign(recipe: Recipe, loaded: LoadedCheckpoint) -> None:
                 raise _foreign(ckpt, f"its run trained model.{key} = {theirs['model'].get(key)!r} "
                                f"({theirs['hash']}) but the recipe has {value!r} ({mine})")
     base = resolve_model_path(m.path)
-    config = ckpt / "model" / "config.json"
+    config = ckpt / MODEL_DIR / "config.json"
     lora = m.lora.rank > 0
     if not lora and config.is_file():
-        have = read_model_type(ckpt / "model", key="checkpoint")
+        have = read_model_type(ckpt / MODEL_DIR, key="checkpoint")
         want = read_model_type(base)
         if have != want:
             raise _foreign(ckpt, f"it holds a {have!r} model but the recipe's model.path "
@@ -111,7 +112,7 @@ def refuse_foreign(recipe: Recipe, loaded: LoadedCheckpoint) -> None:
     reason = misfit(ckpt, model_shapes(base, m.dtype, m.trust_remote_code)) if not lora else ""
     if reason:
         raise _foreign(ckpt, f"it does not fit the recipe's model.path {m.path!r}: {reason}")
-    reason = _other_tokenizer(ckpt / "model", base, m.trust_remote_code)
+    reason = _other_tokenizer(ckpt / MODEL_DIR, base, m.trust_remote_code)
     if reason:
         raise _foreign(ckpt, f"{reason} (model.path {m.path!r})")
 

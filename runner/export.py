@@ -33,7 +33,7 @@ from runner.state.checkpoint import (
     load_latest,
     step_dirname,
 )
-from runner.state.fit import recipe_check
+from runner.train.build import recipe_check
 from runner.train.policy import checkpoint_policy
 
 RESOLVED = "recipe.resolved.toml"

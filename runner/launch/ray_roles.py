@@ -57,13 +57,12 @@ class RolloutActor:
             from runner.launch.entry import enter_rank
             from runner.models import resolve_model_path
             from runner.precision import resolve
-            from runner.rollout.factory import make_engine
             from runner.rollout.lengths import stated_limit
+            from runner.train.build import engine_for
 
             recipe = enter_rank(self.payload)
             path = resolve_model_path(recipe.model.path)
-            self.engine = make_engine(recipe, path, dtype=resolve(recipe).engine_dtype,
-                                      max_model_len=stated_limit(recipe, path).max_model_len)
+            self.engine = engine_for(recipe, path, resolve(recipe), stated_limit(recipe, path))
         return self.engine
 
     def generate(self, prompts: list[Any], sampling: Any, seeds: list[int] | None

@@ -53,6 +53,7 @@ from runner.errors import RuntimeFailure
 from runner.state import integrity
 
 COMPLETE = "COMPLETE"
+MODEL_DIR = "model"  # a checkpoint's model folder: a Hugging Face folder (or LoRA adapters)
 SHARD_FILE = "optimizer-rank-{rank:05d}-of-{world:05d}.safetensors"  # train.sharding = "fsdp"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
@@ -262,14 +263,14 @@ def save_checkpoint(
     final = root / step_dirname(step)
     tmp = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
     tmp.mkdir()
-    with _file(tmp / "model"):
+    with _file(tmp / MODEL_DIR):
         if model_state is None:
-            model.save_pretrained(tmp / "model", safe_serialization=True)
+            model.save_pretrained(tmp / MODEL_DIR, safe_serialization=True)
         else:
-            model.save_pretrained(tmp / "model", state_dict=model_state,
+            model.save_pretrained(tmp / MODEL_DIR, state_dict=model_state,
                                   safe_serialization=True)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "model")
+            tokenizer.save_pretrained(tmp / MODEL_DIR)
     for name, module in (extra_modules or {}).items():
         (tmp / "extra_models" / name).mkdir(parents=True)
         weights = extra_states[name] if name in extra_states else module.state_dict()
@@ -421,7 +422,7 @@ class LoadedCheckpoint:
 
     @property
     def model_dir(self) -> Path:
-        return self.path / "model"
+        return self.path / MODEL_DIR
 
     def rng_of_rank(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s Python/numpy RNG state (a rank the writer did not have takes rank 0's:

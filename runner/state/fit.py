@@ -17,17 +17,15 @@ checkpoint (adapters) and the extra modules (PPO's critic) are not.
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
-if TYPE_CHECKING:
-    from runner.recipe.schema import Recipe
+from runner.state.checkpoint import MODEL_DIR
 
 Shape = tuple[int, ...]
 SHARDED, REPLICATED = "sharded", "replicated"  # runner.train.sharding's slot kinds
@@ -43,13 +41,9 @@ class ModelShapes:
     rename: Any = attrs.field(eq=False, repr=False)  # a file key -> (model key, converted)
 
 
-def model_shapes(path: Path, dtype: str = "float32", trust_remote_code: bool = False
-                 ) -> ModelShapes:
-    """The shapes of the model of folder ``path`` as a run builds it (every parameter trains,
-    in ``make_optimizer``'s order), read from an empty (meta) model."""
-    from runner.models.loading import empty_causal_lm
-
-    model = empty_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code)
+def shapes_of(model: Any) -> ModelShapes:
+    """The shapes a checkpoint of ``model`` (built as a run builds it, on the meta device) must
+    hold: every parameter trains, in ``make_optimizer``'s order."""
     state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     return ModelShapes(state, tuple(n for n, _ in params),
@@ -96,7 +90,7 @@ def _show(shape: Shape) -> str:
 def misfit(folder: Path, shapes: ModelShapes, *, weights: bool = True) -> str:
     """Why checkpoint ``folder`` does not fit ``shapes``' model, or "": its model weights
     (unless ``weights`` is False: a LoRA checkpoint holds adapters) and its optimizer state."""
-    return (weights and model_misfit(folder / "model", shapes, folder)) or optimizer_misfit(
+    return (weights and model_misfit(folder / MODEL_DIR, shapes, folder)) or optimizer_misfit(
         folder, shapes)
 
 
@@ -178,27 +172,3 @@ def optimizer_misfit(folder: Path, shapes: ModelShapes, prefix: str = "optimizer
             return (f"{prefix}-rank-*: the ranks' parts of {key!r} ({name}) have "
                     f"{rows} rows in {len(pieces)} file(s) where the parameter has {want[0]}")
     return ""
-
-
-def recipe_check(recipe: Recipe) -> Callable[[Any], str]:
-    """``check(loaded)`` for ``load_latest``: why a loaded checkpoint does not fit the recipe's
-    model, or "" (the model's shapes are read once, on the first call)."""
-    from runner.models import resolve_model_path
-
-    m = recipe.model
-    lora = m.lora.rank > 0
-
-    @functools.cache
-    def shapes() -> ModelShapes:
-        return model_shapes(resolve_model_path(m.path), m.dtype, m.trust_remote_code)
-
-    def check(loaded: Any) -> str:
-        if lora:  # adapters, and an optimizer of the adapters alone: not checked here
-            return ""
-        try:
-            return misfit(loaded.path, shapes())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError,
-                SafetensorError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-
-    return check

@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from runner.data.cursor import DataCursor, check_resume
-from runner.envs.build import build_env_runner
 from runner.errors import Problem, RecipeError, RunnerError, RuntimeFailure
-from runner.packers.base import DataPacker
 from runner.precision import Precision, device_type, resolve
 from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
@@ -31,12 +29,19 @@ from runner.recipe.plan import RunPlan
 from runner.recipe.resolved import resolved_document, write_resolved
 from runner.recipe.schema import Recipe
 from runner.rewards import build_rewards
-from runner.rollout.lengths import PromptLimit
 from runner.state.checkpoint import LoadedCheckpoint, load_latest, restore_rng
 from runner.state.run_folder import RunLock
+from runner.train.build import (
+    BuildSteps,
+    open_model,
+    packer_for,
+    prompt_limit,
+    rollout_for,
+    serves_rollout,
+)
 from runner.train.handshake import check_shared_folder, handshake, model_files_hash
 from runner.train.pipeline import Producer, make_producer
-from runner.train.roles import RoleProvider, Rollout, disable_dropout, prepare_trainable
+from runner.train.roles import RoleProvider, disable_dropout, prepare_trainable
 from runner.train.rollouts import sample_ahead
 from runner.train.run import Roles, RunContext, RunState
 from runner.train.seeds import seed_everything
@@ -53,7 +58,7 @@ if TYPE_CHECKING:
 def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedCheckpoint | None:
     """The newest intact checkpoint that loads and fits the recipe's model (damaged, unparsable
     or misfitting newer ones are skipped, saying why)."""
-    from runner.state.fit import recipe_check
+    from runner.train.build import recipe_check
 
     if recipe.checkpoint.resume == "never":
         return None
@@ -99,54 +104,37 @@ def resume_cursor(recipe: Recipe, ckpt: LoadedCheckpoint | None, parts_now: dict
                         seed=recipe.run.seed)
 
 
-def make_accelerator(device: str, precision: Precision) -> Accelerator:
+def make_accelerator(device: str, precision: Precision, ctx: RankContext) -> Accelerator:
+    """Accelerate's view of this rank, which must see the launcher's world (DDP otherwise
+    trains the ranks apart)."""
     from accelerate import Accelerator
 
-    return Accelerator(cpu=device == "cpu", mixed_precision=precision.train)
+    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision.train)
+    if accelerator.num_processes != ctx.world_size:
+        raise RunnerError(f"Accelerate sees {accelerator.num_processes} process(es) but this is "
+                          f"rank {ctx.rank} of {ctx.world_size}: the launcher did not set RANK, "
+                          "WORLD_SIZE and LOCAL_RANK")
+    return accelerator
 
 
-def prompt_limit(recipe: Recipe, base: Path, packer: DataPacker, tokenizer: Any,
-                  opened: OpenedData, streamed: Streamed, *, remote: bool) -> PromptLimit:
-    """The engine's ``max_model_len`` and the check of every prompt that can be checked before
-    the run (``runner.rollout.lengths.run_limit``). A Ray rollout actor sizes its engine
-    without the prompts, so ranks that use one measure none."""
-    from runner.rollout.lengths import run_limit
+@attrs.frozen(eq=False)
+class Start:
+    """Where a rank's run starts: the run folder's lock (rank 0's), the checkpoint it resumes
+    from, the opened data, its stream resumed at the saved cursor, and the step."""
 
-    sources, held_out = opened.prompts_to_check(streamed)
-    return run_limit(recipe, base, packer, tokenizer, sources, held_out, measure=not remote)
-
-
-class BuildSteps:
-    """Runs the build in named roles, remembering the first that failed (and how)."""
-
-    def __init__(self) -> None:
-        self.failed: tuple[str, BaseException] | None = None
-
-    def __call__(self, role: str, build: Callable[[], Any]) -> Any:
-        if self.failed is not None:
-            return None
-        try:
-            return build()
-        except (RunnerError, RecipeError, OSError, ValueError, RuntimeError, ImportError) as exc:
-            self.failed = (role, exc)
-            return None
+    lock: RunLock | None
+    ckpt: LoadedCheckpoint | None
+    opened: OpenedData | None
+    parts: dict[str, str]
+    streamed: Streamed | None
+    step: int
 
 
-def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collective,
-             reporter: Reporter, source: str, overrides: Sequence[str],
-             actors: RoleProvider | None = None, stop: Callable[[], bool] | None = None
-             ) -> RunContext:
-    """Build every role the plan lists (``plan.roles``), in this process or, where ``actors``
-    serves it, as a handle on the launcher's role actor."""
-    from runner.models import load_causal_lm, load_codec, read_model_type, resolve_model_path
-    from runner.packers import build_packer
-    from runner.rollout.factory import make_engine
-
-    device = device_type(recipe)
-    precision = resolve(recipe, device)  # once per rank: the trained, frozen and engine dtypes
-
-    seed_everything(recipe.run.seed, recipe.run.deterministic)
-    step = BuildSteps()
+def open_start(recipe: Recipe, plan: RunPlan, ctx: RankContext, reporter: Reporter,
+               step: BuildSteps, overrides: Sequence[str], source: str) -> Start:
+    """Lock the run folder (rank 0), find the checkpoint, open the data and check the saved
+    cursor against it before any model is built; rank 0 writes the resolved recipe; the
+    checkpoint's RNG state is restored."""
     # The writer locks the run folder before reading its checkpoints: a second run on the same
     # folder stops here, before it reads or writes anything there.
     lock = step("output", lambda: RunLock.acquire(plan.output_dir)) if ctx.is_main else None
@@ -158,7 +146,6 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     parts = opened.fingerprint_parts() if opened else {}
     cursor = step("data", lambda: resume_cursor(recipe, ckpt, parts))  # before any model
     streamed = step("data", lambda: opened.stream(recipe, ctx, cursor))
-    data = streamed.data if streamed else None
     if ctx.is_main and step.failed is None:
         step("output", lambda: (plan.output_dir.mkdir(parents=True, exist_ok=True),
                                 write_resolved(recipe, plan.resolved_path, overrides, source)))
@@ -167,20 +154,24 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
         restore_rng(ckpt.rng_of_rank(ctx.rank), ckpt.rng_tensors_of_rank(ctx.rank))
         start_step = ckpt.state.step
         reporter.message(f"resuming {recipe.run.name!r} from {ckpt.path} (step {start_step})")
-    base = step("policy", lambda: resolve_model_path(recipe.model.path))
+    return Start(lock, ckpt, opened, parts, streamed, start_step)
+
+
+def load_policy_model(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint | None,
+                      base: Path, step: BuildSteps, reporter: Reporter
+                      ) -> tuple[Any, Path | None, Path]:
+    """The policy's model (dropout off where the recipe says, LoRA adapters applied), the
+    folder of the shards each rank reads after the handshake (sharded full fine-tuning), and
+    the folder its weights come from (what an engine started here loads)."""
+    from runner.models import load_causal_lm
+
     trust, dtype = recipe.model.trust_remote_code, recipe.model.dtype
-    model_type = step("policy", lambda: recipe.model.model_type or read_model_type(base))
-    # The tokenizer and packers come from the base folder: training changes weights only.
-    # Checkpoints save it beside the weights: a vision-language model's processor (its
-    # tokenizer, image and video processor configs, chat template), so a checkpoint folder
-    # loads with AutoProcessor too.
-    tokenizer = step("policy", lambda: load_codec(base, trust))
     # With LoRA the base weights always come from the base folder; a checkpoint holds adapters.
     lora = recipe.model.lora.rank > 0
     model_dir = ckpt.model_dir if ckpt and not lora else base
+
     # Sharded (full fine-tuning): an empty model whose shards each rank reads after the
-    # handshake (``weights``: their folder), so that no rank holds the whole model (LoRA wraps
-    # a loaded one).
+    # handshake, so that no rank holds the whole model (LoRA wraps a loaded one).
     def load() -> tuple[Any, Path | None]:
         if "policy" in plan.sharded and not lora:
             from runner.train.sharding import load_for_sharding
@@ -192,62 +183,80 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     model = _trained(model, recipe) if model is not None else None
     if lora and model is not None:
         model = step("policy", lambda: _with_adapters(model, recipe, ckpt, reporter))
-    factory = recipe.data_packer.factory
-    options = {"trust_remote_code": trust, "dtype": dtype}
-    packer = step("policy", lambda: build_packer(base, model_type, factory, **options))
+    return model, weights, model_dir
+
+
+def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collective,
+             reporter: Reporter, source: str, overrides: Sequence[str],
+             actors: RoleProvider | None = None, stop: Callable[[], bool] | None = None
+             ) -> RunContext:
+    """Build every role the plan lists (``plan.roles``), in this process or, where ``actors``
+    serves it, as a handle on the launcher's role actor; the run returned is whole."""
+    device = device_type(recipe)
+    precision = resolve(recipe, device)  # once per rank: the trained, frozen and engine dtypes
+    seed_everything(recipe.run.seed, recipe.run.deterministic)
+    step = BuildSteps()
+    start = open_start(recipe, plan, ctx, reporter, step, overrides, source)
+    folder = open_model(recipe, step)
+    base = folder.path if folder else Path(recipe.model.path)
+    model, weights, model_dir = load_policy_model(recipe, plan, start.ckpt, base, step, reporter)
+    packer = step("policy", lambda: packer_for(recipe, folder))
     generates = "rollout" in plan.roles
-    engine_packer = (step("rollout", lambda: build_packer(base, model_type, factory, **options))
-                     if generates else None)
+    engine_packer = step("rollout", lambda: packer_for(recipe, folder)) if generates else None
     # Every rank checks every prompt it can before the run (and measures them for a derived
     # vllm max_model_len), before the handshake: a refused prompt stops every rank at once.
-    remote = bool(actors is not None and actors.rollout)
-    limit = (step("rollout", lambda: prompt_limit(recipe, base, engine_packer, tokenizer,
-                                                   opened, streamed, remote=remote))
-             if generates else None)
-    fingerprint = data.cursor.fingerprint if data is not None else ""
+    limit = (step("rollout", lambda: prompt_limit(
+        recipe, base, engine_packer, folder.codec, start.opened, start.streamed,
+        remote=serves_rollout(actors))) if generates else None)
+    data = start.streamed.data if start.streamed else None
     hashes = (step("policy", lambda: model_files_hash(_model_folders(recipe, plan.roles, base)))
               if ctx.world_size > 1 else {})
     # Before the first collective of the build (DDP's parameter broadcast, the engine's setup):
     # a rank that failed must not leave the others waiting inside one.
-    handshake(comm, ctx, step.failed, fingerprint, hashes)
+    handshake(comm, ctx, step.failed, data.cursor.fingerprint if data is not None else "",
+              hashes)
+    assert folder is not None and start.streamed is not None and data is not None
     if plan.sharded and ctx.world_size > 1:
         check_shared_folder(comm, ctx, plan.checkpoint_dir)
-    accelerator = make_accelerator(device, precision)
-    if accelerator.num_processes != ctx.world_size:  # no DDP: the ranks would train apart
-        raise RunnerError(f"Accelerate sees {accelerator.num_processes} process(es) but this is "
-                          f"rank {ctx.rank} of {ctx.world_size}: the launcher did not set RANK, "
-                          "WORLD_SIZE and LOCAL_RANK")
-    pad_free = recipe.train.padding_free and getattr(packer, "can_pack", False)
-    policy = prepare_trainable(accelerator, model, recipe, pad_free=pad_free,
-                               ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
-                               ckpt_scheduler=ckpt.state.scheduler if ckpt else None,
-                               sharded="policy" in plan.sharded, rank=ctx.rank,
-                               world=ctx.world_size, weights=weights)
-    engine = ((actors.rollout_engine(ctx) if remote and actors is not None
-               else make_engine(recipe, model_dir, dtype=precision.engine_dtype,
-                                max_model_len=limit.max_model_len if limit else None))
-              if generates else None)
-    rollout = (Rollout(engine, engine_packer, limit, build_env_runner(recipe, engine_packer))
+    accelerator = make_accelerator(device, precision, ctx)
+    ckpt = start.ckpt
+    policy = prepare_trainable(
+        accelerator, model, recipe,
+        pad_free=recipe.train.padding_free and getattr(packer, "can_pack", False),
+        ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
+        ckpt_scheduler=ckpt.state.scheduler if ckpt else None,
+        sharded="policy" in plan.sharded, rank=ctx.rank, world=ctx.world_size, weights=weights)
+    rollout = (rollout_for(recipe, ctx, actors, model_dir, precision, engine_packer, limit)
                if generates else None)
     svc = RunServices(recipe=recipe, plan=plan, rank=ctx, comm=comm, reporter=reporter,
                       metrics=_metrics_log(plan, ctx, ckpt), precision=precision,
-                      accelerator=accelerator, stop_poll=stop, lock=lock)
+                      accelerator=accelerator, stop_poll=stop, lock=start.lock)
+    state = RunState(start_step=start.step, ckpt=ckpt, data=data, parts=start.parts,
+                     val_items=start.streamed.held_out_items,
+                     has_held_out=start.streamed.has_held_out)
+    run = RunContext(svc=svc, state=state, model_path=base, tokenizer=folder.codec,
+                     policy=policy, policy_packer=packer, rollout=rollout, actors=actors)
+    return finish(run, overrides, source)
+
+
+def finish(run: RunContext, overrides: Sequence[str], source: str) -> RunContext:
+    """The run made whole: its roles and producer built, the engine given the weights it does
+    not load itself, and (rank 0, last: a run that fails to build leaves no tracker run open)
+    the trackers started."""
+    recipe, plan, ckpt = run.svc.recipe, run.svc.plan, run.state.ckpt
     reason = held_out_reason(recipe.data, spec_of(recipe).stream)
     if reason:
-        reporter.message(f"held-out evaluation: {reason}")
-    assert streamed is not None and data is not None  # the handshake raised otherwise
-    state = RunState(start_step=start_step, ckpt=ckpt, data=data, parts=parts,
-                     val_items=streamed.held_out_items, has_held_out=streamed.has_held_out)
-    run = RunContext(svc=svc, state=state, model_path=base, tokenizer=tokenizer, policy=policy,
-                     policy_packer=packer, rollout=rollout, actors=actors)
+        run.svc.reporter.message(f"held-out evaluation: {reason}")
     run = attrs.evolve(run, roles=build_roles(run))
     run = attrs.evolve(run, producer=build_producer(run))
     # A rollout actor, and any engine under LoRA (a checkpoint holds adapters only), starts from
     # the base model.
-    if rollout is not None and ckpt is not None and (remote or lora):
+    if run.rollout is not None and ckpt is not None and (
+            serves_rollout(run.actors) or recipe.model.lora.rank > 0):
         run.sync_weights()
-    if ctx.is_main:  # last: a run that fails to build leaves no tracker run open
-        run.svc.metrics.trackers = start_trackers(recipe, plan, ckpt, reporter, overrides, source)
+    if run.svc.rank.is_main:
+        run.svc.metrics.trackers = start_trackers(recipe, plan, ckpt, run.svc.reporter,
+                                                  overrides, source)
     return run
 
 
@@ -346,13 +355,12 @@ def _trained(model: Any, recipe: Recipe) -> Any:
 
 def _model_folders(recipe: Recipe, roles: Sequence[str], base: Path) -> dict[str, Path]:
     """The model folders every rank must hold identically, by role: the policy's, and those of
-    the teacher and the critic where ``roles`` (the plan's) lists them and ``algo.ROLE_path``
-    names one (a critic without its own folder starts from the policy's)."""
+    the algorithm's other models (``AlgoSpec.models``: the teacher, a critic with a folder of
+    its own) where ``roles`` (the plan's) lists them."""
     from runner.models import resolve_model_path
 
     folders = {"policy": base}
-    for role in ("teacher", "critic"):
-        path = getattr(recipe.algo, f"{role}_path", "") if role in roles else ""
-        if path:
-            folders[role] = resolve_model_path(path, key=f"algo.{role}_path")
+    for m in spec_of(recipe).models(recipe.algo):
+        if m.role in roles:
+            folders[m.role] = resolve_model_path(m.path, key=m.key)
     return folders

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.envs.build import build_env_runner
 from runner.errors import RunnerError
 from runner.precision import device_type, resolve
 from runner.ranks.collective import Collective, interleave
@@ -29,8 +28,16 @@ from runner.recipe.resolved import recipe_hash
 from runner.recipe.schema import Recipe
 from runner.rewards import RewardSet, build_rewards
 from runner.rewards.passk import pass_function, pass_ks
+from runner.state.checkpoint import MODEL_DIR
 from runner.state.run_folder import no_follow, writing
-from runner.train.assemble import BuildSteps, prompt_limit
+from runner.train.build import (
+    BuildSteps,
+    open_model,
+    packer_for,
+    prompt_limit,
+    rollout_for,
+    serves_rollout,
+)
 from runner.train.handshake import handshake, model_files_hash
 from runner.train.roles import RoleProvider, Rollout
 from runner.train.rollouts import generate_held_out, prompt_passes
@@ -64,49 +71,38 @@ def run_eval(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
 
 def _build(recipe: Recipe, ctx: RankContext, comm: Collective, job: dict[str, Any],
            actors: RoleProvider | None) -> tuple[Rollout, list[ObsBundle], RewardSet]:
-    """This rank's engine (with the evaluated weights), held-out items and reward functions;
-    the ranks compare what they built before the engine starts, as a run's do."""
-    from runner.models import load_codec, read_model_type, resolve_model_path
-    from runner.packers import build_packer
-    from runner.rollout.factory import make_engine
+    """This rank's engine (with the evaluated weights), held-out items and reward functions,
+    built as a run builds them (``runner.train.build``); the ranks compare what they built
+    before the engine starts, as a run's do."""
     from runner.train.policy import checkpoint_policy
 
-    device = device_type(recipe)
-    precision = resolve(recipe, device)
+    precision = resolve(recipe, device_type(recipe))
     seed_everything(recipe.run.seed, recipe.run.deterministic)
     ckpt = Path(job["checkpoint"]) if job.get("checkpoint") else None
     step = BuildSteps()
     opened = step("data", lambda: open_data(recipe, ctx))
     streamed = step("data", lambda: opened.stream(recipe, ctx, None))
-    m = recipe.model
-    base = step("policy", lambda: resolve_model_path(m.path))
-    model_type = step("policy", lambda: m.model_type or read_model_type(base))
-    tokenizer = step("policy", lambda: load_codec(base, m.trust_remote_code))
-    packer = step("rollout", lambda: build_packer(
-        base, model_type, recipe.data_packer.factory, trust_remote_code=m.trust_remote_code,
-        dtype=m.dtype))
-    remote = bool(actors is not None and actors.rollout)
-    limit = step("rollout", lambda: prompt_limit(recipe, base, packer, tokenizer, opened,
-                                                 streamed, remote=remote))
-    lora = m.lora.rank > 0
-    engine_dir = ckpt / "model" if ckpt is not None and not lora else base
+    folder = open_model(recipe, step)
+    packer = step("rollout", lambda: packer_for(recipe, folder))
+    remote = serves_rollout(actors)
+    limit = step("rollout", lambda: prompt_limit(recipe, folder.path, packer, folder.codec,
+                                                 opened, streamed, remote=remote))
+    lora = recipe.model.lora.rank > 0
+    engine_dir = (ckpt / MODEL_DIR if ckpt is not None and not lora
+                  else folder.path if folder else None)
     # Weights the engine does not load from its folder: merged adapters, or a checkpoint for an
     # engine started elsewhere from the base model (loaded by the rank that pushes them).
     push = ckpt is not None and (lora or remote)
-    pusher = ctx.is_main or not remote
     weights = (step("policy", lambda: checkpoint_policy(recipe, ckpt))
-               if push and pusher else None)
+               if push and (ctx.is_main or not remote) else None)
     rewards = step("reward", lambda: build_rewards(recipe.reward))
     hashes = (step("policy", lambda: model_files_hash({"policy": engine_dir}))
               if ctx.world_size > 1 else {})
     handshake(comm, ctx, step.failed, "", hashes)
-    assert streamed is not None and rewards is not None  # the handshake raised otherwise
+    assert streamed is not None and rewards is not None and engine_dir is not None
     if not streamed.has_held_out:
         raise RunnerError("the recipe has no held-out set to evaluate on")
-    engine = (actors.rollout_engine(ctx) if remote and actors is not None
-              else make_engine(recipe, engine_dir, dtype=precision.engine_dtype,
-                               max_model_len=limit.max_model_len if limit else None))
-    rollout = Rollout(engine, packer, limit, build_env_runner(recipe, packer))
+    rollout = rollout_for(recipe, ctx, actors, engine_dir, precision, packer, limit)
     if weights is not None:
         rollout.update_weights((n, w.detach()) for n, w in weights.named_parameters())
     if push and rollout.shared:

@@ -15,6 +15,7 @@ from runner.algorithms.logprobs import token_logprobs
 from runner.algorithms.masked import at_least_float32
 from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import Recipe, TrainConfig
+from runner.state.checkpoint import MODEL_DIR
 
 
 def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0, upcast: bool = True
@@ -147,11 +148,12 @@ def checkpoint_policy(recipe: Recipe, ckpt: Path) -> Any:
 
     m = recipe.model
     if m.lora.rank == 0:
-        return load_causal_lm(ckpt / "model", dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+        return load_causal_lm(ckpt / MODEL_DIR, dtype=m.dtype,
+                              trust_remote_code=m.trust_remote_code)
     from runner.train.lora import apply_lora, load_adapters
 
     base = load_causal_lm(resolve_model_path(m.path), dtype=m.dtype,
                           trust_remote_code=m.trust_remote_code)
     model = apply_lora(base, m.lora, recipe.run.seed)
-    load_adapters(model, ckpt / "model")
+    load_adapters(model, ckpt / MODEL_DIR)
     return model.merge_and_unload()
