@@ -61,8 +61,8 @@ def find_checkpoint(plan: RunPlan, checkpoint: str, recipe: Recipe) -> LoadedChe
     and intact. Its model must load from safetensors (nothing is unpickled) and be the recipe's
     (``refuse_foreign``)."""
     from runner.export import pick_checkpoint
-    from runner.train.assemble import refuse_pickled
-    from runner.train.build import recipe_check
+    from runner.train.assembly.assemble import refuse_pickled
+    from runner.train.assembly.build import recipe_check
 
     if checkpoint == "latest":
         loaded = pick_checkpoint(plan.checkpoint_dir, None, SOURCE, recipe_check(recipe))
@@ -88,7 +88,7 @@ def refuse_foreign(recipe: Recipe, loaded: LoadedCheckpoint) -> None:
     from runner.models import read_model_type, resolve_model_path
     from runner.recipe.resolved import recipe_hash
     from runner.state.fit import misfit
-    from runner.train.build import model_shapes
+    from runner.train.assembly.build import model_shapes
 
     ckpt, m = loaded.path, recipe.model
     mine = f"recipe hash {recipe_hash(recipe)[:12]}"

@@ -33,8 +33,8 @@ from runner.state.checkpoint import (
     load_latest,
     step_dirname,
 )
-from runner.train.build import recipe_check
-from runner.train.policy import checkpoint_policy
+from runner.train.assembly.build import recipe_check
+from runner.train.roles.policy import checkpoint_policy
 
 RESOLVED = "recipe.resolved.toml"
 

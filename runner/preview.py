@@ -174,8 +174,8 @@ def episode_rows(recipe: Recipe, model_path: Any, packer: Any, item: Any) -> lis
     whatever ``rollout.engine`` says: a preview needs no server) and describe it."""
     from runner.envs.build import build_env_runner
     from runner.rollout.hf import HFEngine
-    from runner.train.rollouts import sampling
-    from runner.train.seeds import item_seed
+    from runner.train.assembly.seeds import item_seed
+    from runner.train.loops.rollouts import sampling
 
     runner = build_env_runner(recipe, packer)
     engine = HFEngine.from_path(str(model_path), dtype="float32", batch_size=1,

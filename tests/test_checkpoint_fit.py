@@ -17,7 +17,7 @@ from runner.recipe import load_recipe
 from runner.state import integrity
 from runner.state.checkpoint import COMPLETE, load_latest
 from runner.state.fit import optimizer_misfit
-from runner.train.build import model_shapes, recipe_check
+from runner.train.assembly.build import model_shapes, recipe_check
 from tests.conftest import REPO
 from tests.resume_helpers import run_cli
 
@@ -127,7 +127,7 @@ def test_load_latest_passes_a_misfit_over(trained, tmp_path):
 
 
 def _sharded(folder: Path, params: list[tuple[str, tuple[int, ...]]], world: int = 2) -> None:
-    """An FSDP checkpoint's optimizer as runner.train.sharding writes it: each rank's rows of
+    """An FSDP checkpoint's optimizer as runner.train.roles.sharding writes it: each rank's rows of
     every parameter's Adam moments (Shard(0)), the step replicated, and the index."""
     files = [f"optimizer-rank-{r:05d}-of-{world:05d}.safetensors" for r in range(world)]
     for rank, name in enumerate(files):

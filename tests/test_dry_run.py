@@ -78,8 +78,8 @@ def test_dpo_answer_payload_the_packer_cannot_read_is_one_line(run_cli):
     assert len(err.splitlines()) == 1
 
 
-# The roles the plan lists are the roles the assembly builds (runner.train.assemble.build_roles
-# reads plan.roles): --dry-run shows them.
+# The roles the plan lists are the roles the assembly builds
+# (runner.train.assembly.assemble.build_roles reads plan.roles): --dry-run shows them.
 ROLE_CASES = [
     ("grpo-arith", (), ("driver", "policy", "rollout", "reward")),
     ("grpo-arith", ("algo.kl_beta=0.05",), ("driver", "policy", "rollout", "reference", "reward")),

@@ -116,7 +116,7 @@ def test_episode_tokens_are_the_engines_plus_the_templates_rendering(packer):
 
 
 def test_policy_input_masks_exactly_the_engines_tokens(packer):
-    from runner.train.rollouts import episodes_trajectory
+    from runner.train.loops.rollouts import episodes_trajectory
 
     one, four = (packer.tokenizer.convert_tokens_to_ids(d) for d in "14")
     engine = Scripted([[one, one, 2], [one, four, 2]])

@@ -292,7 +292,7 @@ def test_sharded_resume_from_two_ranks_to_one_and_back(runs, tmp_path):
 _ONE_PROCESS = """
 import torch
 from runner.models import load_causal_lm, resolve_model_path
-from runner.train.sharding import blocks_of, full_named_weights, full_state_dict, shard_model
+from runner.train.roles.sharding import blocks_of, full_named_weights, full_state_dict, shard_model
 path = resolve_model_path("builtin:tiny-arith")
 plain = load_causal_lm(path, dtype="float32", trust_remote_code=False)
 model = load_causal_lm(path, dtype="float32", trust_remote_code=False)
@@ -311,7 +311,7 @@ assert "lm_head.weight" not in state and torch.equal(state["model.norm.weight"],
                                                      plain.model.norm.weight.detach())
 # An empty model (meta parameters) sharded and filled from the folder's files holds exactly
 # what from_pretrained loads, buffers included.
-from runner.train.sharding import load_for_sharding
+from runner.train.roles.sharding import load_for_sharding
 empty, folder = load_for_sharding(path, "float32", False)
 assert folder == path and all(p.is_meta for p in empty.parameters())
 shard_model(empty, bf16=False, weights=folder)
@@ -325,7 +325,7 @@ for n, b in plain.named_buffers():
 # LoRA on the sharded base: the merged weights the engine gets equal peft's merge of the same
 # adapters on the whole model, and a checkpoint gathers the adapters alone.
 from runner.recipe.schema import LoraConfig
-from runner.train.lora import apply_lora, is_adapter, merged_weights
+from runner.train.roles.lora import apply_lora, is_adapter, merged_weights
 whole = apply_lora(load_causal_lm(path, dtype="float32", trust_remote_code=False),
                    LoraConfig(rank=4, alpha=8.0), seed=0)
 g = torch.Generator().manual_seed(1)
@@ -378,7 +378,7 @@ def _tiny_trained():
 def _staged_halves(root, model, opt):
     """What two sharded ranks stage for a checkpoint, made from a whole optimizer in one process:
     every moment cut in two on dim 0 (as FSDP2 shards), the step whole on both."""
-    from runner.train.sharding import optimizer_shard, stage_optimizer_shard
+    from runner.train.roles.sharding import optimizer_shard, stage_optimizer_shard
 
     index, whole = optimizer_shard(opt, model)
     halves: list[dict[str, torch.Tensor]] = [{}, {}]
@@ -403,7 +403,7 @@ def test_sharded_optimizer_files_round_trip_and_a_failed_write_removes_them(tmp_
     load_checkpoint returns the index and a whole optimizer put together from the shards equals
     the one saved, bitwise. A write that fails removes the staged shards too."""
     from runner.state.checkpoint import TrainingState, load_checkpoint, save_checkpoint
-    from runner.train.sharding import load_optimizer_shards
+    from runner.train.roles.sharding import load_optimizer_shards
 
     model, opt = _tiny_trained()
     index, staged = _staged_halves(tmp_path, model, opt)
@@ -545,8 +545,8 @@ def test_sharded_ranks_run_equally_many_micro_batches(monkeypatch):
     """FSDP2 gathers parameters in every forward (a collective), so a sharded rank holding fewer
     rows of a minibatch than micro-batches runs zero-weighted ones on its first row until it has
     run as many as every rank; they are neither kept nor counted. Unsharded ranks do not."""
-    from runner.train import batches
-    from runner.train.batches import Minibatch, train_minibatch_keeping
+    from runner.train.loops import batches
+    from runner.train.loops.batches import Minibatch, train_minibatch_keeping
 
     def step(trainables, micro_losses, max_grad_norm):
         return float(sum(float(loss()) for loss in micro_losses))
@@ -692,7 +692,7 @@ class _RankZeroOfTwo:
 @pytest.mark.parametrize("blind", [False, True])
 def test_sharded_ranks_must_share_the_checkpoint_folder(tmp_path, blind):
     from runner.ranks.context import RankContext
-    from runner.train.handshake import check_shared_folder
+    from runner.train.assembly.handshake import check_shared_folder
 
     folder = tmp_path / "checkpoints"
     if blind:

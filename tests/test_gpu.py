@@ -30,7 +30,7 @@ def test_auto_precision_is_bf16_on_a_bf16_gpu():
 
 def test_padding_free_and_chunked_logprobs_on_cuda():
     from runner.models import load_causal_lm
-    from runner.train.policy import batch_logprobs
+    from runner.train.roles.policy import batch_logprobs
 
     model = load_causal_lm("builtin:tiny-arith").cuda()
     batch = collate(_inputs(), 0).to("cuda")

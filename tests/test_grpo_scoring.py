@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.train import grpo, opd
+from runner.train.loops import grpo, opd
 from tests.tiny_run import tiny_run
 
 

@@ -227,8 +227,8 @@ def test_a_total_with_the_env_reward_beyond_the_bound_names_both():
     from runner.errors import RewardFailure
     from runner.rewards import RewardSet
     from runner.rollout.base import Completion
-    from runner.train.rollouts import score
-    from runner.train.trajectory import Trajectory
+    from runner.train.loops.rollouts import score
+    from runner.train.loops.trajectory import Trajectory
     from runner.types import ObsBundle
 
     item = ObsBundle("p")
@@ -288,7 +288,7 @@ def test_the_loop_names_the_step_and_writes_no_checkpoint():
 
     from runner.errors import NonFiniteUpdate
     from runner.recipe.schema import Recipe
-    from runner.train.loop import run_loop
+    from runner.train.loops.loop import run_loop
 
     saved, written = [], []
 
@@ -734,7 +734,7 @@ def test_tar_max_bytes_reaches_the_reader(tmp_path):
 
 STUCK_STEP = """
 import signal, sys, time
-from runner.train.loop import StopRequests
+from runner.train.loops.loop import StopRequests
 from runner.ui import SilentReporter
 try:
     with StopRequests(SilentReporter()):

@@ -15,8 +15,8 @@ from runner.launch.torchrun import rank_env
 from runner.ranks.collective import Collective, interleave
 from runner.ranks.context import RankContext
 from runner.state.checkpoint import TMP_PREFIX, _remove_stale
-from runner.train.batches import Layout, minibatches
-from runner.train.handshake import handshake
+from runner.train.assembly.handshake import handshake
+from runner.train.loops.batches import Layout, minibatches
 
 
 def test_rank_context_from_env():
@@ -195,7 +195,7 @@ def test_a_driver_without_a_ray_token_is_told_where_the_token_goes(monkeypatch, 
 
 
 def test_stop_requests_poll_the_launcher_once_requested():
-    from runner.train.loop import StopRequests
+    from runner.train.loops.loop import StopRequests
     from runner.ui import SilentReporter
 
     calls = []

@@ -21,7 +21,8 @@ PACKAGE = REPO / "runner"
 def part_of(module: str) -> str | None:
     """The part of ``runner`` a dotted module name belongs to (None: outside the package).
 
-    >>> part_of("runner.train.grpo"), part_of("runner.errors"), part_of("runner"), part_of("torch")
+    >>> (part_of("runner.train.loops.grpo"), part_of("runner.errors"), part_of("runner"),
+    ...  part_of("torch"))
     ('train', 'errors', '__init__', None)
     """
     names = module.split(".")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runner.recipe.schema import LoraConfig
-from runner.train.lora import apply_lora, load_adapters, merged_weights, trainable_share
+from runner.train.roles.lora import apply_lora, load_adapters, merged_weights, trainable_share
 from tests.resume_helpers import assert_same_run, final_weights, rows, run_cli
 
 

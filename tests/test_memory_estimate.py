@@ -29,7 +29,7 @@ def test_header_count_equals_the_loaded_model(path):
 
 def test_lora_count_equals_peft_trainable_parameters():
     from runner.recipe.schema import LoraConfig
-    from runner.train.lora import apply_lora, trainable_share
+    from runner.train.roles.lora import apply_lora, trainable_share
 
     shapes = tensor_shapes(resolve_model_path("builtin:tiny-arith"))
     for targets in ([], ["q_proj", "v_proj"]):

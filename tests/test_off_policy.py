@@ -12,8 +12,8 @@ import random
 import pytest
 
 from runner.errors import RuntimeFailure
-from runner.train.pipeline import Producer
-from runner.train.trajectory import Trajectory
+from runner.train.loops.pipeline import Producer
+from runner.train.loops.trajectory import Trajectory
 from tests.multiproc import run_ranks
 from tests.resume_helpers import (
     assert_same_run,
@@ -236,7 +236,7 @@ def test_the_producer_samples_with_its_own_thread_count():
 
 def test_the_loss_of_a_stale_batch_is_the_hand_derived_decoupled_ppo_loss():
     """At k >= 1 the loss compares three policies (grpo_loss with engine_is_weights, as
-    runner/train/grpo.py's minibatch_loss calls them): pi (the weights being trained),
+    runner/train/loops/grpo.py's minibatch_loss calls them): pi (the weights being trained),
     pi_prox (the same weights before the step: old_logprobs = 'policy') and pi_engine (the
     engine that sampled the batch k versions ago). Token loss:
 

@@ -33,9 +33,9 @@ from runner.models.tokenizer_build import byte_symbols
 from runner.packers import build_packer
 from runner.recipe.schema import Recipe
 from runner.rollout.base import Completion
+from runner.train.loops.trajectory import Trajectory
 from runner.train.roles import Frozen
-from runner.train.teacher import Teacher
-from runner.train.trajectory import Trajectory
+from runner.train.roles.teacher import Teacher
 from runner.types import ObsBundle
 
 EOS = 2  # both views: pad 0, bos 1, eos 2, system 3, user 4, assistant 5, unk 6

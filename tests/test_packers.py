@@ -122,7 +122,7 @@ def test_packed_logprobs_equal_padded():
     """Padding-free packing gives the same per-token logprobs as padding (block-diagonal mask)."""
     from runner.models import load_causal_lm, resolve_model_path
     from runner.packers import RLPolicyInput
-    from runner.train.policy import batch_logprobs
+    from runner.train.roles.policy import batch_logprobs
 
     model = load_causal_lm(resolve_model_path("builtin:tiny-arith")).eval()
     xs = [RLPolicyInput((1, 20, 30, 40), (0, 0, 1, 1), 2), RLPolicyInput((1, 50, 60), (0, 1, 1), 1)]

@@ -8,7 +8,7 @@ import torch
 
 from runner.algorithms.logprobs import token_logprobs
 from runner.packers.base import RLPolicyInput, collate
-from runner.train.policy import batch_logprobs, first_loss_column, forward_logits
+from runner.train.roles.policy import batch_logprobs, first_loss_column, forward_logits
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def _ragged_inputs() -> list[RLPolicyInput]:
 
 
 def test_padding_free_rows_hold_every_sequence_once_with_restarting_positions():
-    from runner.train.packing import pack
+    from runner.train.roles.packing import pack
 
     inputs = _ragged_inputs()
     batch = collate(inputs, 0)
@@ -67,7 +67,7 @@ def test_padding_free_rows_hold_every_sequence_once_with_restarting_positions():
         assert p.rows.input_ids_BT[r, o:o + n].tolist() == list(x.input_ids)
         assert p.rows.position_ids_BT[r, o:o + n].tolist() == list(range(n))
         assert p.rows.seq_ids_BT[r, o:o + n].tolist() == [b] * n
-    from runner.train.packing import packed_logprobs, worth_packing
+    from runner.train.roles.packing import packed_logprobs, worth_packing
 
     assert worth_packing(p, batch)  # 56 positions instead of 84
     same = collate([RLPolicyInput((5, 6, 7, 8), (0, 0, 1, 1), 2)] * 3, 0)
@@ -82,7 +82,7 @@ def test_padding_free_rows_hold_every_sequence_once_with_restarting_positions():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_padding_free_logprobs_and_gradients_equal_padded_ones(dtype, monkeypatch):
-    import runner.train.packing as packing
+    import runner.train.roles.packing as packing
     from runner.models import load_causal_lm
 
     monkeypatch.setattr(packing, "ROW_TOKENS", 14)  # rows of 14: 56 positions packed, 84 padded
@@ -114,7 +114,7 @@ def _grouped_inputs() -> list[RLPolicyInput]:
 
 
 def test_shared_prompts_are_laid_out_once_with_each_completion_after_them():
-    from runner.train.packing import choose_layout, share_prompts
+    from runner.train.roles.packing import choose_layout, share_prompts
 
     inputs = _grouped_inputs()
     batch = collate(inputs, 0)
@@ -146,7 +146,7 @@ def test_shared_prompts_are_laid_out_once_with_each_completion_after_them():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_shared_prompt_logprobs_and_gradients_equal_padded_ones(attn, dtype):
     from runner.models import load_causal_lm
-    from runner.train.packing import choose_layout, pack
+    from runner.train.roles.packing import choose_layout, pack
 
     model = load_causal_lm("builtin:tiny-arith", dtype=str(dtype).removeprefix("torch."))
     model.set_attn_implementation(attn)
@@ -171,7 +171,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_padded_ones(attn, dtype):
 
 
 def test_flash_attention_models_fall_back_to_block_diagonal_packing():
-    from runner.train.packing import attention_mask_kind, choose_layout
+    from runner.train.roles.packing import attention_mask_kind, choose_layout
 
     class Config:
         _attn_implementation = "flash_attention_2"

@@ -8,7 +8,7 @@ import importlib
 
 from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
 from runner.rewards.builtin import arithmetic_exact
-from runner.train import ppo
+from runner.train.loops import ppo
 from tests.tiny_run import tiny_run
 
 SEEN: list = []  # the items the reward was called with

@@ -69,8 +69,8 @@ def test_the_qwen3_vl_packer_serves_older_qwen_vl_models(kind, tmp_path, vl_path
     from runner.models import load_causal_lm, read_model_type
     from runner.packers import Qwen3VLDataPacker, build_packer
     from runner.rollout.hf import HFEngine
-    from runner.train.policy import batch_logprobs, completion_grid
-    from runner.train.rollouts import trajectory
+    from runner.train.loops.rollouts import trajectory
+    from runner.train.roles.policy import batch_logprobs, completion_grid
 
     build_folder(kind, tmp_path, vl_path)
     assert read_model_type(tmp_path) == kind

@@ -117,8 +117,8 @@ def test_packer_ids_and_inputs_equal_the_processors_own(packer, processor, items
 
 def test_hf_rollout_and_policy_agree_on_every_token(packer, vl_path, model, items):
     from runner.rollout.hf import HFEngine
-    from runner.train.policy import batch_logprobs, completion_grid
-    from runner.train.rollouts import trajectory
+    from runner.train.loops.rollouts import trajectory
+    from runner.train.roles.policy import batch_logprobs, completion_grid
 
     engine = HFEngine(model, packer.tokenizer)
     prompts = [packer.engine_prompt(packer.get_rollout_input(i)) for i in items]
@@ -168,7 +168,7 @@ def test_teacher_input_holds_the_items_image(packer, items):
 
 def test_critic_backbone_sees_the_images(vl_path):
     from runner.models import load_causal_lm, text_config_value, text_hidden_size
-    from runner.train.critic import critic_backbone
+    from runner.train.roles.critic import critic_backbone
 
     lm = load_causal_lm(vl_path)
     assert critic_backbone(lm) is lm.model and lm.model.visual is not None

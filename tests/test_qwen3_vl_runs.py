@@ -50,8 +50,8 @@ def image_items(n: int = 4) -> list[ObsBundle]:
 
 def policy_gap(model, packer, items, outputs) -> float:
     """Largest |engine - policy| logprob over the sampled tokens."""
-    from runner.train.policy import batch_logprobs, completion_grid
-    from runner.train.rollouts import trajectory
+    from runner.train.loops.rollouts import trajectory
+    from runner.train.roles.policy import batch_logprobs, completion_grid
 
     traj = trajectory(items, outputs)
     inputs = traj.policy_inputs(packer)

@@ -48,7 +48,7 @@ def test_hf_engine_refuses_unknown_parameter_names():
 def test_ranks_compare_the_model_folders_of_the_planned_roles(name, overrides, roles):
     from runner.models import resolve_model_path
     from runner.recipe import load_recipe, make_plan
-    from runner.train.assemble import _model_folders
+    from runner.train.assembly.assemble import _model_folders
     from tests.conftest import REPO
 
     recipe = load_recipe(REPO / "recipes" / f"{name}.toml", overrides)

@@ -11,7 +11,7 @@ import torch
 from runner.packers import build_packer
 from runner.rollout.base import SamplingConfig
 from runner.rollout.hf import HFEngine
-from runner.train.policy import batch_logprobs, completion_grid
+from runner.train.roles.policy import batch_logprobs, completion_grid
 from runner.types import ObsBundle
 
 ITEMS = [ObsBundle(f"What is {a} + {b}?", str(a + b)) for a, b in [(3, 4), (10, 2), (7, 7), (1, 0)]]

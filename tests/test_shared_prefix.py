@@ -4,8 +4,8 @@ mask is laid on (not on a re-encoding of the decoded text, which can split diffe
 from __future__ import annotations
 
 from runner.rollout.base import Completion
-from runner.train.rollouts import shared_prefixes
-from runner.train.trajectory import Trajectory
+from runner.train.loops.rollouts import shared_prefixes
+from runner.train.loops.trajectory import Trajectory
 from runner.types import ObsBundle
 
 

@@ -57,7 +57,7 @@ def test_hf_engine_generates_and_policy_agrees(path):
     from runner.packers import build_packer
     from runner.rollout.base import SamplingConfig
     from runner.rollout.hf import HFEngine
-    from runner.train.policy import batch_logprobs, completion_grid
+    from runner.train.roles.policy import batch_logprobs, completion_grid
     from runner.types import ObsBundle
 
     packer = build_packer(path, "llama")

@@ -12,7 +12,7 @@ import torch
 
 from runner.algorithms.ppo import ppo_advantages
 from runner.data.preference import DatasetPreferenceEnv
-from runner.train import dpo, grpo, ppo
+from runner.train.loops import dpo, grpo, ppo
 from tests.tiny_run import char_code_reward, tiny_run
 
 CHAR_CODE = 'reward.functions=["tests.tiny_run.char_code_reward"]'

@@ -16,8 +16,8 @@ from pathlib import Path
 from runner.ranks.collective import Collective
 from runner.ranks.context import SINGLE
 from runner.recipe import load_recipe, make_plan
-from runner.train.assemble import assemble
-from runner.train.run import RunContext
+from runner.train.assembly.assemble import assemble
+from runner.train.assembly.run import RunContext
 from runner.ui import SilentReporter
 from tests.conftest import REPO
 

@@ -58,7 +58,7 @@ class RolloutActor:
             from runner.models import resolve_model_path
             from runner.precision import resolve
             from runner.rollout.lengths import stated_limit
-            from runner.train.build import engine_for
+            from runner.train.assembly.build import engine_for
 
             recipe = enter_rank(self.payload)
             path = resolve_model_path(recipe.model.path)

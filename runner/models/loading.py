@@ -238,7 +238,7 @@ def empty_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code:
                     *, key: str = "model.path") -> Any:
     """``load_causal_lm``'s model without its weights: the parameters on the meta device (no
     memory), the buffers computed on the CPU as a load computes them. Sharded ranks fill in
-    their own shards from the folder's files (runner.train.sharding.fill_shards)."""
+    their own shards from the folder's files (runner.train.roles.sharding.fill_shards)."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText

@@ -8,7 +8,7 @@ Layout of ``<output_dir>/checkpoints/``::
       optimizer.safetensors optimizer tensors;   optimizer.json  its param groups and layout
       optimizer-rank-RRRRR-of-WWWWW.safetensors   instead, under train.sharding = "fsdp": each
                             rank's optimizer shards; optimizer.json then also lists the files,
-                            the parameters' names and global shapes (runner.train.sharding)
+                            the parameters' names and global shapes (runner.train.roles.sharding)
       optimizer-NAME.*      optimizers of the extra modules; under fsdp a sharded extra module
                             (PPO's critic) is gathered into extra_models/NAME/ like the policy,
                             and its optimizer written per rank as

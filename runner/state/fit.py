@@ -28,7 +28,7 @@ from safetensors import safe_open
 from runner.state.checkpoint import MODEL_DIR
 
 Shape = tuple[int, ...]
-SHARDED, REPLICATED = "sharded", "replicated"  # runner.train.sharding's slot kinds
+SHARDED, REPLICATED = "sharded", "replicated"  # runner.train.roles.sharding's slot kinds
 
 
 @attrs.frozen

@@ -12,10 +12,10 @@ from runner.ranks.context import RankContext
 from runner.recipe.algos import spec_of
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
-from runner.train.assemble import assemble
-from runner.train.loop import AgreedStop
+from runner.train.assembly.assemble import assemble
+from runner.train.assembly.run import RunContext
+from runner.train.loops.loop import AgreedStop
 from runner.train.roles import RoleProvider
-from runner.train.run import RunContext
 from runner.ui import SilentReporter, make_reporter
 
 
@@ -26,7 +26,7 @@ def loop_of(recipe: Recipe) -> Callable[[RunContext], dict[str, Any]]:
 
 
 def _eval(recipe: Recipe, plan: RunPlan, **kwargs: Any) -> int:
-    from runner.train.eval_run import run_eval
+    from runner.train.loops.eval_run import run_eval
 
     return run_eval(recipe, plan, **kwargs)
 

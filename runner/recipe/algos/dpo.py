@@ -37,7 +37,7 @@ def checks(r: Recipe) -> list[Problem]:
 
 SPEC = AlgoSpec(
     title="DPO", config=DPOConfig, stream="pairs", batch_key="algo.pairs_per_step",
-    shape=shape, roles=roles, checks=checks, loop="runner.train.dpo",
+    shape=shape, roles=roles, checks=checks, loop="runner.train.loops.dpo",
     owned_keys=("data.jsonl_path", "data.tar_path", "data.synthetic_pairs", "data.chosen_key",
                 "data.rejected_key", "data.validation.jsonl_path"),
     samples_online=False,

@@ -43,6 +43,6 @@ def checks(r: Recipe) -> list[Problem]:
 
 SPEC = AlgoSpec(
     title="GRPO", config=GRPOConfig, stream="prompts", batch_key="algo.prompts_per_step",
-    shape=shape, roles=roles, checks=checks, loop="runner.train.grpo", ahead=sampled.ahead,
+    shape=shape, roles=roles, checks=checks, loop="runner.train.loops.grpo", ahead=sampled.ahead,
     owned_keys=sampled.MEDIA_KEYS, trains_on_rewards=True,
 )

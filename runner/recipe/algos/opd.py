@@ -57,7 +57,7 @@ def checks(r: Recipe) -> list[Problem]:
 
 SPEC = AlgoSpec(
     title="OPD", config=OPDConfig, stream="prompts", batch_key="algo.prompts_per_step",
-    shape=shape, roles=roles, checks=checks, loop="runner.train.opd", ahead=sampled.ahead,
+    shape=shape, roles=roles, checks=checks, loop="runner.train.loops.opd", ahead=sampled.ahead,
     owned_keys=(*sampled.MEDIA_KEYS, "data_packer.teacher_model_factory"),
     sharded=sharded, models=models,
 )

@@ -44,7 +44,7 @@ def checks(r: Recipe) -> list[Problem]:
 
 SPEC = AlgoSpec(
     title="PPO", config=PPOConfig, stream="prompts", batch_key="algo.prompts_per_step",
-    shape=shape, roles=roles, checks=checks, loop="runner.train.ppo", ahead=sampled.ahead,
+    shape=shape, roles=roles, checks=checks, loop="runner.train.loops.ppo", ahead=sampled.ahead,
     owned_keys=(*sampled.MEDIA_KEYS, "data.id_column", "data.metadata_columns"),
     trains_on_rewards=True, needs_fingerprint=True, models=models,
 )

@@ -30,7 +30,7 @@ from runner.rewards import RewardSet, build_rewards
 from runner.rewards.passk import pass_function, pass_ks
 from runner.state.checkpoint import MODEL_DIR
 from runner.state.run_folder import no_follow, writing
-from runner.train.build import (
+from runner.train.assembly.build import (
     BuildSteps,
     open_model,
     packer_for,
@@ -38,11 +38,11 @@ from runner.train.build import (
     rollout_for,
     serves_rollout,
 )
-from runner.train.handshake import handshake, model_files_hash
+from runner.train.assembly.handshake import handshake, model_files_hash
+from runner.train.assembly.seeds import seed_everything
+from runner.train.assembly.streams import open_data
+from runner.train.loops.rollouts import generate_held_out, prompt_passes
 from runner.train.roles import RoleProvider, Rollout
-from runner.train.rollouts import generate_held_out, prompt_passes
-from runner.train.seeds import seed_everything
-from runner.train.streams import open_data
 from runner.types import ObsBundle
 from runner.ui import Reporter, SilentReporter, make_reporter
 
@@ -72,9 +72,9 @@ def run_eval(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
 def _build(recipe: Recipe, ctx: RankContext, comm: Collective, job: dict[str, Any],
            actors: RoleProvider | None) -> tuple[Rollout, list[ObsBundle], RewardSet]:
     """This rank's engine (with the evaluated weights), held-out items and reward functions,
-    built as a run builds them (``runner.train.build``); the ranks compare what they built
+    built as a run builds them (``runner.train.assembly.build``); the ranks compare what they built
     before the engine starts, as a run's do."""
-    from runner.train.policy import checkpoint_policy
+    from runner.train.roles.policy import checkpoint_policy
 
     precision = resolve(recipe, device_type(recipe))
     seed_everything(recipe.run.seed, recipe.run.deterministic)

@@ -17,11 +17,11 @@ from runner.rewards import RewardSet
 from runner.rewards.calls import MAX_REWARD
 from runner.rewards.passk import ANSWER_OF, majority_passes, pass_at_k, pass_function, pass_ks
 from runner.rollout.base import RolloutOutput, SamplingConfig
-from runner.train.batches import rank_mean
+from runner.train.assembly.run import RunContext
+from runner.train.assembly.seeds import item_seed
+from runner.train.loops.batches import rank_mean
+from runner.train.loops.trajectory import Trajectory
 from runner.train.roles import Rollout
-from runner.train.run import RunContext
-from runner.train.seeds import item_seed
-from runner.train.trajectory import Trajectory
 from runner.types import ObsBundle
 
 
@@ -158,7 +158,7 @@ def staged_step_ahead(run: RunContext, step: int, n_samples: int,
     the batch's staleness; the seconds: the producer's sampling of this batch ("rollout"), the
     wait for it ("rollout_wait"), score, update, the wait for the next ("producer_wait"),
     sync."""
-    from runner.train.pipeline import staleness_metrics
+    from runner.train.loops.pipeline import staleness_metrics
 
     producer, k = run.producer, run.svc.recipe.algo.max_off_policy_steps
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@
 lets the teacher have its own tokenizer: a student-codec packer (built from the student's
 factory) decodes the completion, the teacher packer re-encodes the prompt and the completion
 text, and the teacher's token logprobs are summed onto the student tokens whose character spans
-hold them. The assembly builds it (``runner.train.assemble``); the OPD loop only calls it.
+hold them. The assembly builds it (``runner.train.assembly.assemble``); the OPD loop only calls it.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 from runner.algorithms.opd import align_to_student
 from runner.packers.base import DataPacker, PolicyBatch, RLPolicyInput, collate
 from runner.rollout.base import Completion
-from runner.train.policy import completion_grid
 from runner.train.roles import FrozenScorer
+from runner.train.roles.policy import completion_grid
 
 if TYPE_CHECKING:
-    from runner.train.trajectory import Trajectory
+    from runner.train.loops.trajectory import Trajectory
 
 
 class Teacher:

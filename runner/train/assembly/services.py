@@ -1,6 +1,6 @@
 """The services of one rank's run: what every part of it reads (the recipe, its plan, the rank's
 place) and reports through (the collective, the live view, the metrics log), fixed once the
-assembly (``runner.train.assemble``) has built them."""
+assembly (``runner.train.assembly.assemble``) has built them."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from runner.recipe.schema import Recipe
 from runner.rewards import build_rewards
 from runner.state.checkpoint import LoadedCheckpoint, load_latest, restore_rng
 from runner.state.run_folder import RunLock
-from runner.train.build import (
+from runner.train.assembly.build import (
     BuildSteps,
     open_model,
     packer_for,
@@ -39,15 +39,15 @@ from runner.train.build import (
     rollout_for,
     serves_rollout,
 )
-from runner.train.handshake import check_shared_folder, handshake, model_files_hash
-from runner.train.pipeline import Producer, make_producer
+from runner.train.assembly.handshake import check_shared_folder, handshake, model_files_hash
+from runner.train.assembly.run import Roles, RunContext, RunState
+from runner.train.assembly.seeds import seed_everything
+from runner.train.assembly.services import RunServices
+from runner.train.assembly.streams import OpenedData, Streamed, open_data
+from runner.train.loops.pipeline import Producer, make_producer
+from runner.train.loops.rollouts import sample_ahead
 from runner.train.roles import RoleProvider, disable_dropout, prepare_trainable
-from runner.train.rollouts import sample_ahead
-from runner.train.run import Roles, RunContext, RunState
-from runner.train.seeds import seed_everything
-from runner.train.services import RunServices
-from runner.train.streams import OpenedData, Streamed, open_data
-from runner.train.teacher import Teacher
+from runner.train.roles.teacher import Teacher
 from runner.ui import MetricsLog, Reporter
 from runner.ui.trackers import Trackers, TrackerSetup
 
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedCheckpoint | None:
     """The newest intact checkpoint that loads and fits the recipe's model (damaged, unparsable
     or misfitting newer ones are skipped, saying why)."""
-    from runner.train.build import recipe_check
+    from runner.train.assembly.build import recipe_check
 
     if recipe.checkpoint.resume == "never":
         return None
@@ -174,7 +174,7 @@ def load_policy_model(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint | No
     # handshake, so that no rank holds the whole model (LoRA wraps a loaded one).
     def load() -> tuple[Any, Path | None]:
         if "policy" in plan.sharded and not lora:
-            from runner.train.sharding import load_for_sharding
+            from runner.train.roles.sharding import load_for_sharding
 
             return load_for_sharding(model_dir, dtype, trust)
         return load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust), None
@@ -303,7 +303,7 @@ def build_roles(run: RunContext) -> Roles:
                  if "reference" in wanted else None)
     critic = None
     if "critic" in wanted:
-        from runner.train.critic import build_critic
+        from runner.train.roles.critic import build_critic
 
         critic = build_critic(recipe, run.model_path, run.svc.accelerator, run.state.ckpt,
                               sharded="critic" in run.svc.plan.sharded,
@@ -338,7 +338,7 @@ def build_teacher(run: RunContext) -> Teacher:
 
 def _with_adapters(model: Any, recipe: Recipe, ckpt: LoadedCheckpoint | None,
                    reporter: Reporter) -> Any:
-    from runner.train.lora import apply_lora, load_adapters, trainable_share
+    from runner.train.roles.lora import apply_lora, load_adapters, trainable_share
 
     model = apply_lora(model, recipe.model.lora, recipe.run.seed)
     if ckpt is not None:

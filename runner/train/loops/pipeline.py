@@ -27,7 +27,7 @@ import attrs
 
 from runner.errors import RunnerError, RuntimeFailure
 from runner.rollout.base import Completion
-from runner.train.trajectory import Trajectory
+from runner.train.loops.trajectory import Trajectory
 from runner.types import ObsBundle
 
 

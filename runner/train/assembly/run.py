@@ -1,6 +1,6 @@
 """One rank's run as the loops see it: its roles, its data and resume state, and the run
-object itself (``RunContext``), with its checkpoint write. ``runner.train.assemble`` builds it
-whole before the loop starts; nothing assigns to it afterwards."""
+object itself (``RunContext``), with its checkpoint write. ``runner.train.assembly.assemble``
+builds it whole before the loop starts; nothing assigns to it afterwards."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from runner.state.checkpoint import (
     capture_rng,
     save_checkpoint,
 )
-from runner.train.pipeline import Producer
-from runner.train.policy import scheduler_state
+from runner.train.assembly.services import RunServices
+from runner.train.loops.pipeline import Producer
 from runner.train.roles import Frozen, FrozenScorer, RoleProvider, Rollout, Trainable
-from runner.train.services import RunServices
-from runner.train.teacher import Teacher
+from runner.train.roles.policy import scheduler_state
+from runner.train.roles.teacher import Teacher
 from runner.types import ObsBundle
 
 
@@ -46,7 +46,7 @@ class RunState:
 
     start_step: int
     ckpt: LoadedCheckpoint | None
-    data: PromptData | PreferenceData  # the algorithm's stream (runner.train.streams.open_data)
+    data: PromptData | PreferenceData  # the algorithm's stream (assembly.streams.open_data)
     parts: dict[str, str]  # the data's fingerprint parts (saved with the cursor)
     val_items: list[ObsBundle]  # this rank's shard of the held-out prompts
     has_held_out: bool  # a held-out set exists (each rank evaluates its shard of it)
@@ -135,8 +135,12 @@ class RunContext:
         PPO's critic), made by every rank: the whole weights (gathered one tensor at a time,
         kept by rank 0) and each rank's optimizer shard, staged beside the checkpoints for
         rank 0 to move in."""
-        from runner.train.lora import is_adapter, is_lora
-        from runner.train.sharding import full_state_dict, optimizer_shard, stage_optimizer_shard
+        from runner.train.roles.lora import is_adapter, is_lora
+        from runner.train.roles.sharding import (
+            full_state_dict,
+            optimizer_shard,
+            stage_optimizer_shard,
+        )
 
         is_main = self.svc.rank.is_main
         weights = full_state_dict(trainable.model, keep=is_main,  # LoRA: the adapters alone
@@ -163,7 +167,7 @@ class ShardedParts:
     checkpoint write."""
 
     weights: dict[str, Any]  # the whole tensors, by state-dict name
-    optimizer_index: dict[str, Any]  # runner.train.sharding.optimizer_shard
+    optimizer_index: dict[str, Any]  # runner.train.roles.sharding.optimizer_shard
     optimizer_files: list[Path]  # every rank's staged shard, in rank order
 
 

@@ -30,7 +30,7 @@ class ValueModel(torch.nn.Module):
     @property
     def _no_split_modules(self) -> list[str]:
         """The backbone's transformer block classes: each one FSDP unit under
-        ``train.sharding = "fsdp"`` (runner.train.sharding.blocks_of), as in the policy."""
+        ``train.sharding = "fsdp"`` (runner.train.roles.sharding.blocks_of), as in the policy."""
         return list(getattr(self.backbone, "_no_split_modules", None) or ())
 
     def forward(self, batch: PolicyBatch) -> torch.Tensor:

@@ -27,7 +27,9 @@ from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, group_adva
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import GRPOConfig
 from runner.rewards import RewardSet
-from runner.train.batches import (
+from runner.train.assembly.run import RunContext
+from runner.train.assembly.seeds import step_seed
+from runner.train.loops.batches import (
     Layout,
     Minibatch,
     gather_rows,
@@ -37,19 +39,17 @@ from runner.train.batches import (
     select_rows,
     train_minibatch_keeping,
 )
-from runner.train.loop import run_loop
-from runner.train.policy import completion_grid
-from runner.train.rollouts import (
+from runner.train.loops.loop import run_loop
+from runner.train.loops.rollouts import (
     evaluate,
     sample,
     shared_prefixes,
     stages,
     step_metrics,
 )
-from runner.train.rollouts import score as reward_trajectory
-from runner.train.run import RunContext
-from runner.train.seeds import step_seed
-from runner.train.trajectory import Trajectory
+from runner.train.loops.rollouts import score as reward_trajectory
+from runner.train.loops.trajectory import Trajectory
+from runner.train.roles.policy import completion_grid
 
 
 def run(run: RunContext) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The PPO loop (Schulman et al. 2017; Ouyang et al. 2022 for the per-token KL penalty).
 
 Roles (built by the assembly): the policy, a frozen reference (the starting policy; only with
-``kl_coef > 0``), and a critic (``runner.train.critic``). The rollout-side
+``kl_coef > 0``), and a critic (``runner.train.roles.critic``). The rollout-side
 packer builds each sequence's inputs once; the policy, reference and critic all read that same
 trajectory batch, so no role re-tokenises. Advantages come from GAE over per-token rewards
 (-kl_coef x (logp - logp_ref), plus the sequence score at its last token).
@@ -33,7 +33,9 @@ from runner.packers.base import PolicyBatch
 from runner.ranks.collective import Collective
 from runner.recipe.schema import PPOConfig
 from runner.rewards import RewardSet
-from runner.train.batches import (
+from runner.train.assembly.run import RunContext
+from runner.train.assembly.seeds import step_seed
+from runner.train.loops.batches import (
     Layout,
     Minibatch,
     gather_rows,
@@ -43,15 +45,13 @@ from runner.train.batches import (
     select_rows,
     train_minibatch,
 )
-from runner.train.critic import CRITIC
-from runner.train.loop import run_loop
-from runner.train.policy import completion_grid
+from runner.train.loops.loop import run_loop
+from runner.train.loops.rollouts import evaluate, sample, stages, step_metrics
+from runner.train.loops.rollouts import score as reward_trajectory
+from runner.train.loops.trajectory import Trajectory
 from runner.train.roles import Trainable
-from runner.train.rollouts import evaluate, sample, stages, step_metrics
-from runner.train.rollouts import score as reward_trajectory
-from runner.train.run import RunContext
-from runner.train.seeds import step_seed
-from runner.train.trajectory import Trajectory
+from runner.train.roles.critic import CRITIC
+from runner.train.roles.policy import completion_grid
 
 
 def run(run: RunContext) -> dict[str, Any]:

@@ -34,7 +34,8 @@ from runner.packers.base import DataPacker, PolicyBatch, RLPolicyInput
 from runner.ranks.collective import interleave
 from runner.recipe.schema import DPOConfig
 from runner.rewards import RewardSet
-from runner.train.batches import (
+from runner.train.assembly.run import RunContext
+from runner.train.loops.batches import (
     Minibatch,
     filler_batch,
     lockstep_fillers,
@@ -42,10 +43,9 @@ from runner.train.batches import (
     split_even,
     train_minibatch,
 )
-from runner.train.loop import run_loop
+from runner.train.loops.loop import run_loop
+from runner.train.loops.rollouts import evaluate
 from runner.train.roles import FrozenScorer
-from runner.train.rollouts import evaluate
-from runner.train.run import RunContext
 from runner.types import ObsBundle
 from runner.ui import Reporter
 

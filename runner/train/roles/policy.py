@@ -65,10 +65,10 @@ def batch_logprobs(model: Any, batch: PolicyBatch, temperature: float = 1.0,
     sampling temperature so the values match the engine's sampling distribution. Only the
     columns from the first completion token on are scored (the LM head never runs on prompt
     positions); columns before it are 0. With ``pad_free`` a padded batch of several rows runs
-    packed (``runner.train.packing``), with the same values on the same grid.
+    packed (``runner.train.roles.packing``), with the same values on the same grid.
     """
     if pad_free and not batch.packed and batch.input_ids_BT.shape[0] > 1:
-        from runner.train.packing import packed_logprobs
+        from runner.train.roles.packing import packed_logprobs
 
         packed = packed_logprobs(model, batch, temperature,
                                  takes_logits_to_keep=_takes_logits_to_keep(model))
@@ -150,7 +150,7 @@ def checkpoint_policy(recipe: Recipe, ckpt: Path) -> Any:
     if m.lora.rank == 0:
         return load_causal_lm(ckpt / MODEL_DIR, dtype=m.dtype,
                               trust_remote_code=m.trust_remote_code)
-    from runner.train.lora import apply_lora, load_adapters
+    from runner.train.roles.lora import apply_lora, load_adapters
 
     base = load_causal_lm(resolve_model_path(m.path), dtype=m.dtype,
                           trust_remote_code=m.trust_remote_code)

@@ -3,8 +3,8 @@
 The student samples completions; the teacher scores the student's tokens; the per-token reverse
 KL estimate ``logp_student - logp_teacher`` of each sampled token, negated, is its advantage in
 a clipped policy-gradient step. ``same_tokenizer`` mode scores the student's ids directly.
-``cross_token_multimodal`` mode lets the teacher have its own tokenizer (``runner.train.teacher``,
-built by the assembly).
+``cross_token_multimodal`` mode lets the teacher have its own tokenizer
+(``runner.train.roles.teacher``, built by the assembly).
 
 One step is three plain functions, each with explicit inputs and outputs:
 
@@ -36,7 +36,8 @@ from runner.algorithms.opd import (
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import OPDConfig
 from runner.rewards import RewardSet
-from runner.train.batches import (
+from runner.train.assembly.run import RunContext
+from runner.train.loops.batches import (
     Layout,
     Minibatch,
     filler_batch,
@@ -47,9 +48,8 @@ from runner.train.batches import (
     select_rows,
     train_minibatch,
 )
-from runner.train.loop import run_loop
-from runner.train.policy import completion_grid
-from runner.train.rollouts import (
+from runner.train.loops.loop import run_loop
+from runner.train.loops.rollouts import (
     Trajectory,
     evaluate,
     position_seeds,
@@ -59,9 +59,9 @@ from runner.train.rollouts import (
     stages,
     step_metrics,
 )
-from runner.train.rollouts import score as reward_trajectory
-from runner.train.run import RunContext
-from runner.train.teacher import Teacher
+from runner.train.loops.rollouts import score as reward_trajectory
+from runner.train.roles.policy import completion_grid
+from runner.train.roles.teacher import Teacher
 
 
 def run(run: RunContext) -> dict[str, Any]:

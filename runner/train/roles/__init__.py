@@ -22,20 +22,21 @@ from runner.packers.base import DataPacker, PolicyBatch
 from runner.recipe.schema import Recipe
 from runner.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from runner.rollout.lengths import PromptLimit
-from runner.train.policy import batch_logprobs, forward_logits, make_optimizer, make_scheduler
+from runner.train.roles.policy import batch_logprobs, forward_logits, make_optimizer, make_scheduler
 from runner.types import ObsBundle
 
 
 @attrs.define
 class Trainable:
     """A trained module with its optimizer and schedule, prepared by Accelerate (DDP across
-    ranks when there are several), or sharded with FSDP2 (``sharded``, runner.train.sharding)."""
+    ranks when there are several), or sharded with FSDP2 (``sharded``,
+    runner.train.roles.sharding)."""
 
     model: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     accelerator: Any
-    pad_free: bool = False  # score padded batches packed (runner.train.packing)
+    pad_free: bool = False  # score padded batches packed (runner.train.roles.packing)
     sharded: bool = False  # train.sharding = "fsdp": parameters are DTensor shards
 
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
@@ -55,7 +56,7 @@ class Trainable:
 
     def padding_metrics(self, batch: PolicyBatch) -> dict[str, float]:
         """The padded share of ``batch`` and of the layout this module's forwards compute it in."""
-        from runner.train.packing import attention_mask_kind, padding_metrics
+        from runner.train.roles.packing import attention_mask_kind, padding_metrics
 
         return padding_metrics(batch, self.pad_free, attention_mask_kind(self.model))
 
@@ -72,10 +73,10 @@ class Trainable:
         """The weights a rollout engine loads: the model's own parameter names (LoRA adapters
         merged into the layers they adapt). Sharded: each gathered whole as the consumer asks
         for it, one at a time (every rank must consume all of them, in step)."""
-        from runner.train.lora import is_lora, merged_weights
+        from runner.train.roles.lora import is_lora, merged_weights
 
         if self.sharded:
-            from runner.train.sharding import full_named_weights
+            from runner.train.roles.sharding import full_named_weights
 
             return full_named_weights(self.model)
         model = self.unwrapped()
@@ -89,14 +90,15 @@ def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | 
                       ckpt_scheduler: dict[str, Any] | None = None,
                       pad_free: bool = False, sharded: bool = False,
                       rank: int = 0, world: int = 1, weights: Path | None = None) -> Trainable:
-    """``sharded``: FSDP2 (runner.train.sharding) instead of Accelerate's DDP; the optimizer is
-    built after sharding, so its state is sharded too; ``weights``: the folder an empty model
-    (``load_for_sharding``) fills its shards from. ``ckpt_optimizer`` is a checkpoint's whole
-    optimizer state, or the index of a sharded one (``{"sharded": index, "folder": ...}``, this
-    rank's shard read by ``rank`` of ``world``)."""
+    """``sharded``: FSDP2 (runner.train.roles.sharding) instead of Accelerate's DDP; the
+    optimizer is built after sharding, so its state is sharded too; ``weights``: the folder an
+    empty model (``load_for_sharding``) fills its shards from. ``ckpt_optimizer`` is a
+    checkpoint's whole optimizer state, or the index of a sharded one (``{"sharded": index,
+    "folder": ...}``, this rank's shard read by ``rank`` of ``world``).
+    """
     model.train()
     if sharded:
-        from runner.train.sharding import shard_model
+        from runner.train.roles.sharding import shard_model
 
         model = shard_model(model, bf16=accelerator.mixed_precision == "bf16",
                             device=accelerator.device, weights=weights)
@@ -114,7 +116,7 @@ def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], sharded: bool,
                     rank: int, world: int) -> None:
-    from runner.train import sharding
+    from runner.train.roles import sharding
 
     if "sharded" in saved:  # written by sharded ranks: per-rank safetensors files
         sharding.load_optimizer_shards(getattr(optimizer, "optimizer", optimizer),
@@ -170,7 +172,7 @@ def _clip(acc: Any, t: Trainable, max_grad_norm: float) -> float:
     Sharded gradients are DTensors: torch's clip reduces their norm over the ranks (the whole
     model's norm, the same on every rank)."""
     if t.sharded:
-        from runner.train.sharding import scalar
+        from runner.train.roles.sharding import scalar
 
         return scalar(torch.nn.utils.clip_grad_norm_(t.model.parameters(), max_grad_norm))
     return float(acc.clip_grad_norm_(t.model.parameters(), max_grad_norm))
@@ -182,7 +184,7 @@ def _grad_norm(t: Trainable) -> float:
     if not grads:
         return 0.0
     if t.sharded:
-        from runner.train.sharding import scalar
+        from runner.train.roles.sharding import scalar
 
         return scalar(torch.nn.utils.get_total_norm(grads))
     return float(torch.nn.utils.get_total_norm(grads))
@@ -280,7 +282,7 @@ class Frozen:
         self.pad_free = pad_free
         m = recipe.model
         if sharded:  # each rank reads its own shards (or, failing that, loads the whole model)
-            from runner.train.sharding import load_for_sharding, shard_model
+            from runner.train.roles.sharding import load_for_sharding, shard_model
 
             self.model, weights = load_for_sharding(path, m.dtype, m.trust_remote_code)
             self.model.requires_grad_(False).eval()

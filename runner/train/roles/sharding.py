@@ -165,8 +165,8 @@ def resharded(model: Any) -> Any:
 def full_named_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` of every parameter, gathered one at a time as the consumer asks
     (every rank must consume the whole generator, in step). A LoRA model's are the base
-    model's names with its adapters merged in (runner.train.lora.merged_weights)."""
-    from runner.train.lora import is_lora, merged_weights
+    model's names with its adapters merged in (runner.train.roles.lora.merged_weights)."""
+    from runner.train.roles.lora import is_lora, merged_weights
 
     if is_lora(model):
         yield from merged_weights(resharded(model), fetch=full)

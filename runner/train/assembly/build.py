@@ -1,11 +1,12 @@
 """The build every program that runs the recipe's model shares: the model's folder, type and
 codec, its DataPackers, the prompt limit, the engine and the rollout around it.
 
-The training assembly (``runner.train.assemble``), the eval rank program
-(``runner.train.eval_run``) and the Ray rollout actor (``runner.launch.ray_roles``) build these
-through the functions here, so an engine, a packer or a prompt limit is made one way wherever
-a model runs. Each build step runs under ``BuildSteps``, which remembers the first role that
-failed so that the ranks can stop together, naming it (``runner.train.handshake``).
+The training assembly (``runner.train.assembly.assemble``), the eval rank program
+(``runner.train.loops.eval_run``) and the Ray rollout actor (``runner.launch.ray_roles``) build
+these through the functions here, so an engine, a packer or a prompt limit is made one way
+wherever a model runs. Each build step runs under ``BuildSteps``, which remembers the first
+role that failed so that the ranks can stop together, naming it
+(``runner.train.assembly.handshake``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from runner.ranks.context import RankContext
 from runner.recipe.schema import Recipe
 from runner.rollout.lengths import PromptLimit
 from runner.state.fit import ModelShapes, misfit, shapes_of
+from runner.train.assembly.streams import OpenedData, Streamed
 from runner.train.roles import RoleProvider, Rollout
-from runner.train.streams import OpenedData, Streamed
 
 
 class BuildSteps:

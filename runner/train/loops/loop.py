@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runner.errors import ActorDied, NonFiniteUpdate
-from runner.train.run import RunContext
+from runner.train.assembly.run import RunContext
 
 
 class AgreedStop(KeyboardInterrupt):
