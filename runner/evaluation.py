@@ -60,8 +60,7 @@ def find_checkpoint(plan: RunPlan, checkpoint: str, recipe: Recipe) -> LoadedChe
     """``latest``: the run's newest intact checkpoint; a path: that checkpoint folder, complete
     and intact. Its model must load from safetensors (nothing is unpickled) and be the recipe's
     (``refuse_foreign``)."""
-    from runner.export import pick_checkpoint
-    from runner.train.assembly.assemble import refuse_pickled
+    from runner.state.pick import pick_checkpoint, refuse_pickled
     from runner.train.assembly.build import recipe_check
 
     if checkpoint == "latest":

@@ -14,51 +14,40 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner.errors import Problem, RecipeError, RuntimeFailure
+from runner.errors import RuntimeFailure
 from runner.models import load_codec, resolve_model_path
 from runner.recipe import load_recipe
 from runner.recipe.resolved import recipe_hash
 from runner.recipe.schema import Recipe
-from runner.state import integrity
 from runner.state.checkpoint import (
-    CheckpointUnreadable,
     LoadedCheckpoint,
-    checkpoint_step,
-    complete_checkpoints,
-    load_checkpoint,
-    load_latest,
-    step_dirname,
 )
+from runner.state.pick import pick_checkpoint, refuse
 from runner.train.assembly.build import recipe_check
 from runner.train.roles.policy import checkpoint_policy
 
 RESOLVED = "recipe.resolved.toml"
 
 
-def _refuse(what: str, hint: str = "", source: str = "export") -> RecipeError:
-    return RecipeError([Problem("", what, hint=hint, source=source)])
-
-
 def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     """Write the policy of ``run_dir``'s checkpoint (``step``, or the newest) to ``out_dir``;
     returns the checkpoint folder it came from."""
     if out_dir.is_symlink():
-        raise _refuse(f"{out_dir} is a symbolic link", "name a new folder (export never writes "
+        raise refuse(f"{out_dir} is a symbolic link", "name a new folder (export never writes "
                       "through a symbolic link)")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise _refuse(f"{out_dir} exists and is not an empty folder",
+        raise refuse(f"{out_dir} exists and is not an empty folder",
                       "name a new folder (nothing is overwritten)")
     resolved = run_dir / RESOLVED
     if not resolved.is_file():
-        raise _refuse(f"{run_dir} is not a run folder (it has no {RESOLVED})",
+        raise refuse(f"{run_dir} is not a run folder (it has no {RESOLVED})",
                       "give the run.output_dir of a run")
     inside = checkpoints_above(out_dir, run_dir)
     if inside is not None:
-        raise _refuse(f"{out_dir} is inside a run's checkpoints folder ({inside}), whose "
+        raise refuse(f"{out_dir} is inside a run's checkpoints folder ({inside}), whose "
                       "checkpoint rotation deletes what it holds",
                       "export to a folder outside any run's checkpoints/")
     recipe = load_recipe(resolved, [])
@@ -105,34 +94,6 @@ def checkpoints_above(out_dir: Path, run_dir: Path) -> Path | None:
                              (folder.parent / RESOLVED).is_file()):
             return folder
     return None
-
-
-def pick_checkpoint(root: Path, step: int | None, source: str = "export",
-                    fits: Callable[[LoadedCheckpoint], str] | None = None) -> LoadedCheckpoint:
-    """The checkpoint under ``root`` (a run's checkpoints folder), intact and parsed: step
-    ``step``, or the newest that is (as a resume picks it: damaged, unparsable or, by ``fits``
-    (runner.state.fit), misfitting newer ones are passed over, saying why). ``source``: the
-    command its errors name."""
-    if step is None:
-        found = load_latest(root, fits=fits) if root.is_dir() else None
-        if found is None:
-            raise _refuse(f"{root.parent} has no complete checkpoint",
-                          "train first, or give another run folder", source)
-        return found
-    folder = root / step_dirname(step)
-    complete = complete_checkpoints(root) if root.is_dir() else []
-    if folder not in complete:
-        steps = [checkpoint_step(p) for p in complete]
-        raise _refuse(f"{root.parent} has no complete checkpoint of step {step}",
-                      f"its checkpoints are of steps {steps}" if steps else "train first", source)
-    reason = integrity.verify(folder)
-    if reason:
-        raise CheckpointUnreadable(folder, reason)
-    loaded = load_checkpoint(folder)
-    reason = fits(loaded) if fits is not None else ""
-    if reason:
-        raise CheckpointUnreadable(folder, reason)
-    return loaded
 
 
 def model_card(recipe: Recipe, step: int, rows: list[dict[str, Any]], ckpt: Path) -> str:

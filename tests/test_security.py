@@ -19,7 +19,7 @@ import torch
 from runner.errors import RecipeError, RuntimeFailure
 from runner.models.loading import load_causal_lm
 from runner.state.checkpoint import LoadedCheckpoint, TrainingState
-from runner.train.assembly.assemble import refuse_pickled
+from runner.state.pick import refuse_pickled
 from tests.conftest import REPO
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import Problem, RecipeError
+from runner.state.pick import pickled_weights
 
 PREFIX = "builtin:"
 # The generic tokenizer class under its transformers 4 and 5 names (5 writes the second on save).
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 # Weight files that are Python pickles (torch.load), by suffix; safetensors needs no unpickling.
-PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 def _builtin_names() -> list[str]:
@@ -164,15 +164,6 @@ def check_config(path: str | Path, trust_remote_code: bool = False, *,
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError([Problem(key, f"{folder}: transformers cannot read its config.json "
                                    f"({first})")]) from exc
-
-
-def pickled_weights(folder: Path) -> list[str]:
-    """Names of the pickled weight files of a folder that holds no safetensors weights (a
-    folder with ``model.safetensors`` or a sharded index loads those and nothing else)."""
-    if any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")):
-        return []
-    return sorted(p.name for p in folder.iterdir()
-                  if p.is_file() and p.name.endswith(PICKLED_WEIGHTS + (".bin.index.json",)))
 
 
 def require_safetensors(folder: Path, key: str = "model.path") -> None:

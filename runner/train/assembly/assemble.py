@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from runner.data.cursor import DataCursor, check_resume
-from runner.errors import Problem, RecipeError, RunnerError, RuntimeFailure
+from runner.errors import Problem, RecipeError, RunnerError
 from runner.precision import Precision, device_type, resolve
 from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
@@ -30,6 +30,7 @@ from runner.recipe.resolved import resolved_document, write_resolved
 from runner.recipe.schema import Recipe
 from runner.rewards import build_rewards
 from runner.state.checkpoint import LoadedCheckpoint, load_latest, restore_rng
+from runner.state.pick import refuse_pickled
 from runner.state.run_folder import RunLock
 from runner.train.assembly.build import (
     BuildSteps,
@@ -63,18 +64,6 @@ def find_resume(recipe: Recipe, plan: RunPlan, reporter: Reporter) -> LoadedChec
     if recipe.checkpoint.resume == "never":
         return None
     return load_latest(plan.checkpoint_dir, on_skip=reporter.message, fits=recipe_check(recipe))
-
-
-def refuse_pickled(ckpt: LoadedCheckpoint) -> None:
-    """A checkpoint's model loads from safetensors only: one whose weights were swapped for a
-    pickle (``pytorch_model.bin``) is refused, never unpickled."""
-    from runner.models.loading import pickled_weights
-
-    found = pickled_weights(ckpt.model_dir) if ckpt.model_dir.is_dir() else []
-    if found:
-        raise RuntimeFailure("resume", None, f"cannot load checkpoint {ckpt.path}: model/ holds "
-                             f"pickled weights ({', '.join(found[:3])}) and no model.safetensors; "
-                             "weights are loaded from safetensors only (nothing is unpickled)")
 
 
 def check_world_change(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint) -> None:
