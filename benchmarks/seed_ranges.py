@@ -121,7 +121,9 @@ def run_once(recipe: str, seed: int, env: dict[str, str]) -> dict:
 
 def span(values: list[float], decimals: int) -> str:
     lo, hi = f"{min(values):.{decimals}f}", f"{max(values):.{decimals}f}"
-    return lo if lo == hi else f"{lo}-{hi}"
+    if lo == hi:
+        return lo
+    return f"{lo} to {hi}" if lo.startswith("-") else f"{lo}-{hi}"  # "-0.014-0.077" misreads
 
 
 def cell(results: dict, recipe: str, which: str) -> str:
