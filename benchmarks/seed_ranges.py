@@ -104,8 +104,9 @@ def run_once(recipe: str, seed: int, env: dict[str, str]) -> dict:
     """One run of ``recipes/RECIPE.toml`` with ``run.seed=SEED`` in a scratch folder: the
     start (step 0) and end (last evaluation) of each metric of its README row."""
     with tempfile.TemporaryDirectory(prefix="seed_ranges-") as out:
-        cmd = [sys.executable, "-m", "runner.cli", "--plain", str(ROOT / "recipes" / f"{recipe}.toml"),
-               f"run.seed={seed}", f"run.output_dir={out}"]
+        recipe_file = str(ROOT / "recipes" / f"{recipe}.toml")
+        cmd = [sys.executable, "-m", "runner.cli", "--plain", recipe_file, f"run.seed={seed}",
+               f"run.output_dir={out}"]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
         if done.returncode != 0:
             sys.exit(f"{recipe} seed {seed} failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
