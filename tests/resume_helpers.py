@@ -51,11 +51,16 @@ def _timed_out(proc: subprocess.Popen, what: str, timeout: float) -> WaitTimedOu
 
 
 def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
-    """Wait until metrics.jsonl has a row for ``step`` or the process ends; raise WaitTimedOut
-    (after killing it) when neither happens within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    """Wait until metrics.jsonl, written since the wait began, has a row for ``step`` or the
+    process ends; raise WaitTimedOut (after killing it) when neither happens within
+    ``timeout`` seconds. A row that a killed earlier run left behind (after its last
+    checkpoint) does not count: the new run rewrites the file from its checkpoint's rows when
+    it starts, and a loaded machine may not have started it yet."""
+    deadline, began = time.monotonic() + timeout, time.time()
+    path = out / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
-        if any(r["step"] >= step for r in rows(out)):
+        fresh = path.exists() and path.stat().st_mtime >= began
+        if fresh and any(r["step"] >= step for r in rows(out)):
             return
         time.sleep(0.05)
     if proc.poll() is None:
