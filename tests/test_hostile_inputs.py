@@ -227,7 +227,7 @@ def test_a_total_with_the_env_reward_beyond_the_bound_names_both():
     from runner.errors import RewardFailure
     from runner.rewards import RewardSet
     from runner.rollout.base import Completion
-    from runner.train.loops.rollouts import score
+    from runner.train.loops.rollouts import reward_trajectory
     from runner.train.loops.trajectory import Trajectory
     from runner.types import ObsBundle
 
@@ -237,7 +237,7 @@ def test_a_total_with_the_env_reward_beyond_the_bound_names_both():
     rewards = RewardSet(("judge",), (lambda completions, items: [9e14] * len(completions),),
                         (1.0,))
     with pytest.raises(RewardFailure) as info:
-        score(traj, rewards, 4)
+        reward_trajectory(traj, rewards, 4)
     assert str(info.value) == ("reward at step 4: the reward functions' total plus the env "
                                "reward is 1.8e+15 at item 1 (9e+14 + 9e+14), beyond the largest "
                                "reward (1e+15 in magnitude); scale the rewards down")

@@ -26,10 +26,7 @@ def models(a: PPOConfig) -> tuple[ModelRef, ...]:
 
 def checks(r: Recipe) -> list[Problem]:
     a = r.algo
-    p = in_range("algo.prompts_per_step", a.prompts_per_step, a.prompts_per_step >= 1, ">= 1")
-    p += in_range("algo.samples_per_prompt", a.samples_per_prompt, a.samples_per_prompt >= 1,
-                  ">= 1")
-    p += in_range("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1")
+    p = sampled.per_prompt_ranges(r)
     p += in_range("algo.minibatches", a.minibatches, a.minibatches >= 1, ">= 1")
     p += in_range("algo.clip_eps", a.clip_eps, 0 < a.clip_eps < 1, "in (0, 1)")
     p += in_range("algo.value_clip_eps", a.value_clip_eps, a.value_clip_eps > 0, "> 0")

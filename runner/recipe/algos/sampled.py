@@ -35,6 +35,16 @@ def engine_is_ranges(r: Recipe) -> list[Problem]:
     return in_range("algo.engine_is_cap", a.engine_is_cap, a.engine_is_cap >= 1, ">= 1")
 
 
+def per_prompt_ranges(r: Recipe) -> list[Problem]:
+    """PPO's and OPD's step sizes: prompts, samples per prompt and passes, each at least 1."""
+    a = r.algo
+    p = in_range("algo.prompts_per_step", a.prompts_per_step, a.prompts_per_step >= 1, ">= 1")
+    p += in_range("algo.samples_per_prompt", a.samples_per_prompt, a.samples_per_prompt >= 1,
+                  ">= 1")
+    p += in_range("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1")
+    return p
+
+
 def needs_rewards(r: Recipe, title: str) -> list[Problem]:
     """An algorithm whose loss uses rewards needs a reward function or a rewarded [env]."""
     if r.reward.functions or env_enabled(r):

@@ -42,12 +42,12 @@ from runner.train.loops.batches import (
 from runner.train.loops.loop import run_loop
 from runner.train.loops.rollouts import (
     evaluate,
+    reward_trajectory,
     sample,
     shared_prefixes,
     stages,
     step_metrics,
 )
-from runner.train.loops.rollouts import score as reward_trajectory
 from runner.train.loops.trajectory import Trajectory
 from runner.train.roles.policy import completion_grid
 

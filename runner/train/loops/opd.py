@@ -53,13 +53,13 @@ from runner.train.loops.rollouts import (
     Trajectory,
     evaluate,
     position_seeds,
+    reward_trajectory,
     roll_out,
     sample,
     sampling,
     stages,
     step_metrics,
 )
-from runner.train.loops.rollouts import score as reward_trajectory
 from runner.train.roles.policy import completion_grid
 from runner.train.roles.teacher import Teacher
 

@@ -46,8 +46,7 @@ from runner.train.loops.batches import (
     train_minibatch,
 )
 from runner.train.loops.loop import run_loop
-from runner.train.loops.rollouts import evaluate, sample, stages, step_metrics
-from runner.train.loops.rollouts import score as reward_trajectory
+from runner.train.loops.rollouts import evaluate, reward_trajectory, sample, stages, step_metrics
 from runner.train.loops.trajectory import Trajectory
 from runner.train.roles import Trainable
 from runner.train.roles.critic import CRITIC

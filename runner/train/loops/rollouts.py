@@ -248,7 +248,7 @@ def with_env_rewards(values: Sequence[float], traj: Trajectory, step: int | None
     return total
 
 
-def score(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:
+def reward_trajectory(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:
     """Rewards of ``traj``: the recipe's functions on each completion's text (an episode's last
     reply) plus, for episodes, the environment's reward (also logged as ``reward/env``)."""
     values, parts = rewards.score(traj.texts, traj.items, step=step)
