@@ -651,6 +651,84 @@ def test_a_decompression_bomb_png_is_refused_from_its_header():
         "(8192 x 8192); it is refused before decoding." + fix)
 
 
+def test_an_image_of_an_extreme_aspect_ratio_is_refused_in_one_line():
+    """A 500 x 2 picture reached the user as the processor's ValueError; it is refused with the
+    item named, as an image too large is."""
+    import io
+
+    from PIL import Image
+
+    def png(width: int, height: int) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (width, height), "red").save(out, format="PNG")
+        return out.getvalue()
+
+    where = "data.image_column: row 3 of shapes.jsonl: column 'image', image 0: "
+    assert _decode_image(png(500, 2)) == (
+        where + "the image is 500 x 2 pixels: its aspect ratio (longest side / shortest side) "
+        "must be under 200. Fix or drop the row, or map it with data.items_fn.")
+    assert _decode_image(png(2, 400)).startswith(where + "the image is 2 x 400 pixels")
+    assert _decode_image(png(398, 2)) == "decoded"  # 199: what the processor takes
+
+
+VIDEO_MEMORY = """
+import resource, sys
+from runner.data.media import load_video, sample_indices
+
+# Room for the decoder and the 8 kept frames (22 MB), not for the 240 frames (660 MB).
+size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (400 << 20), resource.RLIM_INFINITY))
+clip = load_video(sys.argv[1])
+assert clip.frames.shape == (8, 720, 1280, 3), clip.frames.shape
+assert clip.frames_indices == tuple(sample_indices(240)) and clip.total_num_frames == 240
+assert abs(float(clip.frames[-1].mean()) - 59) <= 3, clip.frames[-1].mean()
+"""
+
+
+def test_a_long_video_keeps_only_the_frames_it_samples(tmp_path):
+    """240 frames of 720p are 660 MB decoded; the clip keeps its 8 sampled frames (22 MB) and
+    the decode never holds the rest."""
+    import subprocess
+    import sys
+
+    import av
+    import numpy as np
+
+    path = tmp_path / "long.mp4"
+    with av.open(str(path), "w") as out:  # 240 frames of 720p, each of one colour
+        stream = out.add_stream("mpeg4", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 1280, 720, "yuv420p"
+        for i in range(240):
+            frame = np.full((720, 1280, 3), 20 + i % 200, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    # Decoded in a process of its own, whose address space leaves no room for every frame.
+    done = subprocess.run([sys.executable, "-c", VIDEO_MEMORY, str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_video_of_an_extreme_aspect_ratio_is_refused(tmp_path):
+    import av
+    import numpy as np
+
+    from runner.data.media import MediaError, load_video
+
+    path = tmp_path / "thin.mp4"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 1600, 4, "yuv420p"
+        for packet in stream.encode(av.VideoFrame.from_ndarray(
+                np.zeros((4, 1600, 3), dtype=np.uint8), format="rgb24")):
+            out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    with pytest.raises(MediaError, match="the video is 1600 x 4 pixels: its aspect ratio"):
+        load_video(str(path))
+
+
 def test_an_image_path_that_is_a_fifo_is_refused_without_blocking(tmp_path):
     import os
 

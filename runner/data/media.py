@@ -30,6 +30,8 @@ from runner.errors import Problem, RecipeError
 from runner.types import ObsBundle
 
 MAX_IMAGE_PIXELS = 8192 * 8192  # larger images are refused unread (decompression bombs)
+MAX_ASPECT = 200  # longest side / shortest side: vision processors refuse 200 and beyond
+MAX_VIDEO_FRAMES = 100_000  # a video of more frames is refused before it is decoded
 MAX_FRAMES = 8  # frames sampled from a video file (an even number: 2 frames per temporal patch)
 FRAMES_FPS = 2.0  # the fps assumed for a video given as a list of frames
 
@@ -124,9 +126,7 @@ def load_image(value: Any) -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as img:
-                width, height = img.size
-                if width * height > MAX_IMAGE_PIXELS:
-                    raise MediaError(_too_many_pixels(f"{width} x {height}"))
+                check_size(*img.size)
                 return img.convert("RGB")
     except MediaError:
         raise
@@ -135,6 +135,17 @@ def load_image(value: Any) -> Any:
         raise MediaError(_too_many_pixels(f"{int(found[1]):,}" if found else "more")) from None
     except (OSError, UnidentifiedImageError, ValueError) as exc:
         raise MediaError(f"cannot read the image ({type(exc).__name__}: {exc})") from exc
+
+
+def check_size(width: int, height: int, what: str = "image") -> None:
+    """An image (or a video's frame) of ``width`` x ``height`` that a run can use: at most
+    ``MAX_IMAGE_PIXELS`` pixels, not empty, and an aspect ratio under ``MAX_ASPECT`` (a
+    vision-language processor refuses a 500 x 2 picture with a traceback)."""
+    if width * height > MAX_IMAGE_PIXELS:
+        raise MediaError(_too_many_pixels(f"{width} x {height}"))
+    if min(width, height) < 1 or max(width, height) >= MAX_ASPECT * min(width, height):
+        raise MediaError(f"the {what} is {width} x {height} pixels: its aspect ratio (longest "
+                         f"side / shortest side) must be under {MAX_ASPECT}")
 
 
 def _too_many_pixels(size: str) -> str:
@@ -182,18 +193,41 @@ def load_video(value: Any) -> VideoClip:
 
     if data is None:
         check_regular_file(path)
+
+    def opened() -> Any:
+        return av.open(io.BytesIO(data) if data is not None else path)
+
+    # Two passes: the packets are counted without decoding, then only the sampled frames are
+    # kept as arrays while the stream is decoded (a long 720p video held whole took gigabytes).
     try:
-        with av.open(io.BytesIO(data) if data is not None else path) as container:
+        with opened() as container:
+            stream = container.streams.video[0]
+            check_size(stream.codec_context.width, stream.codec_context.height, "video")
+            total = sum(1 for packet in container.demux(stream) if packet.size)
+        if total > MAX_VIDEO_FRAMES:
+            raise MediaError(f"the video has {total:,} frames, more than the limit of "
+                             f"{MAX_VIDEO_FRAMES:,}; it is refused before decoding")
+        wanted = sample_indices(max(total, 1))
+        kept: dict[int, np.ndarray] = {}
+        with opened() as container:
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate
             fps = float(rate) if rate else FRAMES_FPS
-            decoded = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+            for i, frame in enumerate(container.decode(stream)):
+                if i in wanted:
+                    kept[i] = frame.to_ndarray(format="rgb24")
+                if i >= wanted[-1]:
+                    break
     except (av.FFmpegError, OSError, IndexError, ValueError) as exc:
+        if isinstance(exc, MediaError):
+            raise
         raise MediaError(f"cannot decode the video ({type(exc).__name__}: {exc})") from exc
-    if not decoded:
+    if not kept:
         raise MediaError("the video has no frames")
-    idx = sample_indices(len(decoded))
-    return VideoClip(np.stack([decoded[i] for i in idx]), fps, tuple(idx), len(decoded))
+    # A stream that decodes fewer frames than it has packets: the last frame stands in.
+    last = kept[max(kept)]
+    frames = [kept.get(i, last) for i in wanted]
+    return VideoClip(np.stack(frames), fps, tuple(wanted), max(total, len(kept)))
 
 
 def decode_media(item: ObsBundle) -> tuple[tuple[Any, ...], tuple[VideoClip, ...]]:
