@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import Problem, RecipeError
-from runner.state.pick import pickled_weights
+from runner.state.run_folder import pickled_weights
 
 PREFIX = "builtin:"
 # The generic tokenizer class under its transformers 4 and 5 names (5 writes the second on save).

@@ -18,22 +18,12 @@ from runner.state.checkpoint import (
     load_latest,
     step_dirname,
 )
-
-PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+from runner.state.run_folder import pickled_weights
 
 
 def refuse(what: str, hint: str = "", source: str = "export") -> RecipeError:
     """A command's refusal, one line naming ``what`` and ``hint`` (``source``: the command)."""
     return RecipeError([Problem("", what, hint=hint, source=source)])
-
-
-def pickled_weights(folder: Path) -> list[str]:
-    """Names of the pickled weight files of a folder that holds no safetensors weights (a
-    folder with ``model.safetensors`` or a sharded index loads those and nothing else)."""
-    if any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")):
-        return []
-    return sorted(p.name for p in folder.iterdir()
-                  if p.is_file() and p.name.endswith(PICKLED_WEIGHTS + (".bin.index.json",)))
 
 
 def refuse_pickled(ckpt: LoadedCheckpoint) -> None:

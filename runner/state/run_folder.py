@@ -127,3 +127,16 @@ class RunLock:
         if self._handle is not None:
             self._handle.close()  # closing the descriptor drops the lock
             self._handle = None
+
+
+# Weight files a folder may hold that only torch.load reads (it unpickles them).
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def pickled_weights(folder: Path) -> list[str]:
+    """Names of the pickled weight files of a folder that holds no safetensors weights (a
+    folder with ``model.safetensors`` or a sharded index loads those and nothing else)."""
+    if any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")):
+        return []
+    return sorted(p.name for p in folder.iterdir()
+                  if p.is_file() and p.name.endswith(PICKLED_WEIGHTS + (".bin.index.json",)))
