@@ -1351,3 +1351,98 @@ def test_a_rank_killed_by_a_signal_is_named_before_a_peer_that_failed_after_it(t
         ranks.watch()
     assert str(info.value).startswith(f"rank 1 (pid {ranks.procs[1].pid}) was killed by SIGKILL; "
                                       "the other ranks were stopped"), str(info.value)
+
+
+# --- user code that leaves the process: never exit 0, the rank named -------------------------
+
+from tests.conftest import REPO  # noqa: E402
+
+EXIT_RESUME = ("before the run finished: the run did not complete (the latest complete "
+               "checkpoint is intact; run the same command again to resume)")
+
+
+def test_os_exit_zero_under_the_guard_leaves_with_one_and_names_the_caller(tmp_path):
+    """A process inside ``exit_guard`` that calls os._exit(0) exits 1 with one line naming the
+    caller's file and line; os._exit(5) keeps its code; a forked child keeps the real os._exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leaves.py"
+    script.write_text(
+        "import os, sys\n"
+        "from runner.launch.exits import exit_guard\n"
+        "with exit_guard('rank 1: '):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os._exit(7)\n"
+        "    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7\n"
+        "    os._exit(int(sys.argv[1]))\n")
+    for code, expected in ((0, 1), (5, 5)):
+        done = subprocess.run([sys.executable, str(script), str(code)], capture_output=True,
+                              text=True, timeout=60, cwd=REPO)
+        assert done.returncode == expected, done.stderr
+        assert done.stderr.strip() == (f"rank 1: error: os._exit({code}) was called by {script}:8 "
+                                       f"{EXIT_RESUME}")
+
+
+def test_sys_exit_inside_the_run_is_a_failure_naming_where(capsys):
+    import sys
+
+    from runner.launch.entry import guarded
+
+    def body() -> int:
+        sys.exit(0)
+
+    line = body.__code__.co_firstlineno + 1
+    assert guarded(body) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"error: sys.exit(0) was called by {__file__}:{line} {EXIT_RESUME}")
+
+    def fails() -> int:
+        sys.exit(4)
+
+    assert guarded(fails, "rank 0: ") == 4
+    assert capsys.readouterr().err.startswith("rank 0: error: sys.exit(4) was called by ")
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 30.0])
+def test_a_reward_that_calls_sys_exit_is_named(timeout_s):
+    """In the calling thread (one function, no deadline) and in a reward thread alike."""
+    from runner.rewards.calls import RewardFailure, call_all
+    from tests.extmods.callables import exits
+
+    with pytest.raises(RewardFailure, match=r"exits.*raised SystemExit: 0"):
+        call_all(["exits"], [exits], ["1", "2"], [None, None], timeout_s=timeout_s, step=3)
+
+
+EXITING = ("recipes/grpo-arith.toml", "env.factory=tests.extmods.envs.exits_in_step",
+           "reward.functions=[]", "algo.prompts_per_step=2", "algo.group_size=2",
+           "data.validation.enabled=false", "run.max_steps=2")
+
+
+def test_an_environment_calling_os_exit_zero_fails_the_run(tmp_path):
+    from tests.multiproc import run_ranks
+
+    done = run_ranks(EXITING[0], tmp_path / "run", 1, *EXITING[1:])
+    assert done.returncode == 1, done.stderr
+    envs = REPO / "tests/extmods/envs.py"
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: os._exit(0) was called by {envs}:"), last
+    assert last.endswith(EXIT_RESUME)
+    assert not (tmp_path / "run/checkpoints").exists() or not any(
+        (tmp_path / "run/checkpoints").iterdir())
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_calls_os_exit_zero_is_named_under_torchrun(tmp_path):
+    """Rank 1's environment leaves with os._exit(0): rank 1 says so, and the driver's line
+    blames rank 1, not rank 0 whose collective broke."""
+    from tests.multiproc import run_ranks
+
+    done = run_ranks(EXITING[0], tmp_path / "run", 2, *EXITING[1:], "env.factory_kwargs={rank=1}")
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert any(line.startswith("rank 1: error: os._exit(0) was called by ") for line in lines), \
+        done.stderr
+    assert lines[-1].startswith("error: rank 1 (pid "), lines[-1]
+    assert "exited with code 1" in lines[-1]

@@ -3,7 +3,7 @@ Ray's rank actors and Ray's role actors share.
 
 - ``guarded`` runs the work and is the only code that renders the project's errors for users,
   one line each, and picks the exit code: 0 success, 1 runtime failure, 2 recipe or
-  validation error, 130 interrupted.
+  validation error, 130 interrupted. ``sys.exit`` inside the work is a failure (never 0).
 - ``enter_rank`` is what a process started for a run does first, once: change to the driver's
   working directory, make it importable, quiet the libraries, parse the payload's recipe again.
 - ``rank_plan`` is the plan of a rank in its launcher's world.
@@ -41,6 +41,12 @@ def guarded(run: Callable[[], int], prefix: str = "") -> int:
     except KeyboardInterrupt:
         print(prefix + "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except SystemExit as exc:  # sys.exit() in user code (a dataset, packer, reward): not a success
+        from runner.launch.exits import EXIT_EARLY, early_exit_line, raised_at
+
+        print(early_exit_line(f"sys.exit({exc.code!r})", raised_at(exc.__traceback__), prefix),
+              file=sys.stderr)
+        return exc.code if isinstance(exc.code, int) and exc.code not in (0, 2, 130) else EXIT_EARLY
     except RunnerError as exc:
         print(safe_line(f"{prefix}error: {exc}"), file=sys.stderr)
         return EXIT_FAILURE

@@ -55,13 +55,17 @@ def run_rank(recipe: Recipe, plan: RunPlan, ctx: RankContext, *, source: str,
     (``runner.launch.ray_roles.RoleActors``; None: every role in this process). ``stop``: asked
     once per step whether the launcher wants the run to stop (where no signal reaches this
     process: a Ray actor)."""
+    from runner.launch.entry import error_prefix
+    from runner.launch.exits import exit_guard
     from runner.precision import device_type
     from runner.train import run_recipe
 
     use_cuda = device_type(recipe) == "cuda"
-    comm = Collective.start(ctx, timeout_s=recipe.launch.collective_timeout_s, use_cuda=use_cuda)
-    try:
-        return run_recipe(recipe, plan, ctx=ctx, comm=comm, source=source, overrides=overrides,
-                          plain=plain, actors=roles, stop=stop, job=job)
-    finally:
-        comm.close()
+    with exit_guard(error_prefix(ctx)):
+        comm = Collective.start(ctx, timeout_s=recipe.launch.collective_timeout_s,
+                                use_cuda=use_cuda)
+        try:
+            return run_recipe(recipe, plan, ctx=ctx, comm=comm, source=source,
+                              overrides=overrides, plain=plain, actors=roles, stop=stop, job=job)
+        finally:
+            comm.close()

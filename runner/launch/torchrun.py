@@ -172,6 +172,8 @@ class _Ranks:
 
     def watch(self) -> int:
         """Wait for every rank; the job's exit code. A failed rank stops the others."""
+        from runner.launch.worker import EXIT_TRACEBACK
+
         while True:
             codes = [p.poll() for p in self.procs]
             failed = [(r, c) for r, c in enumerate(codes) if c is not None and c not in (0, 130)]
@@ -179,9 +181,12 @@ class _Ranks:
                 self.kill()
                 return 130
             if failed:
-                # Seen in one poll, a rank killed by a signal is the cause and the ranks whose
-                # collectives then broke (errors) its consequence, whatever their numbers.
-                rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
+                # Seen in one poll, a rank killed by a signal is the cause, then a rank that
+                # failed with an error of its own (printed: a user's os._exit, a reward), and the
+                # ranks whose collectives then broke (tracebacks in files) its consequence,
+                # whatever their numbers.
+                rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[1] == EXIT_TRACEBACK,
+                                                         rc[0]))
                 stopped = [r for r, p in enumerate(self.procs)
                            if p.poll() is None and is_stopped(p.pid)]
                 deadline = time.monotonic() + GRACE_S

@@ -72,7 +72,8 @@ class _Call:
     def run(self) -> None:
         try:
             self.result = self.fn(*self.args)
-        except Exception as exc:  # noqa: BLE001 - user rewards may raise anything; reported below
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - user rewards may raise anything,
+            # or call sys.exit(): reported below, naming the function
             self.error = exc
         finally:
             self.done = True

@@ -32,3 +32,10 @@ class CaptionPairs(list):
 def caption_pairs():
     return CaptionPairs(("Describe it", {"image": f"{i}.png", "caption": "a cat"},
                          {"image": f"{i}.png", "caption": "a dog"}) for i in range(3))
+
+
+def exits(completions, items):
+    """A reward that ends the process the way a script would."""
+    import sys
+
+    sys.exit(0)

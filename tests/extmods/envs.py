@@ -173,3 +173,22 @@ def done_as_numpy():
     import numpy as np
 
     return _Steps(EnvStep(reward=np.float32(0.5), done=np.bool_(True), info={"found": np.int64(1)}))
+
+
+class _Exits(Retry):
+    """Leaves the process with ``os._exit(code)`` in its first step, on rank ``rank`` alone
+    (None: on every rank)."""
+
+    def __init__(self, code, rank):
+        self.code, self.rank = code, rank
+
+    def step(self, messages):
+        import os
+
+        if self.rank is None or os.environ.get("RANK", "0") == str(self.rank):
+            os._exit(self.code)
+        return super().step(messages)
+
+
+def exits_in_step(code: int = 0, rank: int | None = None):
+    return _Exits(code, rank)
