@@ -249,7 +249,14 @@ def test_dpo_local_cluster_and_reference_actor_equal_torchrun_on_loopback(cluste
     done = run_ranks(DPO, torchrun, 2, *DPO_SMALL)
     assert done.returncode == 0, done.stdout + done.stderr
     out = tmp_path / "ray"
-    proc = start_ray(DPO, out, "", *DPO_SMALL)
+    # Another job's cluster file, left where Ray looks for one (and RAY_ADDRESS set): the run
+    # still starts a cluster of its own, it neither joins that one nor fails on it.
+    stale = RAY_TMP / "ray" / "ray_current_cluster"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text(cluster.address)
+    proc = subprocess.Popen(ray_cli(DPO, out, "", *DPO_SMALL), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**_env_for(""), "RAY_ADDRESS": cluster.address})
     seen: set[str] = set()
     pids: set[int] = set()
     while proc.poll() is None:  # every listener of the driver and the cluster it started

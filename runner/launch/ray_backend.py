@@ -140,7 +140,9 @@ def _init_ray(recipe: Recipe, roles: Sequence[str]) -> Any:
         options.update(num_cpus=max(1, int(-(-cpus // 1))), num_gpus=int(-(-gpus // 1)),
                        include_dashboard=False, _node_ip_address=LOOPBACK)
     try:
-        ray.init(address=launch.ray_address or None, **options)
+        # "local": a cluster of this run's own, never one that RAY_ADDRESS or a
+        # ray_current_cluster file left by another job points at (stale or someone else's).
+        ray.init(address=launch.ray_address or "local", **options)
     except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
         hint = ""
         if not local and not with_token and os.environ.get("RAY_AUTH_MODE") != "disabled":
