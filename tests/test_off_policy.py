@@ -116,6 +116,36 @@ def test_refusals(straight, tmp_path):
     done = run_cli(GRPO, copy, f"run.max_steps={STEPS}", *SMALL)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "algo.max_off_policy_steps" in done.stderr and "sampled ahead" in done.stderr
+    # nor by a run that samples further ahead: the checkpoint records the k that wrote it
+    done = run_cli(GRPO, copy, f"run.max_steps={STEPS}", *SMALL, "algo.max_off_policy_steps=2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(
+        f"algo.max_off_policy_steps: the checkpoint step-{STEPS - 1:06d} holds 1 batch(es) "
+        "sampled ahead by 1 rank(s) with max_off_policy_steps = 1, which this run "
+        "(max_off_policy_steps = 2, 1 rank(s)) would not train (got 2). Resume with the "
+        "max_off_policy_steps and number of ranks that wrote it."), done.stderr
+
+
+@pytest.mark.parametrize(("flights", "world", "rank"), [([[{}], [{}]], 1, 0),
+                                                        ([[{}]], 2, 0), ([[{}]], 2, 1)])
+def test_batches_in_flight_on_another_number_of_ranks_are_refused(flights, world, rank):
+    """Every rank of the new world refuses, counting the batches of every rank that wrote the
+    checkpoint (a rank the checkpoint has no list for too)."""
+    from pathlib import Path
+    from types import SimpleNamespace as NS
+
+    from runner.errors import RecipeError
+    from runner.train.loops.pipeline import make_producer
+
+    ckpt = NS(path=Path("step-000003"), state=NS(in_flight=flights, off_policy_steps=1))
+    run = NS(state=NS(ckpt=ckpt), svc=NS(rank=NS(rank=rank, world_size=world)))
+    with pytest.raises(RecipeError) as info:
+        make_producer(run, None, 1)
+    held = sum(map(len, flights))
+    assert info.value.problems[0].message == (
+        f"the checkpoint step-000003 holds {held} batch(es) sampled ahead by {len(flights)} "
+        f"rank(s) with max_off_policy_steps = 1, which this run (max_off_policy_steps = 1, "
+        f"{world} rank(s)) would not train")
 
 
 @pytest.mark.vllm

@@ -89,6 +89,8 @@ class TrainingState:
     trackers: dict[str, str] = attrs.field(factory=dict)  # tracker -> the run id a resume continues
     # per rank, the batches sampled ahead and not yet trained (algo.max_off_policy_steps >= 1)
     in_flight: list[Any] = attrs.field(factory=list)
+    # the algo.max_off_policy_steps they were sampled with (None: written before it was kept)
+    off_policy_steps: int | None = None
 
 
 # --- RNG ----------------------------------------------------------------------------------------
@@ -523,7 +525,8 @@ def _state(path: Path, raw: Any) -> tuple[Any, TrainingState]:
         ("step", state.step, int), ("world_size", state.world_size, int),
         ("cursor", state.cursor, dict | None), ("scheduler", state.scheduler, dict),
         ("extra", state.extra, dict), ("items_per_step", state.items_per_step, int | None),
-        ("trackers", state.trackers, dict), ("in_flight", state.in_flight, list))
+        ("trackers", state.trackers, dict), ("in_flight", state.in_flight, list),
+        ("off_policy_steps", state.off_policy_steps, int | None))
         if isinstance(value, bool) or not isinstance(value, kinds)]
     if not wrong and not all(isinstance(v, str) for v in state.trackers.values()):
         wrong = ["trackers"]

@@ -187,6 +187,7 @@ def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[st
         extra={name: {"scheduler": scheduler_state(t.scheduler)} for name, t in extra.items()},
         world_size=plan.world_size, items_per_step=plan.items_per_step,
         trackers=run.svc.metrics.tracker_ids(), in_flight=list(in_flight or []),
+        off_policy_steps=plan.ahead,
     )
     return save_checkpoint(
         plan.checkpoint_dir, step, model=run.policy.unwrapped(), tokenizer=run.tokenizer,

@@ -161,19 +161,21 @@ def make_producer(run: Any, sample: Sampler, k: int) -> Producer | None:
 
     ckpt = run.state.ckpt
     flights = ckpt.state.in_flight if ckpt is not None else []
-    held = flights[run.svc.rank.rank] if flights else []
-    if k == 0 and not held:
-        return None
-    if k == 0 or (flights and len(flights) != run.svc.rank.world_size):
-        why = (f"holds {len(held)} batch(es) sampled ahead by "
-               f"{len(flights)} rank(s)")
+    world = run.svc.rank.world_size
+    held = sum(len(batches) for batches in flights)
+    wrote = ckpt.state.off_policy_steps if ckpt is not None else None
+    if held and (k == 0 or len(flights) != world or (wrote is not None and wrote != k)):
+        by = f" with max_off_policy_steps = {wrote}" if wrote is not None else ""
         raise RecipeError([Problem(
-            "algo.max_off_policy_steps", f"the checkpoint {ckpt.path.name} {why}, which this "
-            f"run (max_off_policy_steps = {k}, {run.svc.rank.world_size} rank(s)) would not "
-            "train", got=k, hint="resume with the max_off_policy_steps and number of ranks "
-            "that wrote it")])
+            "algo.max_off_policy_steps", f"the checkpoint {ckpt.path.name} holds {held} "
+            f"batch(es) sampled ahead by {len(flights)} rank(s){by}, which this run "
+            f"(max_off_policy_steps = {k}, {world} rank(s)) would not train", got=k,
+            hint="resume with the max_off_policy_steps and number of ranks that wrote it")])
+    if k == 0:
+        return None
     source = run.state.data.source
-    return Producer(sample, k, [Produced.from_json(raw, source.item) for raw in held],
+    mine = flights[run.svc.rank.rank] if held else []
+    return Producer(sample, k, [Produced.from_json(raw, source.item) for raw in mine],
                     threads=run.svc.recipe.rollout.producer_threads,
                     last_step=run.svc.plan.max_steps)
 
