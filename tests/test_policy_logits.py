@@ -67,11 +67,11 @@ def test_padding_free_rows_hold_every_sequence_once_with_restarting_positions():
         assert p.rows.input_ids_BT[r, o:o + n].tolist() == list(x.input_ids)
         assert p.rows.position_ids_BT[r, o:o + n].tolist() == list(range(n))
         assert p.rows.seq_ids_BT[r, o:o + n].tolist() == [b] * n
-    from runner.train.roles.packing import packed_logprobs, worth_packing
+    from runner.train.roles.packing import packed_logprobs
 
-    assert worth_packing(p, batch)  # 56 positions instead of 84
+    assert (p.positions, batch.input_ids_BT.numel()) == (56, 84)  # fewer positions: packed
     same = collate([RLPolicyInput((5, 6, 7, 8), (0, 0, 1, 1), 2)] * 3, 0)
-    assert not worth_packing(pack(same), same)  # rows of 128 would only add positions
+    assert pack(same).positions >= same.input_ids_BT.numel()  # rows would only add positions
     assert packed_logprobs(None, same, 1.0) is None  # the caller runs it padded
     wide = pack(batch, row_tokens=32)
     assert wide.rows.input_ids_BT.shape == (2, 32)  # 14+12+6 | 9+7+5

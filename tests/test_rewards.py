@@ -201,9 +201,10 @@ def test_one_function_without_a_limit_runs_in_the_calling_thread(monkeypatch):
     assert seen == [True, False]
 
 
-def test_held_out_reward_metrics_per_function():
-    from runner.rewards import held_out_reward_metrics
-
+def test_weighted_totals_and_means_per_function():
+    """What the held-out metrics sum over ranks: each completion's weighted total and each
+    function's mean."""
     rs = build_rewards(RewardConfig(functions=["arithmetic_exact", "format"], weights=[1.0, 0.5]))
-    assert held_out_reward_metrics(rs, ["7", "x -4"], ITEMS) == {
-        "eval/reward": 1.25, "eval/reward/arithmetic_exact": 1.0, "eval/reward/format": 0.5}
+    total, parts = rs.score(["7", "x -4"], ITEMS)
+    assert sum(total) / len(total) == 1.25
+    assert parts == {"reward/arithmetic_exact": 1.0, "reward/format": 0.5}

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.envs.tools import ToolBox
 from runner.errors import Problem, RecipeError
 from runner.extensions import check_binds, load_callable
 from runner.recipe.rules import env_enabled
 
+if TYPE_CHECKING:
+    from runner.envs.episodes import EnvRunner
+    from runner.packers.base import DataPacker
+    from runner.recipe.schema import EnvConfig, Recipe
 
-def load_tools(cfg: Any) -> dict[str, Callable[..., Any]]:
+
+def load_tools(cfg: EnvConfig) -> dict[str, Callable[..., Any]]:
     """``env.tools`` by name (each callable's ``__name__``, else its path's last part)."""
     tools: dict[str, Callable[..., Any]] = {}
     for i, dotted in enumerate(cfg.tools):
@@ -25,7 +30,7 @@ def load_tools(cfg: Any) -> dict[str, Callable[..., Any]]:
     return tools
 
 
-def load_factory(cfg: Any) -> Callable[..., Any] | None:
+def load_factory(cfg: EnvConfig) -> Callable[..., Any] | None:
     """``env.factory``, checked to bind ``env.factory_kwargs`` (None: the built-in one)."""
     if not cfg.factory:
         return None
@@ -34,14 +39,14 @@ def load_factory(cfg: Any) -> Callable[..., Any] | None:
     return fn
 
 
-def build_env_runner(recipe: Any, packer: Any) -> Any:
+def build_env_runner(recipe: Recipe, packer: DataPacker) -> EnvRunner | None:
     """The worker's episode player for ``recipe`` with the rollout-side ``packer``; None for
     single-turn rollouts."""
     if not env_enabled(recipe):
         return None
     from runner.envs.episodes import EnvRunner
 
-    if not getattr(packer, "renders_chat", False):
+    if not packer.renders_chat:
         raise RecipeError([Problem(
             "data_packer.factory" if recipe.data_packer.factory else "model.path",
             f"{type(packer).__name__} does not render chat conversations (renders_chat is "

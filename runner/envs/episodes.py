@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -41,6 +41,10 @@ from runner.rewards.calls import MAX_REWARD
 from runner.rollout.base import Completion, SamplingConfig, prompt_seeds
 from runner.rollout.lengths import chars_per_token
 from runner.types import ObsBundle
+
+if TYPE_CHECKING:
+    from runner.packers.base import DataPacker
+    from runner.recipe.schema import EnvConfig
 
 ROLES_FROM_ENV = ("user", "tool")
 RUNNER_STATS = ("turns", "tool_calls", "tool_failures", "truncated", "reward")  # env/NAME: ours
@@ -65,6 +69,7 @@ class _Episode:
     env: Any
     messages: list[dict[str, Any]]
     prompt_ids: tuple[int, ...]
+    limit: int  # the most tokens it may reach (env.max_total_tokens within the engine's context)
     ids: list[int] = attrs.Factory(list)
     logprobs: list[float] = attrs.Factory(list)
     mask: list[int] = attrs.Factory(list)
@@ -126,14 +131,11 @@ def turn_seed(episode: int, turn: int) -> int:
 class EnvRunner:
     """Plays a batch's episodes with one engine: built per worker from the recipe's ``[env]``."""
 
-    def __init__(self, cfg: Any, packer: Any, factory: Callable[[], Any] | None,
+    def __init__(self, cfg: EnvConfig, packer: DataPacker, factory: Callable[..., Any] | None,
                  tools: ToolBox, model: str) -> None:
         self.cfg, self.packer, self.tools, self.model = cfg, packer, tools, model
         self.factory = factory or ToolEnv
         self.where = cfg.factory or "the built-in tool environment"
-        # The most tokens of an episode: env.max_total_tokens, and the engine's context
-        # (``play`` lowers it to the engine's max_model_len: an episode reaching it is truncated).
-        self.total = cfg.max_total_tokens
         # The most characters one token spells (None: no vocabulary to read), so that text the
         # remaining tokens cannot hold is never handed to the tokenizer.
         tokenizer = getattr(packer, "tokenizer", None)
@@ -229,7 +231,9 @@ class EnvRunner:
                 "where it renders tool messages), or use a DataPacker that renders them")]) from exc
 
     # --- episodes ----------------------------------------------------------------------------
-    def start(self, item: ObsBundle, seed: int, step: int | None) -> _Episode:
+    def start(self, item: ObsBundle, seed: int, step: int | None, limit: int) -> _Episode:
+        """A new episode of ``item``: its environment made and reset, its opening rendered,
+        within ``limit`` tokens."""
         env = self._new_env(step, item)
         opening = self._messages(self._call(lambda: env.reset(item, seed), "reset()", step,
                                             item, 0), "reset()", None, step, item, 0)
@@ -237,14 +241,14 @@ class EnvRunner:
             raise self._fail(step, item, 0, "reset() returned no messages")
         prompt = self._rendered(lambda: self.packer.render_messages(
             opening, self.tools.schemas or None, True), item, 0, "reset()'s messages")
-        if len(prompt) >= self.total:
+        if len(prompt) >= limit:
             raise RecipeError([Problem("env.max_total_tokens", f"{item_name(item)}: the "
                                        f"episode's opening messages are {len(prompt)} tokens, "
-                                       f"leaving no room for a reply within {self.total}",
+                                       f"leaving no room for a reply within {limit}",
                                        got=self.cfg.max_total_tokens,
                                        hint="raise env.max_total_tokens (within the engine's "
                                        "context)")])
-        return _Episode(item, seed, env, opening, tuple(int(t) for t in prompt))
+        return _Episode(item, seed, env, opening, tuple(int(t) for t in prompt), limit)
 
     def play(self, generate: Callable[..., list[Any]], check_tokens: Callable[..., None],
              items: Sequence[ObsBundle], params: SamplingConfig,
@@ -254,9 +258,10 @@ class EnvRunner:
         the engine's (prompts as token ids, sampling, seeds); ``check_tokens(n_prompt,
         max_new, item)`` refuses a prompt the engine cannot take; ``max_len`` is the engine's
         context (None: unknown), which an episode never outgrows (it ends truncated there)."""
-        self.total = min(self.cfg.max_total_tokens, max_len or self.cfg.max_total_tokens)
+        # An episode reaching the engine's context is truncated there.
+        limit = min(self.cfg.max_total_tokens, max_len or self.cfg.max_total_tokens)
         item_seeds = prompt_seeds(params, len(items), seeds)
-        episodes = [self.start(item, episode_seed(s, k), step)
+        episodes = [self.start(item, episode_seed(s, k), step, limit)
                     for item, s in zip(items, item_seeds, strict=True) for k in range(params.n)]
         for turn in range(self.cfg.max_turns):
             active = [e for e in episodes if not e.done]
@@ -272,7 +277,7 @@ class EnvRunner:
         """The next assistant turn of every active episode, one engine call per token budget."""
         budgets: dict[int, list[_Episode]] = {}
         for ep in active:
-            budget = min(params.max_new_tokens, self.total - ep.length)
+            budget = min(params.max_new_tokens, ep.limit - ep.length)
             budgets.setdefault(budget, []).append(ep)
         for budget, group in budgets.items():
             for ep in group:
@@ -334,7 +339,7 @@ class EnvRunner:
                 "renders a longer conversation as the shorter one's tokens plus new ones; use "
                 "another model, or a DataPacker whose env_message_ids renders the environment's "
                 "messages itself")]) from exc
-        if ep.length + len(ids) >= self.total:
+        if ep.length + len(ids) >= ep.limit:
             ep.truncated = ep.done = True
             return
         ep.messages += new
@@ -346,7 +351,7 @@ class EnvRunner:
         """The most characters the episode's remaining tokens can spell (None: unknown)."""
         if self.chars_per_token is None:
             return None
-        return max(0, self.total - ep.length) * self.chars_per_token
+        return max(0, ep.limit - ep.length) * self.chars_per_token
 
 
 def _finite(value: Any) -> float | None:

@@ -60,10 +60,10 @@ def run_rank(recipe: Recipe, plan: RunPlan, ctx: RankContext, *, source: str,
     from runner.precision import device_type
     from runner.train import run_recipe
 
-    use_cuda = device_type(recipe) == "cuda"
     with exit_guard(error_prefix(ctx)):
+        # the rank's device, decided here once: the run reads it as comm.device
         comm = Collective.start(ctx, timeout_s=recipe.launch.collective_timeout_s,
-                                use_cuda=use_cuda)
+                                device=device_type(recipe))
         try:
             return run_recipe(recipe, plan, ctx=ctx, comm=comm, source=source,
                               overrides=overrides, plain=plain, actors=roles, stop=stop, job=job)

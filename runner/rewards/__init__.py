@@ -23,7 +23,7 @@ from runner.rewards.calls import MAX_REWARD, RewardFn, call_all
 from runner.types import ObsBundle
 
 __all__ = ["BUILTIN_REWARDS", "RewardSet", "arithmetic_exact", "build_rewards", "format_reward",
-           "held_out_reward_metrics", "math_verify_reward"]
+           "math_verify_reward"]
 
 
 @attrs.frozen
@@ -60,17 +60,6 @@ class RewardSet:
                                         f"reward ({MAX_REWARD:g} in magnitude); lower "
                                         "reward.weights or the rewards' scale")])
         return total, values_of
-
-
-def held_out_reward_metrics(rewards: RewardSet, completions: Sequence[str],
-                            items: Sequence[ObsBundle], *, step: int | None = None
-                            ) -> dict[str, float]:
-    """Held-out metrics from the recipe's own rewards: ``eval/reward`` (mean weighted total) and
-    ``eval/reward/NAME`` per function. With several completions per prompt, pass each prompt's
-    item once per completion: every completion counts once."""
-    total, parts = rewards.score(completions, items, step=step)
-    return {"eval/reward": sum(total) / max(1, len(total)),
-            **{f"eval/{k}": v for k, v in parts.items()}}
 
 
 def build_rewards(cfg: RewardConfig) -> RewardSet:

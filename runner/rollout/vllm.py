@@ -93,12 +93,11 @@ def _loopback_process_group() -> None:
     ``tcp://<host address>`` it picks: a one-rank group over an in-memory store, with gloo bound
     to the loopback interface, leaves nothing listening elsewhere.
     """
-    import torch.distributed as dist
+    from runner.ranks.collective import local_process_group
 
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    local_process_group("cpu")  # gloo: vLLM's own collectives of one rank
 
 
 def vllm_request(prompt: EnginePrompt) -> Any:

@@ -19,7 +19,7 @@ import attrs
 
 from runner.data.cursor import DataCursor, check_resume
 from runner.errors import Problem, RecipeError, RunnerError
-from runner.precision import Precision, device_type, resolve
+from runner.precision import Precision, resolve
 from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
 from runner.recipe.algos import spec_of
@@ -45,7 +45,12 @@ from runner.train.assembly.run import Roles, RunContext, RunState
 from runner.train.assembly.seeds import seed_everything
 from runner.train.assembly.services import RunServices
 from runner.train.assembly.streams import OpenedData, Streamed, open_data
-from runner.train.loops.pipeline import Producer, make_producer
+from runner.train.loops.pipeline import (
+    Produced,
+    Producer,
+    held_in_flight,
+    refuse_in_flight,
+)
 from runner.train.loops.rollouts import sample_ahead
 from runner.train.roles import RoleProvider, disable_dropout, prepare_trainable
 from runner.train.roles.teacher import Teacher
@@ -131,6 +136,7 @@ def open_start(recipe: Recipe, plan: RunPlan, ctx: RankContext, reporter: Report
     if ckpt is not None:
         step("checkpoint", lambda: check_world_change(recipe, plan, ckpt))
         step("checkpoint", lambda: refuse_pickled(ckpt))
+        step("checkpoint", lambda: refuse_in_flight(ckpt, plan.ahead, plan.world_size))
     opened = step("data", lambda: open_data(recipe, ctx))
     parts = opened.fingerprint_parts() if opened else {}
     cursor = step("data", lambda: resume_cursor(recipe, ckpt, parts))  # before any model
@@ -181,7 +187,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
              ) -> RunContext:
     """Build every role the plan lists (``plan.roles``), in this process or, where ``actors``
     serves it, as a handle on the launcher's role actor; the run returned is whole."""
-    device = device_type(recipe)
+    device = comm.device.type  # decided once per rank, where the rank joined its group
     precision = resolve(recipe, device)  # once per rank: the trained, frozen and engine dtypes
     seed_everything(recipe.run.seed, recipe.run.deterministic)
     step = BuildSteps()
@@ -229,28 +235,33 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
 
 
 def finish(run: RunContext, overrides: Sequence[str], source: str) -> RunContext:
-    """The run made whole: its roles and producer built, the engine given the weights it does
-    not load itself, and (rank 0, last: a run that fails to build leaves no tracker run open)
-    the trackers started."""
+    """The run made whole: its roles built, the engine given the weights it does not load
+    itself, (rank 0) the trackers started, and the producer built on the finished services.
+    The trackers start after everything that can fail: a run that fails to build leaves no
+    tracker run open."""
     recipe, plan, ckpt = run.svc.recipe, run.svc.plan, run.state.ckpt
     reason = held_out_reason(recipe.data, spec_of(recipe).stream)
     if reason:
         run.svc.reporter.message(f"held-out evaluation: {reason}")
     run = attrs.evolve(run, roles=build_roles(run))
-    run = attrs.evolve(run, producer=build_producer(run))
+    held = (held_in_flight(ckpt, run.svc.rank.rank, run.state.data.source.item)
+            if plan.ahead else [])
     # A rollout actor, and any engine under LoRA (a checkpoint holds adapters only), starts from
     # the base model.
     if run.rollout is not None and ckpt is not None and (
             serves_rollout(run.actors) or recipe.model.lora.rank > 0):
         run.sync_weights()
-    if run.svc.rank.is_main:
-        run.svc.metrics.trackers = start_trackers(recipe, plan, ckpt, run.svc.reporter,
-                                                  overrides, source)
-    return run
+    trackers = (start_trackers(recipe, plan, ckpt, run.svc.reporter, overrides, source)
+                if run.svc.rank.is_main else None)
+    if trackers is not None:  # nothing was logged yet: the loop's log goes to them too
+        metrics = MetricsLog(plan.metrics_path, run.svc.metrics.rows, trackers)
+        run = attrs.evolve(run, svc=attrs.evolve(run.svc, metrics=metrics))
+    return attrs.evolve(run, producer=build_producer(run, held))
 
 
 def _metrics_log(plan: RunPlan, ctx: RankContext, ckpt: LoadedCheckpoint | None) -> MetricsLog:
-    """The run's metrics log, continuing a checkpoint's rows; rank 0's alone writes files."""
+    """The run's metrics log, continuing a checkpoint's rows; rank 0's alone writes files (and
+    gets its trackers once the run is built: ``finish``)."""
     return MetricsLog(plan.metrics_path if ctx.is_main else None,
                       ckpt.metrics_rows if ckpt else [])
 
@@ -271,17 +282,18 @@ def start_trackers(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint | None,
                     rows=ckpt.metrics_rows if ckpt else [], say=reporter.message)
 
 
-def build_producer(run: RunContext) -> Producer | None:
+def build_producer(run: RunContext, held: list[Produced]) -> Producer | None:
     """The producer of the batches the plan samples ahead (``plan.ahead`` steps, each the
-    plan's items with their samples), holding those a checkpoint left in flight; None for a
-    synchronous run. Its sampler reads the run's data, rollout and services, which the
-    finished run shares with the one given here."""
+    plan's items with their samples), holding ``held``, those a checkpoint left in flight;
+    None for a synchronous run. Its sampler reads the run given here, which is the finished
+    run's data, rollout and services."""
     plan = run.svc.plan
-    if not plan.samples_online:
+    if not plan.samples_online or plan.ahead == 0:
         return None
     per_item = plan.samples_per_step // plan.items_per_step
-    return make_producer(run, lambda step: sample_ahead(run, plan.items_per_step, per_item, step),
-                         plan.ahead)
+    return Producer(lambda step: sample_ahead(run, plan.items_per_step, per_item, step),
+                    plan.ahead, held, threads=run.svc.recipe.rollout.producer_threads,
+                    last_step=plan.max_steps)
 
 
 def build_roles(run: RunContext) -> Roles:

@@ -25,8 +25,10 @@ from typing import Any
 
 import attrs
 
-from runner.errors import RunnerError, RuntimeFailure
+from runner.errors import Problem, RecipeError, RunnerError, RuntimeFailure
+from runner.ranks.collective import Collective
 from runner.rollout.base import Completion
+from runner.state.checkpoint import LoadedCheckpoint
 from runner.train.loops.trajectory import Trajectory
 from runner.types import ObsBundle
 
@@ -154,39 +156,39 @@ class Producer:
         return [p.to_json() for p in self.ahead]
 
 
-def make_producer(run: Any, sample: Sampler, k: int) -> Producer | None:
-    """This rank's producer for ``k >= 1`` (with the batches a checkpoint holds for this rank);
-    None for the synchronous loop, which refuses a checkpoint with batches in flight."""
-    from runner.errors import Problem, RecipeError
-
-    ckpt = run.state.ckpt
+def refuse_in_flight(ckpt: LoadedCheckpoint | None, k: int, world: int) -> None:
+    """A checkpoint's batches in flight are trained only by a run that samples ``k`` steps
+    ahead, as the run that wrote them did, on as many ranks (raises RecipeError otherwise)."""
     flights = ckpt.state.in_flight if ckpt is not None else []
-    world = run.svc.rank.world_size
     held = sum(len(batches) for batches in flights)
-    wrote = ckpt.state.off_policy_steps if ckpt is not None else None
-    if held and (k == 0 or len(flights) != world or (wrote is not None and wrote != k)):
+    if not held or ckpt is None:
+        return
+    wrote = ckpt.state.off_policy_steps
+    if k == 0 or len(flights) != world or (wrote is not None and wrote != k):
         by = f" with max_off_policy_steps = {wrote}" if wrote is not None else ""
         raise RecipeError([Problem(
             "algo.max_off_policy_steps", f"the checkpoint {ckpt.path.name} holds {held} "
             f"batch(es) sampled ahead by {len(flights)} rank(s){by}, which this run "
             f"(max_off_policy_steps = {k}, {world} rank(s)) would not train", got=k,
             hint="resume with the max_off_policy_steps and number of ranks that wrote it")])
-    if k == 0:
-        return None
-    source = run.state.data.source
-    mine = flights[run.svc.rank.rank] if held else []
-    return Producer(sample, k, [Produced.from_json(raw, source.item) for raw in mine],
-                    threads=run.svc.recipe.rollout.producer_threads,
-                    last_step=run.svc.plan.max_steps)
 
 
-def staleness_metrics(run: Any, produced: Produced, step: int, k: int) -> dict[str, float]:
+def held_in_flight(ckpt: LoadedCheckpoint | None, rank: int,
+                   item: Callable[[int], ObsBundle]) -> list[Produced]:
+    """Rank ``rank``'s batches that checkpoint ``ckpt`` holds in flight (``refuse_in_flight``
+    passed), their items read back by index with ``item``."""
+    flights = ckpt.state.in_flight if ckpt is not None else []
+    return [Produced.from_json(raw, item) for raw in (flights[rank] if flights else [])]
+
+
+def staleness_metrics(comm: Collective, produced: Produced, step: int, k: int
+                      ) -> dict[str, float]:
     """``rollout/staleness_mean`` and ``_max`` over every rank's batch: the optimizer steps
     between the policy that sampled it and the one it trains (at most ``k``)."""
     staleness = step - 1 - produced.version
     if not 0 <= staleness <= k:
         raise RunnerError(f"step {step} would train on a batch of policy version "
                           f"{produced.version}, {staleness} steps old (at most {k} allowed)")
-    every = run.svc.comm.gather(staleness)
+    every = comm.gather(staleness)
     return {"rollout/staleness_mean": sum(every) / len(every),
             "rollout/staleness_max": float(max(every))}

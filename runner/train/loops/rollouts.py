@@ -168,7 +168,7 @@ def staged_step_ahead(run: RunContext, step: int, n_samples: int,
     t1 = time.perf_counter()
     scored = score(with_item_ids(run, produced.traj, produced.indices, n_samples))
     t2 = time.perf_counter()
-    metrics = consume(scored) | staleness_metrics(run, produced, step, k)
+    metrics = consume(scored) | staleness_metrics(run.svc.comm, produced, step, k)
     t3 = time.perf_counter()
     producer.wait()
     t4 = time.perf_counter()

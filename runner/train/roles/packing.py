@@ -270,11 +270,6 @@ def padding_metrics(batch: PolicyBatch, pad_free: bool, mask_kind: str | None = 
             "batch/positions_share": plan.positions / padded_positions}
 
 
-def worth_packing(p: Packed, batch: PolicyBatch) -> bool:
-    """Whether layout ``p`` computes fewer positions than the padded batch."""
-    return p.positions < batch.input_ids_BT.numel()
-
-
 def packed_logprobs(model: Any, batch: PolicyBatch, temperature: float, pad_token_id: int = 0,
                     takes_logits_to_keep: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:

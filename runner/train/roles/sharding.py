@@ -31,19 +31,10 @@ from typing import Any
 
 import torch
 
+from runner.ranks.collective import local_process_group
+
 SHARDED = "shard0"  # layout of a slot saved as each rank's dim-0 shard (a DTensor)
 REPLICATED = "tensor"  # a slot every rank holds whole (AdamW's step)
-
-
-def ensure_process_group(device: torch.device) -> None:
-    """FSDP2 needs a default process group; a single process gets an in-memory one (nothing
-    listens on any address): gloo on CPU, NCCL on CUDA."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=device if device.type == "cuda" else None)
 
 
 def blocks_of(model: Any) -> list[torch.nn.Module]:
@@ -73,7 +64,7 @@ def shard_model(model: Any, bf16: bool, device: torch.device | str = "cpu",
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = torch.device(device)
-    ensure_process_group(device)
+    local_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     empty = weights is not None
     if not empty:
