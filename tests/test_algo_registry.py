@@ -1,5 +1,5 @@
 """One spec per algorithm: ``runner.recipe.algos.ALGORITHMS`` is the only place (with the config
-classes of ``runner/recipe/schema.py``) that knows an algorithm by its kind.
+classes of ``runner/recipe/algo_configs.py``) that knows an algorithm by its kind.
 
 Everything else asks the spec. A branch on the kind anywhere else (``algo.kind == "dpo"``, a
 kind string in a comparison or as a dict key, ``isinstance(algo, DPOConfig)`` outside an
@@ -24,8 +24,8 @@ from tests.conftest import RECIPES, REPO
 
 KINDS = frozenset(ALGO_KINDS)
 CONFIG_NAMES = frozenset(cls.__name__ for cls in ALGO_KINDS.values())
-# The registry's package and the config classes' module may name kinds.
-ALLOWED = ("runner/recipe/algos/", "runner/recipe/schema.py")
+# The registry's package and the algorithm config classes' module may name kinds.
+ALLOWED = ("runner/recipe/algos/", "runner/recipe/algo_configs.py")
 
 
 def _names_kind(node: ast.AST) -> bool:
