@@ -21,6 +21,7 @@ import json
 import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -225,26 +226,7 @@ def _chart(key: str, runs: list[Run]) -> str:
         out.append(f'<text x="{(left + right) / 2}" y="{(top + bottom) / 2}" class="tx">'
                    'no finite values</text>')
     for i, points in drawn:
-        colour, dash = PALETTE[i % len(PALETTE)], ' stroke-dasharray="6 3"' * (i >= len(PALETTE))
-        label = escape(runs[i].name)
-        segments: list[list[tuple[int, float]]] = [[]]
-        for step, value in points:
-            if _drawable(value):
-                segments[-1].append((step, value))
-            else:
-                segments.append([])
-                out.append(f'<path d="M{x_of(step):.1f} {bottom}l-4 6h8z" fill="{colour}" '
-                           f'class="nonfinite"><title>{label}: step {step}: {value}</title></path>')
-        for seg in filter(None, segments):
-            seg = _thin(seg)
-            if len(seg) > 1:
-                coords = " ".join(f"{x_of(s):.1f},{y_of(v):.1f}" for s, v in seg)
-                out.append(f'<polyline points="{coords}" stroke="{colour}"{dash} class="series" '
-                           f'data-run="{i}"><title>{label}</title></polyline>')
-            if len(seg) == 1 or len(points) <= 40:
-                out.extend(f'<circle cx="{x_of(s):.1f}" cy="{y_of(v):.1f}" r="2.5" '
-                           f'fill="{colour}"><title>{label}: step {s}: {_num(v)}</title></circle>'
-                           for s, v in seg)
+        out.extend(_series(i, runs[i].name, points, x_of, y_of, bottom))
     out.append("</svg>")
     legend = "".join(
         f'<span><i style="background:{PALETTE[i % len(PALETTE)]}"></i>{escape(runs[i].name)}'
@@ -252,6 +234,34 @@ def _chart(key: str, runs: list[Run]) -> str:
         for i, points in drawn)
     return (f'<figure data-metric="{escape(key)}"><figcaption>{escape(key)}</figcaption>'
             f'{"".join(out)}<div class="legend">{legend}</div></figure>')
+
+
+def _series(i: int, name: str, points: list[tuple[int, float]], x_of: Callable[[float], float],
+            y_of: Callable[[float], float], bottom: float) -> list[str]:
+    """Run ``i``'s line of one chart: its finite stretches as polylines (with dots when there
+    are few points), a marker under each non-finite value."""
+    colour, dash = PALETTE[i % len(PALETTE)], ' stroke-dasharray="6 3"' * (i >= len(PALETTE))
+    label = escape(name)
+    out: list[str] = []
+    segments: list[list[tuple[int, float]]] = [[]]
+    for step, value in points:
+        if _drawable(value):
+            segments[-1].append((step, value))
+        else:
+            segments.append([])
+            out.append(f'<path d="M{x_of(step):.1f} {bottom}l-4 6h8z" fill="{colour}" '
+                       f'class="nonfinite"><title>{label}: step {step}: {value}</title></path>')
+    for seg in filter(None, segments):
+        seg = _thin(seg)
+        if len(seg) > 1:
+            coords = " ".join(f"{x_of(s):.1f},{y_of(v):.1f}" for s, v in seg)
+            out.append(f'<polyline points="{coords}" stroke="{colour}"{dash} class="series" '
+                       f'data-run="{i}"><title>{label}</title></polyline>')
+        if len(seg) == 1 or len(points) <= 40:
+            out.extend(f'<circle cx="{x_of(s):.1f}" cy="{y_of(v):.1f}" r="2.5" '
+                       f'fill="{colour}"><title>{label}: step {s}: {_num(v)}</title></circle>'
+                       for s, v in seg)
+    return out
 
 
 def _show(value: Any) -> str:

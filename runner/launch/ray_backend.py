@@ -370,22 +370,9 @@ def launch_ray(payload: Payload, recipe: Recipe, plan: RunPlan) -> int:
         extra: dict[str, Any] = {}
         roles = None
         if launch.placement == "separate":
-            from runner.launch.ray_roles import (
-                RoleActors,
-                frozen_roles,
-                start_frozen_actors,
-                start_rollout_actors,
-            )
+            from runner.launch.ray_roles import start_role_actors
 
-            n = launch.rollout_actors
-            rollout = start_rollout_actors(ray, payload, recipe, env,
-                                           [at(world + i) for i in range(n)])
-            frozen = start_frozen_actors(ray, payload, recipe, plan.roles, env,
-                                         [at(world + n + i)
-                                          for i in range(len(frozen_roles(plan.roles)))])
-            extra = ({f"rollout actor {i}": a for i, a in enumerate(rollout)}
-                     | {f"{role} actor": a for role, a in frozen})
-            roles = RoleActors(tuple(rollout), launch.collective_timeout_s, tuple(frozen))
+            extra, roles = start_role_actors(ray, payload, recipe, plan.roles, env, at, world)
         watch = _Watch(ray, ranks, extra)
         for s in old:
             signal.signal(s, watch.forward)

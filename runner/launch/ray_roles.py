@@ -19,7 +19,7 @@ model, or ``algo.teacher_path``) and scores the batches the ranks send it (``Rem
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -139,7 +139,7 @@ class RoleActors:
 class RemoteFrozen:
     """The ``Frozen`` interface of a model that lives in a ``FrozenActor``."""
 
-    sharded = False  # whole in its actor
+    sharded = lockstep = False  # whole in its actor
 
     def __init__(self, actor: Any, role: str, device: Any, timeout_s: float,
                  pad_free: bool = False) -> None:
@@ -213,21 +213,23 @@ def frozen_roles(roles: Sequence[str]) -> list[str]:
     return [role for role in roles if role in FROZEN_ROLES]
 
 
-def start_frozen_actors(ray: Any, payload: Payload, recipe: Recipe, roles: Sequence[str],
-                        env: dict[str, Any], placements: list[Any]) -> list[tuple[str, Any]]:
+def start_role_actors(ray: Any, payload: Payload, recipe: Recipe, roles: Sequence[str],
+                      env: dict[str, Any], at: Callable[[int], Any], first: int
+                      ) -> tuple[dict[str, Any], RoleActors]:
+    """Start the rollout actors, then one actor per frozen role of ``roles``, in the placement
+    group's bundles from ``first`` on (``at(bundle)``: the scheduling strategy of a bundle).
+    Returns the actors by name (for the driver's watch) and the ranks' view of them."""
     launch = recipe.launch
-    cls = ray.remote(FrozenActor)
-    return [(role, cls.options(num_cpus=launch.cpus_per_role_actor,
-                               num_gpus=launch.gpus_per_role_actor, runtime_env=env,
-                               scheduling_strategy=where, max_restarts=0).remote(role, payload))
-            for role, where in zip(frozen_roles(roles), placements, strict=True)]
+    n = launch.rollout_actors
 
+    def options(cls: Any, bundle: int) -> Any:
+        return ray.remote(cls).options(
+            num_cpus=launch.cpus_per_role_actor, num_gpus=launch.gpus_per_role_actor,
+            runtime_env=env, scheduling_strategy=at(bundle), max_restarts=0)
 
-def start_rollout_actors(ray: Any, payload: Payload, recipe: Recipe, env: dict[str, Any],
-                         placements: list[Any]) -> list[Any]:
-    launch = recipe.launch
-    cls = ray.remote(RolloutActor)
-    return [cls.options(num_cpus=launch.cpus_per_role_actor,
-                        num_gpus=launch.gpus_per_role_actor, runtime_env=env,
-                        scheduling_strategy=where, max_restarts=0).remote(i, payload)
-            for i, where in enumerate(placements)]
+    rollout = [options(RolloutActor, first + i).remote(i, payload) for i in range(n)]
+    frozen = [(role, options(FrozenActor, first + n + i).remote(role, payload))
+              for i, role in enumerate(frozen_roles(roles))]
+    named = ({f"rollout actor {i}": a for i, a in enumerate(rollout)}
+             | {f"{role} actor": a for role, a in frozen})
+    return named, RoleActors(tuple(rollout), launch.collective_timeout_s, tuple(frozen))

@@ -37,7 +37,7 @@ def sharded_roles(recipe: Recipe) -> tuple[str, ...]:
     may have, ``AlgoSpec.sharded``): the trained ones (the policy, PPO's critic) and the frozen
     ones that score the policy's own tokens. Each forward of a sharded model is a collective, so
     ranks holding unequal shares (of a held-out set) run filler forwards until every rank has
-    run as many (runner.train.loops.batches.lockstep_fillers)."""
+    run as many (runner.train.loops.batches.lockstep)."""
     return spec_of(recipe).sharded(recipe.algo)
 
 

@@ -12,14 +12,15 @@ update is that of the one big batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 import torch
 
 from runner.ranks.collective import Collective, interleave
-from runner.train.roles import Trainable, optimizer_step
+from runner.train.roles import FrozenScorer, Trainable, optimizer_step
 
 
 @attrs.frozen
@@ -166,20 +167,25 @@ def rank_mean(comm: Collective, values: dict[str, float]) -> dict[str, float]:
     return {k: v / comm.world for k, v in zip(values, summed, strict=True)}
 
 
-def lockstep_fillers(comm: Collective, mine: int) -> int:
-    """How many filler forwards of the policy (and of sharded frozen models) this rank runs
-    after its ``mine`` forwards so that every rank runs as many as the busiest one. Each
-    forward of a sharded model gathers its parameters, and each forward of a DDP policy
-    broadcasts its buffers: collectives every rank must join. Ranks hold unequal shares of a
-    held-out set. Every rank calls this (a collective itself) before its first forward."""
-    return max(comm.gather(mine)) - mine
+@contextlib.contextmanager
+def lockstep(comm: Collective, mine: int, packer: Any, device: Any,
+             *models: Trainable | FrozenScorer | None) -> Iterator[None]:
+    """Around a rank's ``mine`` forwards of ``models`` (in the order it runs them): afterwards,
+    filler forwards of those whose forwards are collectives (``lockstep``: every trained model
+    when there are several ranks, a sharded frozen one), until this rank has run as many as the
+    busiest rank. Ranks hold unequal shares of a held-out set; each forward of a sharded model
+    gathers its parameters and each forward of a DDP model broadcasts its buffers. Every rank
+    enters it (a collective itself) before its first forward. A filler is a one-row batch (a
+    prompt and a completion token, both the pad id); what it computes is dropped."""
+    together = [m for m in models if m is not None and m.lockstep]
+    fillers = max(comm.gather(mine)) - mine if together else 0
+    yield
+    if fillers:
+        from runner.packers.base import RLPolicyInput
 
-
-def filler_batch(packer: Any, device: Any) -> Any:
-    """A one-row batch (a prompt and a completion token, both the pad id) that a rank with
-    nothing left to score runs through its sharded models while the others score theirs; what
-    it computes is dropped."""
-    from runner.packers.base import RLPolicyInput
-
-    pad = packer.pad_token_id
-    return packer.collate([RLPolicyInput((pad, pad), (0, 1), 1)]).to(device)
+        pad = packer.pad_token_id
+        fill = packer.collate([RLPolicyInput((pad, pad), (0, 1), 1)]).to(device)
+        with torch.no_grad():
+            for _ in range(fillers):
+                for model in together:
+                    model.logits(fill)

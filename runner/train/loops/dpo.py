@@ -37,8 +37,7 @@ from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
 from runner.train.loops.batches import (
     Minibatch,
-    filler_batch,
-    lockstep_fillers,
+    lockstep,
     reduce_history,
     split_even,
     train_minibatch,
@@ -130,16 +129,13 @@ def precompute(run: DPORun, reporter: Reporter) -> None:
     reporter.message(f"precomputing reference logprobs for {len(pairs)} pairs")
     chunks = split_even(len(pairs), max(1, len(pairs) // 64))
     # ranks hold unequal held-out shards: a sharded reference forwards as often on each
-    fillers = lockstep_fillers(run.run.svc.comm, len(chunks)) if run.reference.sharded else 0
-    for chunk in chunks:
-        part = pairs[chunk]
-        batch = run.packer.collate(_pack(run.packer, part)).to(run.device)
-        chosen, rejected = reference_logprobs(run, part, batch)
-        run.cache.update({p.id: (float(c), float(r))
-                          for p, c, r in zip(part, chosen, rejected, strict=True)})
-    fill = filler_batch(run.packer, run.device) if fillers else None
-    for _ in range(fillers):
-        sequence_logprobs(run.reference, fill)
+    with lockstep(run.run.svc.comm, len(chunks), run.packer, run.device, run.reference):
+        for chunk in chunks:
+            part = pairs[chunk]
+            batch = run.packer.collate(_pack(run.packer, part)).to(run.device)
+            chosen, rejected = reference_logprobs(run, part, batch)
+            run.cache.update({p.id: (float(c), float(r))
+                              for p, c, r in zip(part, chosen, rejected, strict=True)})
 
 
 @attrs.frozen(eq=False)
@@ -228,20 +224,17 @@ def held_out(run: DPORun) -> dict[str, float]:
     pairs = ctx.state.data.validation_pairs()
     correct = loss_sum = 0.0
     chunks = split_even(len(pairs), max(1, len(pairs) // 64))
-    # Ranks hold unequal held-out shards: the policy (DDP or sharded) and a sharded reference
-    # forward as often on each, in the order pair_loss_inputs calls them.
-    fillers = lockstep_fillers(ctx.svc.comm, len(chunks))
-    for chunk in chunks:
-        part = pairs[chunk]
-        x = pair_loss_inputs(run, ctx.policy, part)
-        margin = (x.policy_chosen_B - x.ref_chosen_B) - (x.policy_rejected_B - x.ref_rejected_B)
-        correct += float((margin > 0).sum() + 0.5 * (margin == 0).sum())
-        loss_sum += float(dpo_loss(x, run.algo)[0]) * len(part)
-    fill = filler_batch(run.packer, run.device) if fillers else None
-    for _ in range(fillers):
-        if run.reference.sharded and not run.algo.precompute_reference:
-            sequence_logprobs(run.reference, fill)
-        sequence_logprobs(ctx.policy, fill)
+    # Ranks hold unequal held-out shards: the models forward as often on each, in the order
+    # pair_loss_inputs calls them (the reference only when it is not cached).
+    reference = None if run.algo.precompute_reference else run.reference
+    with lockstep(ctx.svc.comm, len(chunks), run.packer, run.device, reference, ctx.policy):
+        for chunk in chunks:
+            part = pairs[chunk]
+            x = pair_loss_inputs(run, ctx.policy, part)
+            margin = ((x.policy_chosen_B - x.ref_chosen_B)
+                      - (x.policy_rejected_B - x.ref_rejected_B))
+            correct += float((margin > 0).sum() + 0.5 * (margin == 0).sum())
+            loss_sum += float(dpo_loss(x, run.algo)[0]) * len(part)
     correct, loss_sum, n = ctx.svc.comm.sum([correct, loss_sum, len(pairs)])
     ctx.sync_weights()  # the generation engine gets the policy's weights at evaluations only
     assert run.rewards is not None  # the plan builds them with the held-out set

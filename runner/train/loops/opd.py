@@ -40,9 +40,8 @@ from runner.train.assembly.run import RunContext
 from runner.train.loops.batches import (
     Layout,
     Minibatch,
-    filler_batch,
     gather_rows,
-    lockstep_fillers,
+    lockstep,
     rank_mean,
     reduce_history,
     select_rows,
@@ -93,32 +92,29 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
     items = run.state.val_items
     # A rank without held-out items forwards the policy (DDP or sharded) and a sharded teacher
     # as the others do, in the same order.
-    fillers = lockstep_fillers(run.svc.comm, int(bool(items)))
-    if items:
-        seeds = position_seeds(run, HELD_OUT_SEED, 0, len(items))
-        traj = roll_out(run.rollout, items, sampling(run.svc.recipe.rollout, 1, 0), seeds)
-        temperature = run.svc.recipe.rollout.temperature
-        inputs = traj.policy_inputs(run.policy_packer)
-        batch = run.policy_packer.collate(inputs).to(run.svc.accelerator.device)
-        mask_BT = batch.loss_mask_BT[:, 1:].bool()
-        if teacher.mode == "same_tokenizer":  # one forward each: the logits give both numbers
-            labels_BT = batch.input_ids_BT[:, 1:]
-            student = run.policy.logits(batch) / temperature
-            teacher_logits = teacher.logits(batch, temperature)
-            student_BT = token_logprobs(student, labels_BT)
-            teacher_BT = token_logprobs(teacher_logits, labels_BT)
-            exact = float(full_reverse_kl(student, teacher_logits[..., :student.shape[-1]],
-                                          mask_BT).sum())
-        else:
-            student_BT = run.policy.logprobs(batch, temperature)[0]
-            teacher_BT = teacher.logprobs(traj, inputs, student_BT.shape[1], temperature)
-        total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
-        count = float(mask_BT.sum())
-    fill = filler_batch(run.policy_packer, run.svc.accelerator.device) if fillers else None
-    for _ in range(fillers):
-        run.policy.logits(fill)
-        if teacher.frozen.sharded:  # one tokenizer, the teacher on the ranks
-            teacher.logits(fill, 1.0)
+    device = run.svc.accelerator.device
+    with lockstep(run.svc.comm, int(bool(items)), run.policy_packer, device, run.policy,
+                  teacher.frozen):
+        if items:
+            seeds = position_seeds(run, HELD_OUT_SEED, 0, len(items))
+            traj = roll_out(run.rollout, items, sampling(run.svc.recipe.rollout, 1, 0), seeds)
+            temperature = run.svc.recipe.rollout.temperature
+            inputs = traj.policy_inputs(run.policy_packer)
+            batch = run.policy_packer.collate(inputs).to(device)
+            mask_BT = batch.loss_mask_BT[:, 1:].bool()
+            if teacher.mode == "same_tokenizer":  # one forward each: the logits give both numbers
+                labels_BT = batch.input_ids_BT[:, 1:]
+                student = run.policy.logits(batch) / temperature
+                teacher_logits = teacher.logits(batch, temperature)
+                student_BT = token_logprobs(student, labels_BT)
+                teacher_BT = token_logprobs(teacher_logits, labels_BT)
+                exact = float(full_reverse_kl(student, teacher_logits[..., :student.shape[-1]],
+                                              mask_BT).sum())
+            else:
+                student_BT = run.policy.logprobs(batch, temperature)[0]
+                teacher_BT = teacher.logprobs(traj, inputs, student_BT.shape[1], temperature)
+            total = float((sampled_reverse_kl(student_BT, teacher_BT) * mask_BT).sum())
+            count = float(mask_BT.sum())
     total, count, exact = run.svc.comm.sum([total, count, exact])
     out = {"eval/reverse_kl": total / max(1.0, count)}
     if teacher.mode == "same_tokenizer":

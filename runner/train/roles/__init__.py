@@ -39,6 +39,12 @@ class Trainable:
     pad_free: bool = False  # score padded batches packed (runner.train.roles.packing)
     sharded: bool = False  # train.sharding = "fsdp": parameters are DTensor shards
 
+    @property
+    def lockstep(self) -> bool:
+        """Its forwards are collectives every rank joins: DDP broadcasts its buffers, FSDP2
+        gathers its parameters (runner.train.loops.batches.lockstep)."""
+        return True
+
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         with self._attention():
@@ -237,7 +243,12 @@ def disable_dropout(model: Any) -> Any:
 class FrozenScorer(Protocol):
     """A frozen model that scores batches: ``Frozen`` here, or one in a role's actor."""
 
-    sharded: bool  # its forwards are collectives (FSDP2 over the ranks)
+    sharded: bool  # its parameters are sharded over the ranks (FSDP2)
+
+    @property
+    def lockstep(self) -> bool:
+        """Its forwards are collectives every rank joins (when it is sharded)."""
+        ...
 
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,7 +301,7 @@ class Frozen:
         else:
             self.model = load_causal_lm(path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
             self.model.requires_grad_(False).eval().to(device)
-        self.sharded = sharded
+        self.sharded = self.lockstep = sharded  # a sharded model's forwards are collectives
         self.device_type = torch.device(device).type
         self.bf16 = bf16
 
