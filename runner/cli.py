@@ -137,7 +137,7 @@ def eval_command(argv: list[str]) -> int:
 def _eval(args: argparse.Namespace) -> int:
     recipe, ctx, plan = _load(args)
     _validate(recipe, args, trackers=False)  # an evaluation logs to no tracker
-    from runner.evaluation import eval_job, eval_plan
+    from runner.eval.job import eval_job, eval_plan
     from runner.launch import launch
     from runner.ui.quiet import quiet_libraries
 

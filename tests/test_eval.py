@@ -177,7 +177,7 @@ def test_eval_refusals_are_one_line_with_exit_2(run_dir, tmp_path):
 
 def test_an_evaluation_plans_no_frozen_role():
     """Ray starts no reference or teacher actor for an evaluation (its plan lists none)."""
-    from runner.evaluation import eval_plan
+    from runner.eval.job import eval_plan
     from runner.launch.ray_roles import frozen_roles
     from runner.recipe import load_recipe, make_plan
 
@@ -185,3 +185,34 @@ def test_an_evaluation_plans_no_frozen_role():
         plan = make_plan(load_recipe(REPO / "recipes" / f"{name}.toml", []), world_size=2)
         assert frozen_roles(plan.roles) and not frozen_roles(eval_plan(plan).roles)
         assert {"rollout", "reward"} <= set(eval_plan(plan).roles)
+
+
+def test_the_eval_job_crosses_to_the_ranks_as_plain_data(tmp_path):
+    """The driver's EvalJob travels in the ranks' payload file as plain JSON (the checkpoint
+    "" for model.path) and comes back equal; a payload without a job trains."""
+    import pickle
+    from pathlib import Path
+
+    from runner.errors import RunnerError
+    from runner.eval.job import EvalJob
+    from runner.launch.payload import Payload
+    from runner.recipe import load_recipe
+
+    recipe = load_recipe(REPO / GRPO, [])
+    ckpt = EvalJob(checkpoint=Path("/runs/a/checkpoints/step-000002"), step=2,
+                   label="step-000002", out_dir=Path("/runs/a/eval/step-000002"),
+                   save_completions=True)
+    model = EvalJob(checkpoint=None, step=None, label="model-tiny", out_dir=Path("/out"))
+    assert model.to_dict() == {"command": "eval", "checkpoint": "", "step": None,
+                               "label": "model-tiny", "out_dir": "/out",
+                               "save_completions": False}
+    for job in (ckpt, model, None):
+        payload = Payload.of(recipe, source=GRPO, overrides=("run.seed=1",), cwd=".",
+                             plain=True, job=job)
+        path = tmp_path / "payload.json"
+        payload.write(path)
+        raw = json.loads(path.read_text())
+        assert raw["job"] == (job.to_dict() if job else {})
+        assert Payload.read(path) == payload == pickle.loads(pickle.dumps(payload))
+    with pytest.raises(RunnerError, match="unknown job 'export'"):
+        EvalJob.from_dict({**model.to_dict(), "command": "export"})

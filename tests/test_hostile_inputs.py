@@ -411,7 +411,7 @@ def test_a_run_folder_that_is_a_link_is_refused_before_anything_is_written(tmp_p
 
 def test_an_eval_folder_that_is_a_link_is_refused(tmp_path):
     from runner.errors import RecipeError
-    from runner.evaluation import eval_job
+    from runner.eval.job import eval_job
     from runner.recipe import load_recipe, make_plan
     from tests.conftest import REPO
 

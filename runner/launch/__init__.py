@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from runner.eval.job import EvalJob
     from runner.ranks.context import RankContext
     from runner.recipe.plan import RunPlan
     from runner.recipe.schema import Recipe
 
 
 def _local(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
-           plain: bool, job: dict[str, Any]) -> int:
+           plain: bool, job: EvalJob | None) -> int:
     from runner.launch.rank import run_rank
     from runner.ranks.context import SINGLE
 
@@ -24,7 +25,7 @@ def _local(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[st
 
 
 def _torchrun(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
-              plain: bool, job: dict[str, Any]) -> int:
+              plain: bool, job: EvalJob | None) -> int:
     from runner.launch.payload import Payload
     from runner.launch.torchrun import launch_torchrun
 
@@ -34,7 +35,7 @@ def _torchrun(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence
 
 
 def _ray(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
-         plain: bool, job: dict[str, Any]) -> int:
+         plain: bool, job: EvalJob | None) -> int:
     from runner.launch.payload import Payload
     from runner.launch.ray_backend import launch_ray
 
@@ -47,11 +48,10 @@ BACKENDS: dict[str, Callable[..., int]] = {"local": _local, "torchrun": _torchru
 
 
 def launch(recipe: Recipe, plan: RunPlan, ctx: RankContext | None, *, source: str,
-           overrides: Sequence[str], plain: bool, job: dict[str, Any] | None = None) -> int:
+           overrides: Sequence[str], plain: bool, job: EvalJob | None = None) -> int:
     """Run a validated recipe: as rank ``ctx`` of an external launcher (``plan`` is then that
     rank's plan), else through ``launch.backend`` (``plan`` is the driver's). ``job``: what the
-    ranks do (plain data; empty: train; ``runner.train.JOBS`` lists the others)."""
-    job = dict(job or {})
+    ranks do instead of training (None: train; an ``EvalJob``: evaluate)."""
     if ctx is not None:
         from runner.launch.rank import run_rank
 

@@ -3,7 +3,8 @@
 The recipe travels as the text of its fully resolved TOML document; the worker parses it again
 and checks that it hashes to the driver's recipe, so every rank runs exactly the recipe the
 driver validated. Each worker then builds its own datasets, packers and models from the
-recipe's dotted paths.
+recipe's dotted paths. A job other than training (``runner.eval.job.EvalJob``) travels as its
+``to_dict`` (``{}``: train).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import attrs
 import tomli_w
 
 from runner.errors import RunnerError
+from runner.eval.job import EvalJob
 from runner.recipe.schema import Recipe
 
 
@@ -29,26 +31,32 @@ class Payload:
     overrides: tuple[str, ...]
     cwd: str
     plain: bool
-    job: dict[str, Any] = attrs.field(factory=dict)  # what the ranks do; empty: train
+    job: EvalJob | None = None  # what the ranks do instead of training; None: train
 
     @classmethod
     def of(cls, recipe: Recipe, *, source: str, overrides: Sequence[str], cwd: str,
-           plain: bool, job: dict[str, Any] | None = None) -> Payload:
+           plain: bool, job: EvalJob | None = None) -> Payload:
         from runner.recipe.resolved import recipe_hash, resolved_document
 
         text = tomli_w.dumps(resolved_document(recipe, overrides, source))
-        return cls(text, recipe_hash(recipe), source, tuple(overrides), cwd, plain, dict(job or {}))
+        return cls(text, recipe_hash(recipe), source, tuple(overrides), cwd, plain, job)
 
     def write(self, path: Path) -> None:
         from runner.state.run_folder import writing
 
         with writing("the ranks' payload", path, role="driver"):
-            path.write_text(json.dumps(attrs.asdict(self)), encoding="utf-8")
+            path.write_text(json.dumps(self.to_json()), encoding="utf-8")
+
+    def to_json(self) -> dict[str, Any]:
+        """The payload as its file holds it (the job as ``EvalJob.to_dict``, ``{}`` to train)."""
+        return {**attrs.asdict(self, recurse=False), "overrides": list(self.overrides),
+                "job": self.job.to_dict() if self.job is not None else {}}
 
     @classmethod
     def read(cls, path: Path) -> Payload:
         raw = json.loads(path.read_text(encoding="utf-8"))
-        return cls(**{**raw, "overrides": tuple(raw["overrides"])})
+        job = EvalJob.from_dict(raw["job"]) if raw["job"] else None
+        return cls(**{**raw, "overrides": tuple(raw["overrides"]), "job": job})
 
     def recipe(self) -> Recipe:
         """The recipe parsed again from its text; refuses one that hashes differently."""

@@ -7,12 +7,15 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
+
+if TYPE_CHECKING:
+    from runner.eval.job import EvalJob
 
 
 def die_with_driver() -> None:
@@ -46,9 +49,9 @@ def leave(code: int) -> None:
 
 def run_rank(recipe: Recipe, plan: RunPlan, ctx: RankContext, *, source: str,
              overrides: Sequence[str], plain: bool, roles: Any = None,
-             stop: Callable[[], bool] | None = None, job: dict[str, Any] | None = None) -> int:
-    """Join the ranks' process group, run the recipe's algorithm on this rank (or the ``job``
-    the driver named: ``runner.train.JOBS``), leave.
+             stop: Callable[[], bool] | None = None, job: EvalJob | None = None) -> int:
+    """Join the ranks' process group, run the recipe's algorithm on this rank (or, when the
+    driver named a ``job``, the evaluation it describes: ``runner.eval.rank.run_eval``), leave.
 
     ``plan``: this rank's plan (``runner.launch.entry.rank_plan``; the driver's own where the
     driver is the only rank). ``roles``: the role actors this rank calls
@@ -65,7 +68,11 @@ def run_rank(recipe: Recipe, plan: RunPlan, ctx: RankContext, *, source: str,
         comm = Collective.start(ctx, timeout_s=recipe.launch.collective_timeout_s,
                                 device=device_type(recipe))
         try:
+            if job is not None:
+                from runner.eval.rank import run_eval
+
+                return run_eval(recipe, job, ctx=ctx, comm=comm, plain=plain, actors=roles)
             return run_recipe(recipe, plan, ctx=ctx, comm=comm, source=source,
-                              overrides=overrides, plain=plain, actors=roles, stop=stop, job=job)
+                              overrides=overrides, plain=plain, actors=roles, stop=stop)
         finally:
             comm.close()

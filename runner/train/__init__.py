@@ -25,24 +25,10 @@ def loop_of(recipe: Recipe) -> Callable[[RunContext], dict[str, Any]]:
     return importlib.import_module(spec_of(recipe).loop).run
 
 
-def _eval(recipe: Recipe, plan: RunPlan, **kwargs: Any) -> int:
-    from runner.train.loops.eval_run import run_eval
-
-    return run_eval(recipe, plan, **kwargs)
-
-
-# what else the ranks can be asked to do with a recipe: command -> its rank program
-JOBS: dict[str, Callable[..., int]] = {"eval": _eval}
-
-
 def run_recipe(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collective, source: str,
                overrides: Sequence[str], plain: bool, actors: RoleProvider | None = None,
-               stop: Callable[[], bool] | None = None, job: dict[str, Any] | None = None) -> int:
-    """Run a validated recipe to the end on this rank, or the ``job`` the driver named (its
-    "command", one of ``JOBS``); returns the exit code (0)."""
-    if job:
-        return JOBS[job["command"]](recipe, plan, ctx=ctx, comm=comm, job=job, plain=plain,
-                                    actors=actors)
+               stop: Callable[[], bool] | None = None) -> int:
+    """Run a validated recipe to the end on this rank; returns the exit code (0)."""
     started = time.monotonic()
     loop = loop_of(recipe)
     # Leaving the block by any path (an error, Ctrl-C) tears the live view down first.

@@ -2,7 +2,7 @@
 codec, its DataPackers, the prompt limit, the engine and the rollout around it.
 
 The training assembly (``runner.train.assembly.assemble``), the eval rank program
-(``runner.train.loops.eval_run``) and the Ray rollout actor (``runner.launch.ray_roles``) build
+(``runner.eval.rank``) and the Ray rollout actor (``runner.launch.ray_roles``) build
 these through the functions here, so an engine, a packer or a prompt limit is made one way
 wherever a model runs. Each build step runs under ``BuildSteps``, which remembers the first
 role that failed so that the ranks can stop together, naming it

@@ -42,8 +42,8 @@ from runner.train.loops.batches import (
     split_even,
     train_minibatch,
 )
+from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
-from runner.train.loops.rollouts import evaluate
 from runner.train.roles import FrozenScorer
 from runner.types import ObsBundle
 from runner.ui import Reporter

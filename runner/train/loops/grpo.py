@@ -39,9 +39,9 @@ from runner.train.loops.batches import (
     select_rows,
     train_minibatch_keeping,
 )
+from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
 from runner.train.loops.rollouts import (
-    evaluate,
     reward_trajectory,
     sample,
     shared_prefixes,

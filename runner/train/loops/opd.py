@@ -47,10 +47,10 @@ from runner.train.loops.batches import (
     select_rows,
     train_minibatch,
 )
+from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
 from runner.train.loops.rollouts import (
     Trajectory,
-    evaluate,
     position_seeds,
     reward_trajectory,
     roll_out,

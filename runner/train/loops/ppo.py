@@ -45,8 +45,9 @@ from runner.train.loops.batches import (
     select_rows,
     train_minibatch,
 )
+from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
-from runner.train.loops.rollouts import evaluate, reward_trajectory, sample, stages, step_metrics
+from runner.train.loops.rollouts import reward_trajectory, sample, stages, step_metrics
 from runner.train.loops.trajectory import Trajectory
 from runner.train.roles import Trainable
 from runner.train.roles.critic import CRITIC

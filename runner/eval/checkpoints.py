@@ -1,12 +1,7 @@
-"""``posttrain-run eval RECIPE [--checkpoint PATH | --checkpoint latest]``: what the ranks are
-asked to evaluate, decided once by the driver.
-
-The model is the recipe's (``model.path``, which an override can point at any model folder), or
-a checkpoint of the recipe's run: ``latest`` is the newest intact one (as a resume picks it), a
-path names one ``step-NNNNNN`` folder, which must be complete and intact. The results go to
-``run.output_dir/eval/<checkpoint or model>/eval.json`` unless ``--out`` names a folder. A
-recipe without a held-out set, or a checkpoint that is missing or damaged, is a one-line error
-(exit 2) before any rank starts.
+"""The checkpoint ``posttrain-run eval --checkpoint`` names, found and checked by the driver:
+``latest`` is the run's newest intact one (as a resume picks it), a path one ``step-NNNNNN``
+folder, complete and intact. Its model must load without unpickling anything and be the
+recipe's: a checkpoint of another recipe's run is a one-line refusal naming both sides.
 """
 
 from __future__ import annotations
@@ -15,45 +10,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from runner.errors import Problem, RecipeError
-from runner.recipe.algos import spec_of
-from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
 from runner.state.checkpoint import MODEL_DIR, LoadedCheckpoint, checkpoint_step
-from runner.state.run_folder import refuse_linked_folders
 
 SOURCE = "eval"
 _STEP_FOLDER = re.compile(r"step-\d+")
-
-
-# what an evaluation builds of a run's roles (no reference, critic or teacher)
-EVAL_ROLES = ("driver", "policy", "rollout", "reward")
-
-
-def eval_plan(plan: RunPlan) -> RunPlan:
-    """The run's plan with only the roles an evaluation builds (Ray starts no frozen actor)."""
-    return attrs.evolve(plan, roles=tuple(r for r in plan.roles if r in EVAL_ROLES))
-
-
-def eval_job(recipe: Recipe, plan: RunPlan, *, checkpoint: str = "", out: str = "",
-             save_completions: bool = False) -> dict[str, Any]:
-    """The job every rank runs (plain data): the checkpoint folder (absolute, "" for
-    ``model.path``), its step, the output folder and its label, whether completions are kept."""
-    reason = held_out_reason(recipe.data, spec_of(recipe).stream)
-    if reason:
-        raise RecipeError([Problem("data.validation", f"the recipe has no held-out set to "
-                                   f"evaluate on ({reason})", source=SOURCE)])
-    loaded = find_checkpoint(plan, checkpoint, recipe) if checkpoint else None
-    label = loaded.path.name if loaded else f"model-{_slug(recipe.model.path)}"
-    if not out:
-        refuse_linked_folders(plan.output_dir, (f"eval/{label}",), key="", source=SOURCE)
-    folder = Path(out) if out else plan.output_dir / "eval" / label
-    return {"command": "eval", "checkpoint": str(loaded.path.resolve()) if loaded else "",
-            "step": loaded.state.step if loaded else None, "label": label,
-            "out_dir": str(folder.resolve()), "save_completions": bool(save_completions)}
 
 
 def find_checkpoint(plan: RunPlan, checkpoint: str, recipe: Recipe) -> LoadedCheckpoint:
@@ -167,9 +130,3 @@ def _other_tokenizer(model_dir: Path, base: Path, trust: bool) -> str:
         return (f"its tokenizer ({len(theirs)} tokens) is not the recipe model's ({len(ours)} "
                 f"tokens; first difference: {differ[0][0]!r})")
     return ""
-
-
-def _slug(path: str) -> str:
-    """A folder name for a model: its last path part (``builtin:NAME``: NAME)."""
-    name = path.rstrip("/").replace("builtin:", "").rsplit("/", 1)[-1]
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "model"
