@@ -26,10 +26,9 @@ from runner.state.checkpoint import (
     LoadedCheckpoint,
 )
 from runner.state.pick import pick_checkpoint, refuse
+from runner.state.run_folder import RunFolder
 from runner.train.assembly.build import recipe_check
 from runner.train.roles.policy import checkpoint_policy
-
-RESOLVED = "recipe.resolved.toml"
 
 
 def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
@@ -41,9 +40,9 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise refuse(f"{out_dir} exists and is not an empty folder",
                       "name a new folder (nothing is overwritten)")
-    resolved = run_dir / RESOLVED
+    resolved = RunFolder(run_dir).resolved
     if not resolved.is_file():
-        raise refuse(f"{run_dir} is not a run folder (it has no {RESOLVED})",
+        raise refuse(f"{run_dir} is not a run folder (it has no {resolved.name})",
                       "give the run.output_dir of a run")
     inside = checkpoints_above(out_dir, run_dir)
     if inside is not None:
@@ -51,7 +50,7 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
                       "checkpoint rotation deletes what it holds",
                       "export to a folder outside any run's checkpoints/")
     recipe = load_recipe(resolved, [])
-    loaded = pick_checkpoint(run_dir / "checkpoints", step, fits=recipe_check(recipe))
+    loaded = pick_checkpoint(RunFolder(run_dir).checkpoints, step, fits=recipe_check(recipe))
     ckpt = loaded.path
     model = checkpoint_policy(recipe, ckpt)
     base = resolve_model_path(recipe.model.path)
@@ -88,10 +87,10 @@ def checkpoints_above(out_dir: Path, run_dir: Path) -> Path | None:
     """The checkpoints folder of a run that ``out_dir`` lies in (links followed): ``run_dir``'s
     own, or any folder named ``checkpoints`` beside a run's resolved recipe. None if none."""
     target = out_dir.resolve()
-    own = (run_dir / "checkpoints").resolve()
+    own = RunFolder(run_dir).checkpoints.resolve()
     for folder in (target, *target.parents):
-        if folder == own or (folder.name == "checkpoints" and
-                             (folder.parent / RESOLVED).is_file()):
+        if folder == own or (folder.name == own.name
+                             and RunFolder(folder.parent).resolved.is_file()):
             return folder
     return None
 

@@ -29,9 +29,9 @@ from typing import Any
 
 from runner import __version__
 from runner.errors import Problem, RecipeError, safe_line
-from runner.state.run_folder import write_text, writing
+from runner.state.run_folder import RunFolder, write_text, writing
 
-METRICS, RESOLVED, DEFAULT_NAME = "metrics.jsonl", "recipe.resolved.toml", "report.html"
+METRICS, RESOLVED = RunFolder(Path()).metrics.name, RunFolder(Path()).resolved.name
 NOT_COMPARED = frozenset({"run.output_dir", "resolved.recipe_hash", "resolved.source",
                           "resolved.overrides"})
 # Tableau 10: run i draws in PALETTE[i % 10]; from the 11th run on, lines are dashed as well.
@@ -89,7 +89,7 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def load_run(folder: Path) -> Run:
     """The metrics and resolved recipe of the run folder ``folder``; a folder that is no run, or
     whose metrics hold no numeric row, is refused naming it."""
-    metrics, resolved = folder / METRICS, folder / RESOLVED
+    metrics, resolved = RunFolder(folder).metrics, RunFolder(folder).resolved
     if not metrics.is_file():
         what = "is not a run folder" if not resolved.is_file() else "has logged no metrics"
         raise _refuse(f"{folder} {what} (it has no {METRICS})", "give the run.output_dir of a run")
@@ -365,7 +365,7 @@ def report(run_dirs: list[Path], out: Path | None = None) -> tuple[Path, int, in
     folder); returns the path, the number of runs and of metrics."""
     runs = [load_run(folder) for folder in run_dirs]
     _unique_names(runs)
-    out = out if out is not None else run_dirs[0] / DEFAULT_NAME
+    out = out if out is not None else RunFolder(run_dirs[0]).report
     text = render(runs)
     with writing("the report", out, role="report"):
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from runner.errors import Problem, RecipeError
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
 from runner.state.checkpoint import MODEL_DIR, LoadedCheckpoint, checkpoint_step
+from runner.state.run_folder import RunFolder
 
 SOURCE = "eval"
 _STEP_FOLDER = re.compile(r"step-\d+")
@@ -98,7 +99,7 @@ def _run_model(ckpt: Path) -> dict[str, Any] | None:
 
     from runner.recipe.resolved import RESOLVED_TABLE
 
-    path = ckpt.parent.parent / "recipe.resolved.toml"
+    path = RunFolder.of_checkpoint(ckpt).resolved
     try:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -24,7 +24,7 @@ from runner.recipe.algos import spec_of
 from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
-from runner.state.run_folder import refuse_linked_folders
+from runner.state.run_folder import RunFolder, refuse_linked_folders
 
 COMMAND = "eval"  # the job's name in the ranks' payload
 
@@ -79,7 +79,7 @@ def eval_job(recipe: Recipe, plan: RunPlan, *, checkpoint: str = "", out: str = 
     label = loaded.path.name if loaded else f"model-{_slug(recipe.model.path)}"
     if not out:
         refuse_linked_folders(plan.output_dir, (f"eval/{label}",), key="", source=SOURCE)
-    folder = Path(out) if out else plan.output_dir / "eval" / label
+    folder = Path(out) if out else RunFolder(plan.output_dir).eval(label)
     return EvalJob(checkpoint=loaded.path.resolve() if loaded else None,
                    step=loaded.state.step if loaded else None, label=label,
                    out_dir=folder.resolve(), save_completions=bool(save_completions))

@@ -11,6 +11,7 @@ from runner.errors import Problem, RecipeError
 from runner.recipe.algos import spec_of
 from runner.recipe.checks import batch_key
 from runner.recipe.schema import Recipe
+from runner.state.run_folder import RunFolder
 
 # Every role a run can build, in the order the assembly builds them.
 ROLE_ORDER = ("driver", "policy", "rollout", "reference", "critic", "teacher", "reward")
@@ -114,9 +115,9 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         roles=planned_roles(recipe),
         engine=recipe.rollout.engine,
         output_dir=out,
-        checkpoint_dir=out / "checkpoints",
-        metrics_path=out / "metrics.jsonl",
-        resolved_path=out / "recipe.resolved.toml",
+        checkpoint_dir=RunFolder(out).checkpoints,
+        metrics_path=RunFolder(out).metrics,
+        resolved_path=RunFolder(out).resolved,
         sharding=recipe.train.sharding,
         sharded=sharded_roles(recipe) if recipe.train.sharding == "fsdp" else (),
         samples_online=spec.samples_online,

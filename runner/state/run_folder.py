@@ -23,11 +23,57 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+import attrs
+
 from runner.errors import Problem, RecipeError, RuntimeFailure
 
 LOCK_NAME = "run.lock"
 # The folders a run (and ``eval``) writes into its output_dir; none may be a symbolic link.
 RUN_FOLDERS = ("checkpoints", "tensorboard", "wandb", "mlruns", "eval")
+
+
+@attrs.frozen
+class RunFolder:
+    """The layout of a run's ``output_dir``, written out once: what the run, ``eval``,
+    ``export``, ``report`` and the trackers read and write there."""
+
+    root: Path
+
+    @classmethod
+    def of_checkpoint(cls, checkpoint: Path) -> RunFolder:
+        """The run folder a checkpoint (``<root>/checkpoints/step-N``) belongs to."""
+        return cls(checkpoint.parent.parent)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def resolved(self) -> Path:
+        """The fully defaulted recipe (runner.recipe.resolved)."""
+        return self.root / "recipe.resolved.toml"
+
+    @property
+    def report(self) -> Path:
+        """Where ``posttrain-run report`` writes by default."""
+        return self.root / "report.html"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_NAME
+
+    def eval(self, label: str) -> Path:
+        """Where ``posttrain-run eval`` of checkpoint ``label`` writes."""
+        return self.root / "eval" / label
+
+    def tracker(self, name: str) -> Path:
+        """A tracker's own folder: ``tensorboard``, ``wandb`` or ``mlruns``."""
+        assert name in RUN_FOLDERS, name
+        return self.root / name
 
 
 def no_follow(path: str | os.PathLike[str], flags: int) -> int:
@@ -98,7 +144,7 @@ class RunLock:
         the holder's pid when another live run holds it."""
         output_dir.mkdir(parents=True, exist_ok=True)
         refuse_linked_folders(output_dir)
-        path = output_dir / LOCK_NAME
+        path = RunFolder(output_dir).lock
         handle = open(path, "a+", encoding="utf-8", opener=no_follow)  # noqa: SIM115 - held
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -37,7 +37,7 @@ import attrs
 
 from runner.errors import safe_line
 from runner.recipe.schema import FREEFORM_KEYS
-from runner.state.run_folder import no_follow
+from runner.state.run_folder import RunFolder, no_follow
 
 PROGRESS_FILE = "trackers.json"
 LABELS = {"tensorboard": "TensorBoard", "wandb": "W&B", "mlflow": "MLflow"}
@@ -80,7 +80,8 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         self.resumed = resume_id is not None
-        self._writer = SummaryWriter(log_dir=str(setup.output_dir / "tensorboard"))
+        folder = RunFolder(setup.output_dir).tracker("tensorboard")
+        self._writer = SummaryWriter(log_dir=str(folder))
 
     def log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
@@ -126,8 +127,9 @@ class WandbTracker:
         # WANDB_CACHE_DIR, by default the user's cache folder: unless the user chose one, the
         # run folder's wandb/cache/, set for the start of the service alone (it reads the
         # environment once, when it starts) and taken back after.
+        folder = RunFolder(setup.output_dir).tracker("wandb")
         cache = {} if "WANDB_CACHE_DIR" in os.environ else {
-            "WANDB_CACHE_DIR": str((setup.output_dir / "wandb" / "cache").resolve())}
+            "WANDB_CACHE_DIR": str((folder / "cache").resolve())}
         with _environment(cache):
             self._run = wandb.init(
                 project=setup.project, name=setup.run_name, id=self.run_id, resume="allow",
@@ -167,7 +169,7 @@ class MlflowTracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         uri = os.environ.get("MLFLOW_TRACKING_URI", "")
         if not uri:  # a local store under the run folder
-            uri = (setup.output_dir / "mlruns").resolve().as_uri()
+            uri = RunFolder(setup.output_dir).tracker("mlruns").resolve().as_uri()
         # MLflow's file store keeps a metric as a file named by its key: eval/reward and
         # eval/reward/arithmetic_exact cannot both be there, so it gets the keys with '.' for
         # '/'. MLflow 3 refuses the file store unless asked (it recommends a database store,
