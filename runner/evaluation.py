@@ -22,7 +22,8 @@ from runner.recipe.algos import spec_of
 from runner.recipe.held_out import held_out_reason
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
-from runner.state.checkpoint import MODEL_DIR, LoadedCheckpoint, checkpoint_step
+from runner.state.layout import MODEL_DIR, checkpoint_step
+from runner.state.load import LoadedCheckpoint
 from runner.state.run_folder import refuse_linked_folders
 
 SOURCE = "eval"

@@ -28,7 +28,7 @@ from runner.recipe.resolved import recipe_hash
 from runner.recipe.schema import Recipe
 from runner.rewards import RewardSet, build_rewards
 from runner.rewards.passk import pass_function, pass_ks
-from runner.state.checkpoint import MODEL_DIR
+from runner.state.layout import MODEL_DIR
 from runner.state.run_folder import no_follow, writing
 from runner.train.assembly.build import (
     BuildSteps,
