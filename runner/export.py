@@ -22,9 +22,7 @@ from runner.models import load_codec, resolve_model_path
 from runner.recipe import load_recipe
 from runner.recipe.resolved import recipe_hash
 from runner.recipe.schema import Recipe
-from runner.state.checkpoint import (
-    LoadedCheckpoint,
-)
+from runner.state.load import LoadedCheckpoint
 from runner.state.pick import pick_checkpoint, refuse
 from runner.state.run_folder import RunFolder
 from runner.train.assembly.build import recipe_check

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from runner.state.checkpoint import TMP_PREFIX, checkpoint_step, complete_checkpoints, step_dirname
+from runner.state.layout import TMP_PREFIX, checkpoint_step, complete_checkpoints, step_dirname
 from tests import forkserver
 from tests.conftest import REPO
 

@@ -10,15 +10,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from runner.errors import RuntimeFailure
-from runner.state.checkpoint import (
-    COMPLETE,
-    TrainingState,
-    complete_checkpoints,
-    latest_checkpoint,
-    load_checkpoint,
-    restore_rng,
-    save_checkpoint,
-)
+from runner.state.checkpoint import WholeState, save_checkpoint
+from runner.state.layout import COMPLETE, TrainingState, complete_checkpoints, restore_rng
+from runner.state.load import latest_checkpoint, load_checkpoint
 
 
 @pytest.fixture
@@ -40,9 +34,9 @@ def _trained_optimizer(model):
 def _save(root, step, model, opt, keep_last=2):
     state = TrainingState(step=step, cursor={"cursor": {"epoch": 0}},
                           scheduler={"last_epoch": step})
-    return save_checkpoint(root, step, model=model, tokenizer=None, optimizer=opt, state=state,
-                           metrics_rows=[{"step": s, "loss": 0.5 * s} for s in range(1, step + 1)],
-                           keep_last=keep_last)
+    rows = [{"step": s, "loss": 0.5 * s} for s in range(1, step + 1)]
+    return save_checkpoint(root, step, policy=WholeState(model, opt), tokenizer=None,
+                           state=state, metrics_rows=rows, keep_last=keep_last)
 
 
 def test_round_trip_is_bitwise(tmp_path, model):

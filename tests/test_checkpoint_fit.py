@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from runner.recipe import load_recipe
 from runner.state import integrity
-from runner.state.checkpoint import COMPLETE, load_latest
 from runner.state.fit import optimizer_misfit
+from runner.state.layout import COMPLETE
+from runner.state.load import load_latest
 from runner.train.assembly.build import model_shapes, recipe_check
 from tests.conftest import REPO
 from tests.resume_helpers import run_cli

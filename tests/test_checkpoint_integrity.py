@@ -16,15 +16,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from runner.errors import RuntimeFailure
 from runner.state import checkpoint as ckpt_mod
-from runner.state.checkpoint import (
-    COMPLETE,
-    LATEST,
-    TrainingState,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from runner.state.checkpoint import WholeState, save_checkpoint
 from runner.state.integrity import MANIFEST, file_sha256, verify
+from runner.state.layout import COMPLETE, LATEST, TrainingState
+from runner.state.load import latest_checkpoint, load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +33,8 @@ def model():
 def _save(root: Path, step: int, model, keep_last: int = 5) -> Path:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = TrainingState(step=step, cursor=None, scheduler={"last_epoch": step})
-    return save_checkpoint(root, step, model=model, tokenizer=None, optimizer=opt, state=state,
-                           metrics_rows=[{"step": s} for s in range(1, step + 1)],
+    return save_checkpoint(root, step, policy=WholeState(model, opt), tokenizer=None,
+                           state=state, metrics_rows=[{"step": s} for s in range(1, step + 1)],
                            keep_last=keep_last)
 
 
@@ -124,7 +119,7 @@ def test_default_skip_report_is_a_warning(pristine, tmp_path, caplog):
     root = tmp_path / "c"
     shutil.copytree(pristine, root)
     (root / "step-000002" / "state.json").unlink()
-    with caplog.at_level("WARNING", logger="runner.state.checkpoint"):
+    with caplog.at_level("WARNING", logger="runner.state.load"):
         assert latest_checkpoint(root) == root / "step-000001"
     assert caplog.messages == [f"skipping checkpoint {root / 'step-000002'}: state.json is missing"]
 

@@ -33,7 +33,7 @@ import torch
 
 from runner.errors import RecipeError, RunnerError, RuntimeFailure
 from runner.recipe import load_recipe
-from runner.state.checkpoint import step_dirname
+from runner.state.layout import step_dirname
 from tests.conftest import REPO
 from tests.multiproc import item_ids, run_ranks, start_ranks
 from tests.resume_helpers import (
@@ -402,15 +402,17 @@ def test_sharded_optimizer_files_round_trip_and_a_failed_write_removes_them(tmp_
     """save_checkpoint moves the staged shards in under their names, the manifest lists them;
     load_checkpoint returns the index and a whole optimizer put together from the shards equals
     the one saved, bitwise. A write that fails removes the staged shards too."""
-    from runner.state.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+    from runner.state.checkpoint import ShardedState, save_checkpoint
+    from runner.state.layout import TrainingState
+    from runner.state.load import load_checkpoint
     from runner.train.roles.sharding import load_optimizer_shards
 
     model, opt = _tiny_trained()
     index, staged = _staged_halves(tmp_path, model, opt)
     state = TrainingState(step=1, cursor=None, scheduler={"last_epoch": 1}, world_size=2)
-    path = save_checkpoint(tmp_path, 1, model=model, tokenizer=None, optimizer=opt, state=state,
-                           metrics_rows=[], optimizer_shards=(index, staged),
-                           model_state={k: v.detach() for k, v in model.state_dict().items()})
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    path = save_checkpoint(tmp_path, 1, policy=ShardedState(model, weights, index, tuple(staged)),
+                           tokenizer=None, state=state, metrics_rows=[])
     assert not any(p.exists() for p in staged)
     manifest = json.loads((path / "MANIFEST.json").read_text())["files"]
     assert set(SHARDS) <= manifest.keys() and "optimizer.safetensors" not in manifest
@@ -431,8 +433,8 @@ def test_sharded_optimizer_files_round_trip_and_a_failed_write_removes_them(tmp_
 
     monkeypatch.setattr(type(model), "save_pretrained", full_disk)
     with pytest.raises(RuntimeFailure, match="No space left"):
-        save_checkpoint(tmp_path, 2, model=model, tokenizer=None, optimizer=opt, state=state,
-                        metrics_rows=[], optimizer_shards=(index, staged), model_state={})
+        save_checkpoint(tmp_path, 2, policy=ShardedState(model, {}, index, tuple(staged)),
+                        tokenizer=None, state=state, metrics_rows=[])
     assert not any(p.exists() for p in staged)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
 

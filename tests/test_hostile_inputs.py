@@ -446,7 +446,8 @@ def two_checkpoints(tmp_path_factory) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from runner.state.checkpoint import TrainingState, save_checkpoint
+    from runner.state.checkpoint import WholeState, save_checkpoint
+    from runner.state.layout import TrainingState
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -455,7 +456,7 @@ def two_checkpoints(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ckpts") / "checkpoints"
     for step in (1, 2):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        save_checkpoint(root, step, model=model, tokenizer=None, optimizer=opt,
+        save_checkpoint(root, step, policy=WholeState(model, opt), tokenizer=None,
                         state=TrainingState(step=step, cursor=None,
                                             scheduler={"last_epoch": step}),
                         metrics_rows=[{"step": s} for s in range(1, step + 1)], keep_last=5)
@@ -512,8 +513,8 @@ CKPT_FAULTS = {
 
 
 def _damage(root: Path, name: str, pre_manifest: bool) -> Path:
-    from runner.state.checkpoint import COMPLETE
     from runner.state.integrity import MANIFEST, write_manifest
+    from runner.state.layout import COMPLETE
 
     folder = root / "step-000002"
     CKPT_FAULTS[name][0](folder)
@@ -532,7 +533,7 @@ def test_a_checkpoint_that_does_not_parse_falls_back(two_checkpoints, tmp_path, 
                                                      pre_manifest):
     import shutil
 
-    from runner.state.checkpoint import load_latest
+    from runner.state.load import load_latest
 
     root = tmp_path / "checkpoints"
     shutil.copytree(two_checkpoints, root)
@@ -550,15 +551,15 @@ def test_no_checkpoint_that_parses_is_one_error(two_checkpoints, tmp_path):
     import shutil
 
     from runner.errors import RuntimeFailure
-    from runner.state.checkpoint import load_latest
+    from runner.state.load import load_latest
 
     root = tmp_path / "checkpoints"
     shutil.copytree(two_checkpoints, root)
     for step in (1, 2):
         _edit_json(root / f"step-00000{step}" / "state.json",
                    lambda d: d.__setitem__("step", "four"))
-        from runner.state.checkpoint import COMPLETE
         from runner.state.integrity import write_manifest
+        from runner.state.layout import COMPLETE
 
         write_manifest(root / f"step-00000{step}", step, skip=(COMPLETE,))
     with pytest.raises(RuntimeFailure) as info:
@@ -575,7 +576,9 @@ def test_a_folder_named_for_another_step_is_skipped_and_never_pruned(two_checkpo
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from runner.state.checkpoint import TrainingState, load_latest, save_checkpoint
+    from runner.state.checkpoint import WholeState, save_checkpoint
+    from runner.state.layout import TrainingState
+    from runner.state.load import load_latest
 
     root = tmp_path / "checkpoints"
     shutil.copytree(two_checkpoints, root)
@@ -592,8 +595,8 @@ def test_a_folder_named_for_another_step_is_skipped_and_never_pruned(two_checkpo
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     model = Qwen2ForCausalLM(cfg)
     for step in (3, 4):
-        save_checkpoint(root, step, model=model, tokenizer=None,
-                        optimizer=torch.optim.AdamW(model.parameters()),
+        save_checkpoint(root, step, tokenizer=None,
+                        policy=WholeState(model, torch.optim.AdamW(model.parameters())),
                         state=TrainingState(step=step, cursor=None, scheduler={}),
                         metrics_rows=[], keep_last=2)
     assert sorted(p.name for p in root.glob("step-*")) == ["step-000003", "step-000004",
@@ -939,7 +942,8 @@ def test_a_full_disk_names_the_checkpoint_file(two_checkpoints, tmp_path, monkey
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from runner.errors import RuntimeFailure
-    from runner.state.checkpoint import TrainingState, save_checkpoint
+    from runner.state.checkpoint import WholeState, save_checkpoint
+    from runner.state.layout import TrainingState
 
     root = tmp_path / "checkpoints"
     shutil.copytree(two_checkpoints, root)
@@ -954,8 +958,8 @@ def test_a_full_disk_names_the_checkpoint_file(two_checkpoints, tmp_path, monkey
                                          num_hidden_layers=1, num_attention_heads=2,
                                          num_key_value_heads=1))
     with pytest.raises(RuntimeFailure) as info:
-        save_checkpoint(root, 3, model=model, tokenizer=None,
-                        optimizer=torch.optim.AdamW(model.parameters()),
+        save_checkpoint(root, 3, tokenizer=None,
+                        policy=WholeState(model, torch.optim.AdamW(model.parameters())),
                         state=TrainingState(step=3, cursor=None, scheduler={}),
                         metrics_rows=[{"step": 3}])
     assert str(info.value) == (

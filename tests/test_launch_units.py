@@ -14,7 +14,8 @@ from runner.errors import RunnerError
 from runner.launch.torchrun import rank_env
 from runner.ranks.collective import Collective, interleave
 from runner.ranks.context import RankContext
-from runner.state.checkpoint import TMP_PREFIX, _remove_stale
+from runner.state.checkpoint import _remove_stale
+from runner.state.layout import TMP_PREFIX
 from runner.train.assembly.handshake import handshake
 from runner.train.loops.batches import Layout, minibatches
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.state.checkpoint import checkpoint_step, complete_checkpoints
+from runner.state.layout import checkpoint_step, complete_checkpoints
 from tests.conftest import REPO
 from tests.multiproc import descendants, listeners_of, run_ranks
 from tests.resume_helpers import (

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from runner.state.checkpoint import checkpoint_step, complete_checkpoints
+from runner.state.layout import checkpoint_step, complete_checkpoints
 from tests.resume_helpers import (
     assert_same_run,
     deterministic_rows,

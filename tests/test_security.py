@@ -18,7 +18,8 @@ import torch
 
 from runner.errors import RecipeError, RuntimeFailure
 from runner.models.loading import load_causal_lm
-from runner.state.checkpoint import LoadedCheckpoint, TrainingState
+from runner.state.layout import TrainingState
+from runner.state.load import LoadedCheckpoint
 from runner.state.pick import refuse_pickled
 from tests.conftest import REPO
 

@@ -13,7 +13,8 @@ from typing import Any
 from runner.errors import Problem, RecipeError
 from runner.recipe.plan import RunPlan
 from runner.recipe.schema import Recipe
-from runner.state.checkpoint import MODEL_DIR, LoadedCheckpoint, checkpoint_step
+from runner.state.layout import MODEL_DIR, checkpoint_step
+from runner.state.load import LoadedCheckpoint
 from runner.state.run_folder import RunFolder
 
 SOURCE = "eval"

@@ -25,7 +25,7 @@ from runner.ranks.context import RankContext
 from runner.recipe.schema import Recipe
 from runner.rewards import RewardSet, build_rewards
 from runner.rewards.passk import pass_function
-from runner.state.checkpoint import MODEL_DIR
+from runner.state.layout import MODEL_DIR
 from runner.train.assembly.build import (
     BuildSteps,
     open_model,

@@ -410,7 +410,7 @@ def launch_ray(payload: Payload, recipe: Recipe, plan: RunPlan) -> int:
 def _say_stopped(plan: RunPlan) -> None:
     """After an agreed stop: which checkpoint the ranks wrote (their own lines reach the driver
     through Ray's log stream, which may lag behind the end of the run)."""
-    from runner.state.checkpoint import latest_checkpoint
+    from runner.state.load import latest_checkpoint
 
     latest = latest_checkpoint(plan.checkpoint_dir)
     if latest is not None:

@@ -7,7 +7,7 @@ whose manifest was rebuilt after a tensor was reshaped or removed verifies. With
 ``from_pretrained`` fails with a traceback on a reshaped tensor and silently re-initialises a
 missing one, and an optimizer slot of another shape loads and is saved into the next
 checkpoint. ``misfit`` gives the first mismatch as one line naming the file and the tensor;
-resume passes such a checkpoint over like one that does not parse (runner.state.checkpoint).
+resume passes such a checkpoint over like one that does not parse (runner.state.load).
 
 Names are compared after the renaming ``from_pretrained`` applies to a folder's keys (a
 vision-language model's legacy names), so a checkpoint written by ``save_pretrained`` fits the
@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 from safetensors import safe_open
 
-from runner.state.checkpoint import MODEL_DIR
+from runner.state.layout import MODEL_DIR
 
 Shape = tuple[int, ...]
 SHARDED, REPLICATED = "sharded", "replicated"  # runner.train.roles.sharding's slot kinds

@@ -9,15 +9,8 @@ from pathlib import Path
 
 from runner.errors import Problem, RecipeError, RuntimeFailure
 from runner.state import integrity
-from runner.state.checkpoint import (
-    CheckpointUnreadable,
-    LoadedCheckpoint,
-    checkpoint_step,
-    complete_checkpoints,
-    load_checkpoint,
-    load_latest,
-    step_dirname,
-)
+from runner.state.layout import checkpoint_step, complete_checkpoints, step_dirname
+from runner.state.load import CheckpointUnreadable, LoadedCheckpoint, load_checkpoint, load_latest
 from runner.state.run_folder import pickled_weights
 
 

@@ -63,7 +63,7 @@ def summary_rows(result: dict, plan: RunPlan, seconds: float) -> list[tuple[str,
             rows.append((f"held-out {key.split('/', 1)[1]}",
                          f"{having[0][key]:.3f} (step {having[0]['step']}) -> "
                          f"{having[-1][key]:.3f} (step {having[-1]['step']})"))
-    from runner.state.checkpoint import latest_checkpoint
+    from runner.state.load import latest_checkpoint
 
     latest = latest_checkpoint(plan.checkpoint_dir)
     rows.append(("checkpoint", str(latest) if latest else "(none)"))

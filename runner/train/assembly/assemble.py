@@ -29,7 +29,8 @@ from runner.recipe.plan import RunPlan
 from runner.recipe.resolved import resolved_document, write_resolved
 from runner.recipe.schema import Recipe
 from runner.rewards import build_rewards
-from runner.state.checkpoint import LoadedCheckpoint, load_latest, restore_rng
+from runner.state.layout import restore_rng
+from runner.state.load import LoadedCheckpoint, load_latest
 from runner.state.pick import refuse_pickled
 from runner.state.run_folder import RunLock
 from runner.train.assembly.build import (

@@ -14,12 +14,9 @@ from runner.data.cursor import PromptData
 from runner.data.preference import PreferenceData
 from runner.packers.base import DataPacker
 from runner.rewards import RewardSet
-from runner.state.checkpoint import (
-    LoadedCheckpoint,
-    TrainingState,
-    capture_rng,
-    save_checkpoint,
-)
+from runner.state.checkpoint import ModuleState, ShardedState, WholeState, save_checkpoint
+from runner.state.layout import TrainingState, capture_rng, optimizer_prefix
+from runner.state.load import LoadedCheckpoint
 from runner.train.assembly.services import RunServices
 from runner.train.loops.pipeline import Producer
 from runner.train.roles import Frozen, FrozenScorer, RoleProvider, Rollout, Trainable
@@ -114,27 +111,29 @@ class RunContext:
         self.svc.comm.barrier()
 
     def save(self, step: int, extra: dict[str, Trainable] | None = None) -> Path | None:
-        """Checkpoint ``step``: every rank's RNG state goes to rank 0, which writes; the ranks
-        leave together once the checkpoint is complete."""
+        """Checkpoint ``step`` with the policy and the modules of ``extra`` (PPO's critic):
+        every rank's RNG state goes to rank 0, which writes; the ranks leave together once the
+        checkpoint is complete."""
         rngs = self.svc.comm.gather(capture_rng())
         flights = self.svc.comm.gather(self.producer.to_json()) if self.producer else []
         extra = extra or {}
-        sharded = self._sharded_parts(step, self.policy) if self.policy.sharded else None
-        # every rank in the same (the caller's) order: the gathers are collectives
-        sharded_extra = {name: self._sharded_parts(step, t, f"optimizer-{name}")
-                         for name, t in extra.items() if t.sharded}
+        # every rank in the same (the caller's) order: a sharded module's gathers are collectives
+        policy = self._module_state(step, self.policy, optimizer_prefix())
+        modules = {name: self._module_state(step, t, optimizer_prefix(name))
+                   for name, t in extra.items()}
         path = None
         if self.svc.rank.is_main:
-            path = write_checkpoint(self, step, rngs, extra, sharded, flights, sharded_extra)
+            path = write_checkpoint(self, step, rngs, policy, modules, extra, flights)
         self.svc.comm.barrier()
         return path
 
-    def _sharded_parts(self, step: int, trainable: Trainable, prefix: str = "optimizer"
-                       ) -> ShardedParts:
-        """A sharded module's part of a checkpoint (the policy's, or an extra module's such as
-        PPO's critic), made by every rank: the whole weights (gathered one tensor at a time,
-        kept by rank 0) and each rank's optimizer shard, staged beside the checkpoints for
-        rank 0 to move in."""
+    def _module_state(self, step: int, trainable: Trainable, prefix: str) -> ModuleState:
+        """A module's part of a checkpoint (the policy's, or an extra module's such as PPO's
+        critic). Whole: the module and its optimizer. Sharded, made by every rank: the whole
+        weights (gathered one tensor at a time, kept by rank 0) and each rank's shard of the
+        optimizer saved as ``prefix``, staged beside the checkpoints for rank 0 to move in."""
+        if not trainable.sharded:
+            return WholeState(trainable.unwrapped(), trainable.optimizer)
         from runner.train.roles.lora import is_adapter, is_lora
         from runner.train.roles.sharding import (
             full_state_dict,
@@ -149,8 +148,8 @@ class RunContext:
         staged = stage_optimizer_shard(self.svc.plan.checkpoint_dir, step, self.svc.rank.rank,
                                        tensors, prefix)
         del tensors
-        paths = [Path(p) for p in self.svc.comm.gather(str(staged))]
-        return ShardedParts(weights, index, paths)
+        paths = tuple(Path(p) for p in self.svc.comm.gather(str(staged)))
+        return ShardedState(trainable.unwrapped(), weights, index, paths)
 
     def close(self, outcome: str = "finished") -> None:
         """``outcome`` (finished, stopped or failed) is what the trackers record."""
@@ -161,24 +160,12 @@ class RunContext:
             self.svc.lock.release()
 
 
-@attrs.frozen
-class ShardedParts:
-    """What the ranks of a sharded module (the policy, PPO's critic) made for rank 0's
-    checkpoint write."""
-
-    weights: dict[str, Any]  # the whole tensors, by state-dict name
-    optimizer_index: dict[str, Any]  # runner.train.roles.sharding.optimizer_shard
-    optimizer_files: list[Path]  # every rank's staged shard, in rank order
-
-
-def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[str, Trainable],
-                     sharded: ShardedParts | None = None, in_flight: list[Any] | None = None,
-                     sharded_extra: dict[str, ShardedParts] | None = None) -> Path:
-    """Rank 0's write of checkpoint ``step``. ``sharded``: the sharded policy's gathered
-    weights and staged optimizer shards; ``sharded_extra``: those of the sharded modules of
-    ``extra`` (their whole weights go where an unsharded one's would, their optimizer shards
-    under ``optimizer-NAME``)."""
-    sharded_extra = sharded_extra or {}
+def write_checkpoint(run: RunContext, step: int, rngs: list[dict[str, Any]],
+                     policy: ModuleState, modules: dict[str, ModuleState],
+                     extra: dict[str, Trainable], in_flight: list[Any] | None = None) -> Path:
+    """Rank 0's write of checkpoint ``step``: ``policy`` and ``modules``, the parts of the
+    policy and of the trainables of ``extra`` (whose schedulers the training state records),
+    every rank's RNG states ``rngs`` and its batches ``in_flight``."""
     cursor, plan = run.state.data.cursor, run.svc.plan
     state = TrainingState(
         step=step,
@@ -190,15 +177,6 @@ def write_checkpoint(run: RunContext, step: int, rngs: list[Any], extra: dict[st
         off_policy_steps=plan.ahead,
     )
     return save_checkpoint(
-        plan.checkpoint_dir, step, model=run.policy.unwrapped(), tokenizer=run.tokenizer,
-        optimizer=run.policy.optimizer, state=state, metrics_rows=run.svc.metrics.rows,
-        extra_modules={name: t.unwrapped() for name, t in extra.items()},
-        keep_last=run.svc.recipe.checkpoint.keep_last, rng_per_rank=rngs,
-        extra_optimizers={name: t.optimizer for name, t in extra.items()},
-        model_state=sharded.weights if sharded else None,
-        optimizer_shards=(sharded.optimizer_index, sharded.optimizer_files) if sharded else None,
-        extra_states={name: s.weights for name, s in sharded_extra.items()},
-        extra_optimizer_shards={name: (s.optimizer_index, s.optimizer_files)
-                                for name, s in sharded_extra.items()})
-
-
+        plan.checkpoint_dir, step, policy=policy, tokenizer=run.tokenizer, state=state,
+        metrics_rows=run.svc.metrics.rows, extra=modules,
+        keep_last=run.svc.recipe.checkpoint.keep_last, rng_per_rank=rngs)

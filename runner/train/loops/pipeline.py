@@ -28,7 +28,7 @@ import attrs
 from runner.errors import Problem, RecipeError, RunnerError, RuntimeFailure
 from runner.ranks.collective import Collective
 from runner.rollout.base import Completion
-from runner.state.checkpoint import LoadedCheckpoint
+from runner.state.load import LoadedCheckpoint
 from runner.train.loops.trajectory import Trajectory
 from runner.types import ObsBundle
 

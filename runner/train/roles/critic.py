@@ -10,7 +10,7 @@ import torch
 
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import PPOConfig, Recipe
-from runner.state.checkpoint import LoadedCheckpoint
+from runner.state.load import LoadedCheckpoint
 from runner.train.roles import Trainable, disable_dropout, prepare_trainable
 
 CRITIC = "critic"  # its name in checkpoints

@@ -15,7 +15,7 @@ from runner.algorithms.logprobs import token_logprobs
 from runner.algorithms.masked import at_least_float32
 from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import Recipe, TrainConfig
-from runner.state.checkpoint import MODEL_DIR
+from runner.state.layout import MODEL_DIR
 
 
 def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0, upcast: bool = True

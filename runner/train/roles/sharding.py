@@ -228,7 +228,7 @@ def stage_optimizer_shard(root: Path, step: int, rank: int, tensors: dict[str, t
 
     from safetensors.torch import save_file
 
-    from runner.state.checkpoint import TMP_PREFIX, step_dirname
+    from runner.state.layout import TMP_PREFIX, step_dirname
 
     root.mkdir(parents=True, exist_ok=True)
     out = root / f"{TMP_PREFIX}{prefix}-{step_dirname(step)}-rank{rank}-{os.getpid()}"
