@@ -148,6 +148,51 @@ def _eval(args: argparse.Namespace) -> int:
                   plain=args.plain, job=job)
 
 
+def build_serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain-run serve",
+        description="Serve the recipe's model, or a checkpoint of its run, behind an "
+        "OpenAI-compatible endpoint on 127.0.0.1 (/v1/chat/completions, /v1/completions, "
+        "/v1/models) with the recipe's engine, DataPacker and chat template; Ctrl-C stops it.")
+    parser.add_argument("--checkpoint", default="", metavar="PATH|latest",
+                        help="a checkpoint folder (RUN_DIR/checkpoints/step-N) or 'latest' (the "
+                        "run's newest intact one); default: the recipe's model.path")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="the port on 127.0.0.1 (0: a free one; default 8000)")
+    parser.add_argument("--api-key", default="", metavar="KEY",
+                        help="the key every request must present (default: a random one, "
+                        "printed at start)")
+    parser.add_argument("--model-name", default="", metavar="NAME",
+                        help="the model's name in answers and /v1/models (default: run.name)")
+    parser.add_argument("recipe", help="the recipe file (TOML)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    return parser
+
+
+def serve_command(argv: list[str]) -> int:
+    args = _parse(build_serve_parser(), argv)
+    return _recipe_command(lambda: _serve(args))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    recipe, ctx, plan = _load(args)
+    if ctx is not None:
+        raise RecipeError([Problem("", "serve runs as one process, not under a launcher's ranks",
+                                   hint="start posttrain-run serve directly", source="serve")])
+    if not 0 <= args.port <= 65535:
+        raise RecipeError([Problem("--port", "must be in [0, 65535]", got=args.port,
+                                   source="serve")])
+    _validate(recipe, args, trackers=False)
+    from runner.eval.checkpoints import find_checkpoint
+    from runner.serve import serve
+    from runner.ui.quiet import quiet_libraries
+
+    quiet_libraries()
+    loaded = find_checkpoint(plan, args.checkpoint, recipe) if args.checkpoint else None
+    return serve(recipe, loaded.path.resolve() if loaded else None, port=args.port,
+                 api_key=args.api_key, name=args.model_name)
+
+
 def export_command(argv: list[str]) -> int:
     args = build_export_parser().parse_args(argv)
     return guarded(lambda: _export(args))
@@ -248,6 +293,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "eval": ("RECIPE [--checkpoint PATH|latest] [KEY=VALUE ...]", eval_command),
     "export": ("RUN_DIR [--step N] OUT_DIR", export_command),
+    "serve": ("RECIPE [--checkpoint PATH|latest] [--port N] [--api-key KEY] [KEY=VALUE ...]",
+              serve_command),
     "report": ("RUN_DIR [RUN_DIR ...] [--out FILE]", report_command),
 }
 
