@@ -1,5 +1,6 @@
-"""``posttrain-run serve``: the real CLI serving the tool-calling tiny model, asked by the real
-openai client (and plain HTTP where the client hides what is sent).
+"""``posttrain-run serve``: the real CLI serving a checkpoint of a (one-step) run of the
+tool-calling tiny model, asked by the real openai client (and plain HTTP where the client hides
+what is sent).
 
 What a caller gets is checked against transformers directly, not against the runner's own code:
 the prompt's ids are the tokenizer's chat template of the messages, the completion's ids decode
@@ -22,7 +23,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.multiproc import descendants, listeners_of
-from tests.resume_helpers import CLI, _env
+from tests.resume_helpers import CLI, _env, run_cli
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -53,11 +54,24 @@ class Server:
             return exc.code, json.loads(exc.read())
 
 
+TRAIN = ("run.max_steps=1", "algo.prompts_per_step=4", "algo.group_size=4",
+         "data.validation.enabled=false", "logging.sample_every=0")
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def trained(tmp_path_factory):
+    """A run of one step: the model served is its checkpoint, not the base model."""
     out = tmp_path_factory.mktemp("serve")
-    proc = subprocess.Popen([*CLI[:3], "serve", RECIPE, "--port", "0", "--api-key", KEY,
-                             f"run.output_dir={out}"], cwd=REPO, env=_env(), text=True,
+    done = run_cli(RECIPE, out, *TRAIN)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(trained):
+    proc = subprocess.Popen([*CLI[:3], "serve", RECIPE, "--checkpoint", "latest", "--port", "0",
+                             "--api-key", KEY, f"run.output_dir={trained}", *TRAIN],
+                            cwd=REPO, env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     line = proc.stdout.readline()
@@ -77,12 +91,17 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The model and tokenizer as transformers loads them, for independent checks."""
+def reference(trained):
+    """The checkpoint's model and the base model's tokenizer as transformers loads them, for
+    independent checks; the checkpoint's weights are not the base model's."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    folder = trained / "checkpoints" / "step-000001" / "model"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), base.parameters(),
+                                                      strict=True))
     return model, AutoTokenizer.from_pretrained(MODEL)
 
 
@@ -106,7 +125,8 @@ def test_chat_answers_the_engines_exact_tokens_and_the_models_logprobs(server, r
                 {"role": "user", "content": "What is 12 + 34?"}]
     r = server.client.chat.completions.create(model="any-name", messages=messages, n=3, seed=7,
                                               temperature=1.0, max_tokens=12, logprobs=True)
-    assert r.model == "grpo-tools" and r.object == "chat.completion" and len(r.choices) == 3
+    assert r.model == "grpo-tools/step-000001" and r.object == "chat.completion"
+    assert len(r.choices) == 3
     prompt = r.model_extra["prompt_token_ids"]
     assert prompt == _template(tok, messages)
     total = 0
@@ -229,7 +249,7 @@ def test_keys_paths_and_bodies_that_are_refused_leave_the_server_answering(serve
         openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).models.list()
     status, answer = server.post("/embeddings", hello)
     assert status == 404 and "/v1/embeddings" in answer["error"]["message"]
-    assert [m.id for m in server.client.models.list().data] == ["grpo-tools"]
+    assert [m.id for m in server.client.models.list().data] == ["grpo-tools/step-000001"]
     listening = listeners_of(descendants(server.proc.pid))
     assert listening and all(a.startswith("127.0.0.1:") for a in listening), listening
 
