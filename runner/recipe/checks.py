@@ -26,7 +26,8 @@ from runner.recipe.schema import (
 # The built-in rewards a recipe may name instead of a dotted path. The recipe layer owns the
 # names; ``runner.rewards.builtin.BUILTIN_REWARDS`` maps each to its function (a test holds the
 # two together).
-BUILTIN_REWARDS = ("arithmetic_exact", "format", "math_verify", "exact_match")
+BUILTIN_REWARDS = ("arithmetic_exact", "format", "math_verify", "exact_match", "code_tests",
+                   "code_tests_all")
 _DOTTED_HINT = "write a dotted path like 'my_package.my_module.build'"
 
 
@@ -282,6 +283,12 @@ def check_ranges(r: Recipe) -> list[Problem]:
     p += _range("logging.every_steps", r.logging.every_steps, r.logging.every_steps >= 1, ">= 1")
     p += _range("reward.timeout_s", r.reward.timeout_s, r.reward.timeout_s >= 0,
                 ">= 0 (0: no limit)")
+    p += _range("reward.workers", r.reward.workers, 0 <= r.reward.workers <= 256,
+                "in [0, 256] (0: one per core)")
+    p += _range("reward.sample_timeout_s", r.reward.sample_timeout_s,
+                0 < r.reward.sample_timeout_s <= 86400, "in (0, 86400]")
+    p += _range("reward.memory_mb", r.reward.memory_mb, 64 <= r.reward.memory_mb <= 1 << 20,
+                "in [64, 1048576]")
     p += _eval_ranges(r)
     p += _range("data.count", d.count, d.count >= 1, ">= 1")
     p += _range("data.synthetic_pairs", d.synthetic_pairs, d.synthetic_pairs >= 0, ">= 0")

@@ -208,7 +208,8 @@ class EnvConfig:
 class RewardConfig:
     functions: list[str] = key(
         ["arithmetic_exact"],
-        "Reward functions: built-in names (arithmetic_exact, format, math_verify) or dotted "
+        "Reward functions: built-in names (arithmetic_exact, format, math_verify, exact_match, "
+        "code_tests, code_tests_all) or dotted "
         "callables (completions, items) -> list[float].",
     )
     weights: list[float] = key([], "One weight per function; empty: all 1.0.")
@@ -217,6 +218,24 @@ class RewardConfig:
         "in a worker thread); a slower one fails the step, naming it. 0: no limit; at most "
         "604800 (a week)."
     )
+    isolation: Literal["", "thread", "process"] = key(
+        "", "Where reward functions run: thread (in the trainer, each function on the whole "
+        "batch in a worker thread) or process (a pool of worker processes the runner owns, one "
+        "sample per task, each under sample_timeout_s and memory_mb, in a fresh temporary "
+        "folder, with none of the trainer's environment variables). Empty: process when "
+        "code_tests or code_tests_all is among the functions, else thread."
+    )
+    workers: int = key(0, "isolation = process: worker processes (0: one per CPU core).")
+    sample_timeout_s: float = key(
+        10.0, "isolation = process, and the code_tests rewards: seconds one sample may take; "
+        "its worker (or program) is killed at the limit.")
+    memory_mb: int = key(
+        1024, "isolation = process, and the code_tests rewards: the address-space limit of one "
+        "sample's process, in MiB.")
+    on_error: Literal["zero", "fail"] = key(
+        "zero", "isolation = process: a sample whose reward failed (raised, timed out, crashed "
+        "its worker) scores 0 and is counted in reward/failed/NAME (zero), or stops the step "
+        "with one line naming the function and the item (fail).")
 
 
 @attrs.frozen

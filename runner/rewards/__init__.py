@@ -1,12 +1,18 @@
 """Rewards: built-in and user callables ``(completions, items) -> list[float]``, combined by weight.
 
-The functions of a set run concurrently, each under ``reward.timeout_s`` (see
-``runner.rewards.calls``); any failure is a ``RewardFailure`` naming the function and the item.
+With ``reward.isolation = "thread"`` the functions of a set run concurrently in the trainer,
+each under ``reward.timeout_s`` (``runner.rewards.calls``); any failure is a ``RewardFailure``
+naming the function and the item. With ``"process"`` every sample of every function is a task
+for the set's worker processes (``runner.rewards.pool``), each under its own limits; a failed
+sample scores 0 and is counted (``reward.on_error = "zero"``) or stops the step (``"fail"``).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
@@ -20,7 +26,14 @@ from runner.rewards.builtin import (
     math_verify_reward,
 )
 from runner.rewards.calls import MAX_REWARD, RewardFn, call_all
+from runner.rewards.code_tests import fraction_passed
+from runner.rewards.sandbox import Limits
 from runner.types import ObsBundle
+
+if TYPE_CHECKING:
+    from runner.rewards.pool import RewardPool
+
+CODE_REWARDS = ("code_tests", "code_tests_all")  # they run the model's programs
 
 __all__ = ["BUILTIN_REWARDS", "RewardSet", "arithmetic_exact", "build_rewards", "format_reward",
            "math_verify_reward"]
@@ -35,19 +48,41 @@ class RewardSet:
     functions: tuple[RewardFn, ...]
     weights: tuple[float, ...]
     timeout_s: float = 0.0
+    isolation: Literal["thread", "process"] = "thread"
+    specs: tuple[str, ...] = ()  # what a worker process builds each function from
+    workers: int = 1
+    limits: Limits = Limits()
+    on_error: Literal["zero", "fail"] = "zero"
+    _pool: list[RewardPool] = attrs.field(factory=list, eq=False, repr=False, alias="_pool")
 
     def score(self, completions: Sequence[str], items: Sequence[ObsBundle], *,
               step: int | None = None) -> tuple[list[float], dict[str, float]]:
-        """(weighted total per completion, ``{"reward/NAME": mean of NAME's values}``)."""
-        total, values_of = self.score_each(completions, items, step=step)
-        return total, {f"reward/{name}": sum(values) / max(1, len(values))
-                       for name, values in values_of.items()}
+        """(weighted total per completion, ``{"reward/NAME": mean of NAME's values}``, with
+        ``reward/failed/NAME``: the samples that failed, under process isolation)."""
+        total, values_of, failed = self._scored(completions, items, step)
+        parts = {f"reward/{name}": sum(values) / max(1, len(values))
+                 for name, values in values_of.items()}
+        return total, parts | {f"reward/failed/{name}": float(n) for name, n in failed.items()}
 
     def score_each(self, completions: Sequence[str], items: Sequence[ObsBundle], *,
                    step: int | None = None) -> tuple[list[float], dict[str, list[float]]]:
         """(weighted total per completion, ``{NAME: NAME's value per completion}``)."""
-        per_function = call_all(self.names, self.functions, list(completions), list(items),
-                                timeout_s=self.timeout_s, step=step)
+        total, values_of, _ = self._scored(completions, items, step)
+        return total, values_of
+
+    def close(self) -> None:
+        """End the worker processes (process isolation; they also end with the trainer)."""
+        while self._pool:
+            self._pool.pop().close()
+
+    def _scored(self, completions: Sequence[str], items: Sequence[ObsBundle], step: int | None
+                ) -> tuple[list[float], dict[str, list[float]], dict[str, int]]:
+        failed: dict[str, int] = {}
+        if self.isolation == "process":
+            per_function, failed = self._in_workers(list(completions), list(items), step)
+        else:
+            per_function = call_all(self.names, self.functions, list(completions), list(items),
+                                    timeout_s=self.timeout_s, step=step)
         total = [0.0] * len(completions)
         values_of = {}
         for name, values, weight in zip(self.names, per_function, self.weights, strict=True):
@@ -59,16 +94,45 @@ class RewardSet:
                                         f"is {total[bad]:g} at item {bad}, beyond the largest "
                                         f"reward ({MAX_REWARD:g} in magnitude); lower "
                                         "reward.weights or the rewards' scale")])
-        return total, values_of
+        return total, values_of, failed
+
+    def _in_workers(self, completions: list[str], items: list[ObsBundle], step: int | None
+                    ) -> tuple[list[list[float]], dict[str, int]]:
+        """Every sample in the worker processes; failures per ``on_error``."""
+        from runner.rewards.pool import RewardPool
+
+        if not self._pool:
+            self._pool.append(RewardPool(dict(zip(self.names, self.specs, strict=True)),
+                                         self.workers, self.limits))
+        values, failures = self._pool[0].score(self.names, completions, items)
+        if failures and self.on_error == "fail":
+            raise RewardFailure(step, [(f.name, f.index, f"at item {f.index}: {f.what}")
+                                       for f in failures[:8]])
+        counts = {name: sum(f.name == name for f in failures) for name in self.names}
+        return [[0.0 if v is None else v for v in values[name]] for name in self.names], counts
+
+
+def isolation_of(cfg: RewardConfig) -> Literal["thread", "process"]:
+    """``reward.isolation``, or when it is empty: process for the code-running rewards."""
+    if cfg.isolation:
+        return cfg.isolation
+    return "process" if set(cfg.functions) & set(CODE_REWARDS) else "thread"
 
 
 def build_rewards(cfg: RewardConfig) -> RewardSet:
-    fns = tuple(BUILTIN_REWARDS[n] if n in BUILTIN_REWARDS else
+    limits = Limits(cfg.sample_timeout_s, cfg.memory_mb)
+    code = {"code_tests": functools.partial(fraction_passed, limits=limits),
+            "code_tests_all": functools.partial(fraction_passed, limits=limits,
+                                                all_or_nothing=True)}
+    fns = tuple(code.get(n) or BUILTIN_REWARDS.get(n) or
                 load_callable(n, key=f"reward.functions[{i}]") for i, n in enumerate(cfg.functions))
     if "math_verify" in cfg.functions:
         _require_math_verify(cfg.functions.index("math_verify"))
     weights = tuple(cfg.weights) if cfg.weights else (1.0,) * len(fns)
-    return RewardSet(tuple(cfg.functions), fns, weights, cfg.timeout_s)
+    return RewardSet(tuple(cfg.functions), fns, weights, cfg.timeout_s,
+                     isolation=isolation_of(cfg), specs=tuple(cfg.functions),
+                     workers=cfg.workers or os.cpu_count() or 1, limits=limits,
+                     on_error=cfg.on_error)
 
 
 def _require_math_verify(index: int) -> None:

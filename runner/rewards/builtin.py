@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from runner.rewards.code_tests import code_tests, code_tests_all
 from runner.types import ObsBundle
 
 _INTEGER = re.compile(r"-?\d+")
@@ -102,4 +103,5 @@ def math_verify_reward(completions: Sequence[str], items: Sequence[ObsBundle]) -
 
 
 BUILTIN_REWARDS = {"arithmetic_exact": arithmetic_exact, "format": format_reward,
-                   "math_verify": math_verify_reward, "exact_match": exact_match}
+                   "math_verify": math_verify_reward, "exact_match": exact_match,
+                   "code_tests": code_tests, "code_tests_all": code_tests_all}

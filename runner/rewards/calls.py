@@ -135,7 +135,7 @@ def _check_values(result: Any, n: int) -> list[float] | tuple[int | None, str]:
         return None, f"returned {len(values)} values for {n} completions"
     out = []
     for index, value in enumerate(values):
-        why = _not_a_reward(value)
+        why = not_a_reward(value)
         if why:
             return index, f"returned {_shown(value)} at index {index}: {why}"
         out.append(float(value))
@@ -151,7 +151,7 @@ BEYOND_MAX_REWARD = (f"rewards must be at most {MAX_REWARD:g} in magnitude (they
                      "where a group's mean and variance must stay finite); scale the reward down")
 
 
-def _not_a_reward(value: Any) -> str:
+def not_a_reward(value: Any) -> str:
     """Why ``value`` cannot be a reward, or "" when it is a real number (of any numeric type:
     Python, numpy, ...) of at most ``MAX_REWARD`` in magnitude."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
