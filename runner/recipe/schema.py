@@ -217,6 +217,14 @@ class RewardConfig:
         "in a worker thread); a slower one fails the step, naming it. 0: no limit; at most "
         "604800 (a week)."
     )
+    overlong_buffer_len: int = key(
+        0, "DAPO's overlong shaping (GRPO, PPO): a completion of L tokens longer than "
+        "rollout.max_new_tokens - overlong_buffer_len gets (max_new_tokens - buffer - L) / "
+        "buffer x overlong_penalty added to its reward. 0: off."
+    )
+    overlong_penalty: float = key(
+        1.0, "The penalty of a completion that fills rollout.max_new_tokens (>= 0)."
+    )
 
 
 @attrs.frozen

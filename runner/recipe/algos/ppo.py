@@ -34,6 +34,7 @@ def checks(r: Recipe) -> list[Problem]:
     p += in_range("algo.lam", a.lam, 0 <= a.lam <= 1, "in [0, 1]")
     p += in_range("algo.kl_coef", a.kl_coef, a.kl_coef >= 0, ">= 0")
     p += in_range("algo.critic_lr", a.critic_lr, a.critic_lr >= 0, ">= 0")
+    p += sampled.policy_loss_ranges(r) + sampled.overlong_ranges(r)
     p += sampled.minibatches_divide(r, "samples_per_prompt")
     p += sampled.needs_rewards(r, "PPO")
     return p + sampled.engine_is_ranges(r) + sampled.off_policy_ranges(r)

@@ -61,3 +61,33 @@ def minibatches_divide(r: Recipe, per_prompt_key: str) -> list[Problem]:
         return [Problem("algo.minibatches", f"must divide prompts_per_step x {per_prompt_key} "
                         f"({rollouts})", got=a.minibatches)]
     return []
+
+
+def policy_loss_ranges(r: Recipe) -> list[Problem]:
+    """algo.clip_ratio_c (the dual clip: 0, or > 1, and with the clipped ratio only) and
+    algo.cispo_clip_high, shared by GRPO and PPO."""
+    a = r.algo
+    c = a.clip_ratio_c
+    p = in_range("algo.clip_ratio_c", c, c == 0 or c > 1, "0 (off) or > 1 (a negative "
+                 "advantage's loss is bounded by -c A; c <= 1 would bound it below the "
+                 "unclipped loss of an unchanged policy)")
+    if c != 0 and a.policy_loss != "ppo_clip":
+        p.append(Problem("algo.clip_ratio_c", f"the dual clip bounds policy_loss = 'ppo_clip'; "
+                         f"'{a.policy_loss}' has none", got=c,
+                         hint="set algo.clip_ratio_c = 0, or algo.policy_loss = 'ppo_clip'"))
+    p += in_range("algo.cispo_clip_high", a.cispo_clip_high, a.cispo_clip_high >= 0, ">= 0")
+    return p
+
+
+def overlong_ranges(r: Recipe) -> list[Problem]:
+    """reward.overlong_buffer_len / overlong_penalty: a buffer within rollout.max_new_tokens, a
+    penalty >= 0, and single replies (an [env] episode's length is not one reply's)."""
+    w, n = r.reward, r.rollout.max_new_tokens
+    p = in_range("reward.overlong_buffer_len", w.overlong_buffer_len,
+                 0 <= w.overlong_buffer_len <= n, f"in [0, rollout.max_new_tokens ({n})]")
+    p += in_range("reward.overlong_penalty", w.overlong_penalty, w.overlong_penalty >= 0, ">= 0")
+    if w.overlong_buffer_len and env_enabled(r):
+        p.append(Problem("reward.overlong_buffer_len", "measures one reply against "
+                         "rollout.max_new_tokens; [env] episodes have several",
+                         got=w.overlong_buffer_len, hint="set it to 0, or remove the [env] table"))
+    return p
