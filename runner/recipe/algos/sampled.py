@@ -68,9 +68,11 @@ def policy_loss_ranges(r: Recipe) -> list[Problem]:
     algo.cispo_clip_high, shared by GRPO and PPO."""
     a = r.algo
     c = a.clip_ratio_c
-    p = in_range("algo.clip_ratio_c", c, c == 0 or c > 1, "0 (off) or > 1 (a negative "
-                 "advantage's loss is bounded by -c A; c <= 1 would bound it below the "
-                 "unclipped loss of an unchanged policy)")
+    p: list[Problem] = []
+    if not (c == 0 or c > 1):
+        p.append(Problem("algo.clip_ratio_c", "must be 0 (off) or > 1", got=c,
+                         hint="the dual clip bounds a negative advantage's loss by -c A, which "
+                         "for c <= 1 would cut the loss of an unchanged policy; 3 is common"))
     if c != 0 and a.policy_loss != "ppo_clip":
         p.append(Problem("algo.clip_ratio_c", f"the dual clip bounds policy_loss = 'ppo_clip'; "
                          f"'{a.policy_loss}' has none", got=c,
