@@ -42,7 +42,8 @@ class GRPOConfig:
     gspo_clip_low: float = key(3e-4, "GSPO: lower clip of the sequence ratio: 1 - low.")
     gspo_clip_high: float = key(4e-4, "GSPO: upper clip of the sequence ratio: 1 + high.")
     cispo_clip_high: float = key(
-        0.28, "CISPO: upper bound of the importance weight: 1 + high (no lower bound)."
+        4.0, "CISPO: upper bound of the importance weight: 1 + high (no lower bound; the "
+        "default 4 bounds it at 5, ScaleRL's value)."
     )
     loss_agg: Literal["token_mean", "seq_mean", "seq_mean_token_sum", "dr_grpo"] = key(
         "token_mean",
@@ -114,7 +115,8 @@ class PPOConfig:
         "at most -clip_ratio_c x A however large its ratio. 0: off; otherwise > 1."
     )
     cispo_clip_high: float = key(
-        0.28, "CISPO: upper bound of the importance weight: 1 + high (no lower bound)."
+        4.0, "CISPO: upper bound of the importance weight: 1 + high (no lower bound; the "
+        "default 4 bounds it at 5, ScaleRL's value)."
     )
     value_clip_eps: float = key(0.2, "Clip of the value update around the old values.")
     vf_coef: float = key(0.5, "Weight of the value loss.")
