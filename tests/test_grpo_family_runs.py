@@ -40,8 +40,14 @@ DUAL = (CL + "algo.clip_ratio_c: must be 0 (off) or > 1 (got {}). The dual clip 
       "is the mean of the group's other members) (got 1)."]),
     (("algo.clip_ratio_c=1.0",), [DUAL.format("1.0")]),
     (("algo.policy_loss=cispo", "algo.clip_ratio_c=3"),
-     [CL + "algo.clip_ratio_c: the dual clip bounds policy_loss = 'ppo_clip'; 'cispo' has none "
-      "(got 3.0). Set algo.clip_ratio_c = 0, or algo.policy_loss = 'ppo_clip'."]),
+     [CL + "algo.clip_ratio_c: is a key of policy_loss = 'ppo_clip', but policy_loss is 'cispo' "
+      "(got 3.0). Remove it, or set algo.policy_loss = 'ppo_clip'."]),
+    (("algo.policy_loss=gspo", "algo.loss_agg=seq_mean", "algo.clip_eps_high=0.28"),
+     [CL + "algo.clip_eps_high: is a key of policy_loss = 'ppo_clip', but policy_loss is 'gspo' "
+      "(got 0.28). Remove it, or set algo.policy_loss = 'ppo_clip'."]),
+    (("algo.kind=ppo", "algo.cispo_clip_high=1"),
+     [CL + "algo.cispo_clip_high: is a key of policy_loss = 'cispo', but policy_loss is "
+      "'ppo_clip' (got 1.0). Remove it, or set algo.policy_loss = 'cispo'."]),
     (("algo.policy_loss=gspo",),
      ["r.toml: algo.loss_agg: policy_loss = 'gspo' averages each sequence's tokens, then the "
       "sequences (the GSPO objective); it needs loss_agg = 'seq_mean' (got 'token_mean'). Set "
@@ -53,9 +59,10 @@ DUAL = (CL + "algo.clip_ratio_c: must be 0 (off) or > 1 (got {}). The dual clip 
     (("algo.advantage=reinforce_pp", "algo.group_size=1", "algo.shared_prefix_filter=true"),
      [CL + "algo.shared_prefix_filter: needs a group of at least 2 completions to share a prefix "
       "(got True). Raise algo.group_size, or turn the filter off."]),
-    (("algo.gspo_clip_low=1.5", "algo.cispo_clip_high=-1"),
-     [CL + "algo.gspo_clip_low: must be in [0, 1) (got 1.5).",
-      CL + "algo.cispo_clip_high: must be >= 0 (got -1.0)."]),
+    (("algo.policy_loss=gspo", "algo.loss_agg=seq_mean", "algo.gspo_clip_low=1.5"),
+     [CL + "algo.gspo_clip_low: must be in [0, 1) (got 1.5)."]),
+    (("algo.policy_loss=cispo", "algo.cispo_clip_high=-1"),
+     [CL + "algo.cispo_clip_high: must be >= 0 (got -1.0)."]),
     (("rollout.max_new_tokens=4", "reward.overlong_buffer_len=5", "reward.overlong_penalty=-1"),
      [CL + "reward.overlong_buffer_len: must be in [0, rollout.max_new_tokens (4)] (got 5).",
       CL + "reward.overlong_penalty: must be >= 0 (got -1.0)."]),

@@ -16,8 +16,12 @@ class GRPOConfig:
     group_size: int = key(8, "Completions sampled per prompt (at least 2).")
     ppo_epochs: int = key(1, "Passes over each batch of rollouts.")
     minibatches: int = key(1, "Optimizer steps per pass (the batch is split this many ways).")
-    clip_eps_low: float = key(0.2, "Lower clip of the importance ratio: 1 - eps_low.")
-    clip_eps_high: float = key(0.2, "Upper clip of the importance ratio: 1 + eps_high.")
+    clip_eps_low: float = key(
+        0.2, "ppo_clip: lower clip of the importance ratio: 1 - eps_low."
+    )
+    clip_eps_high: float = key(
+        0.2, "ppo_clip: upper clip of the importance ratio: 1 + eps_high."
+    )
     advantage: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = key(
         "grpo", "grpo: reward minus the group mean, scaled by scale_rewards; rloo: reward minus "
         "the mean of the group's other members; reinforce_pp: REINFORCE++, each token's return "

@@ -26,6 +26,11 @@ WHY_GROUP = {"rloo": "the leave-one-out baseline is the mean of the group's othe
              "reinforce_pp_baseline": "the baseline is the group's mean"}
 
 
+# algo.policy_loss -> the keys only it reads (another loss's key set is a recipe error)
+LOSS_KEYS = {"ppo_clip": ("clip_eps_low", "clip_eps_high", "clip_ratio_c"),
+             "gspo": ("gspo_clip_low", "gspo_clip_high"), "cispo": ("cispo_clip_high",)}
+
+
 def checks(r: Recipe) -> list[Problem]:
     a = r.algo
     least = MIN_GROUP[a.advantage]
@@ -39,7 +44,7 @@ def checks(r: Recipe) -> list[Problem]:
     p += in_range("algo.clip_eps_high", a.clip_eps_high, a.clip_eps_high >= 0, ">= 0")
     p += in_range("algo.kl_beta", a.kl_beta, a.kl_beta >= 0, ">= 0")
     p += family_checks(a)
-    p += sampled.policy_loss_ranges(r)
+    p += sampled.policy_loss_ranges(r, LOSS_KEYS)
     p += sampled.minibatches_divide(r, "group_size")
     p += sampled.needs_rewards(r, "GRPO")
     p += sampled.engine_is_ranges(r)

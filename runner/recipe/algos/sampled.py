@@ -6,7 +6,7 @@ from typing import Any
 
 from runner.errors import Problem
 from runner.recipe.rules import env_enabled, in_range
-from runner.recipe.schema import Recipe
+from runner.recipe.schema import Recipe, default_of
 
 MEDIA_KEYS = ("data.image_column", "data.video_column")
 MAX_OFF_POLICY_STEPS = 32  # algo.max_off_policy_steps: batches sampled ahead (and checkpointed)
@@ -63,9 +63,10 @@ def minibatches_divide(r: Recipe, per_prompt_key: str) -> list[Problem]:
     return []
 
 
-def policy_loss_ranges(r: Recipe) -> list[Problem]:
-    """algo.clip_ratio_c (the dual clip: 0, or > 1, and with the clipped ratio only) and
-    algo.cispo_clip_high, shared by GRPO and PPO."""
+def policy_loss_ranges(r: Recipe, keys_of: dict[str, tuple[str, ...]]) -> list[Problem]:
+    """algo.clip_ratio_c (the dual clip: 0, or > 1) and algo.cispo_clip_high, shared by GRPO
+    and PPO; and no key of another policy loss than algo.policy_loss set (``keys_of``: each
+    loss's own keys)."""
     a = r.algo
     c = a.clip_ratio_c
     p: list[Problem] = []
@@ -73,11 +74,14 @@ def policy_loss_ranges(r: Recipe) -> list[Problem]:
         p.append(Problem("algo.clip_ratio_c", "must be 0 (off) or > 1", got=c,
                          hint="the dual clip bounds a negative advantage's loss by -c A, which "
                          "for c <= 1 would cut the loss of an unchanged policy; 3 is common"))
-    if c != 0 and a.policy_loss != "ppo_clip":
-        p.append(Problem("algo.clip_ratio_c", f"the dual clip bounds policy_loss = 'ppo_clip'; "
-                         f"'{a.policy_loss}' has none", got=c,
-                         hint="set algo.clip_ratio_c = 0, or algo.policy_loss = 'ppo_clip'"))
     p += in_range("algo.cispo_clip_high", a.cispo_clip_high, a.cispo_clip_high >= 0, ">= 0")
+    for loss, keys in keys_of.items():
+        for k in keys:
+            value = getattr(a, k)
+            if loss != a.policy_loss and value != default_of(type(a), k):
+                p.append(Problem(f"algo.{k}", f"is a key of policy_loss = '{loss}', but "
+                                 f"policy_loss is '{a.policy_loss}'", got=value,
+                                 hint=f"remove it, or set algo.policy_loss = '{loss}'"))
     return p
 
 
