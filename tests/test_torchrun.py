@@ -203,6 +203,13 @@ ALGOS = {
     "opd": ("recipes/opd-arith.toml", ("algo.prompts_per_step=4", "train.grad_accum_steps=2",
                                        "rollout.max_new_tokens=4")),
     "dpo": ("recipes/dpo-arith.toml", ("algo.pairs_per_step=8", "train.grad_accum_steps=2")),
+    # the GRPO family's global reductions: REINFORCE++'s normalisation over every rank's tokens
+    # (with the KL in its rewards), GSPO's sequence ratios, the truncation mask's row weights
+    "grpo-family": ("recipes/grpo-gspo-arith.toml", (
+        "algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatches=2",
+        "train.grad_accum_steps=2", "rollout.max_new_tokens=4", "algo.advantage=reinforce_pp",
+        "algo.kl_beta=0.05", "algo.gspo_clip_low=0.2", "algo.gspo_clip_high=0.2",
+        "algo.mask_truncated=true")),
 }
 COMMON = ("run.max_steps=3", "data.validation.size=8", "train.eval_every=3",
           "logging.item_ids=true",

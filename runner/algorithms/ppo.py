@@ -17,8 +17,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from runner.algorithms.grpo import clipped_token_loss
 from runner.algorithms.masked import masked_mean, masked_whiten, metric
+from runner.algorithms.policy_loss import POLICY_LOSSES, Clip, clipped_token_loss, policy_metrics
 from runner.recipe.schema import PPOConfig
 
 
@@ -118,10 +118,24 @@ def clipped_policy_loss(
     """Masked token mean of ``clipped_policy_token_loss`` (each token's term times
     ``is_weights_BT`` when given, see ``grpo.engine_is_weights``): -> (loss, metrics).
 
-    Metrics: policy_loss, clip_frac, ratio_mean, approx_kl (masked mean of the k3 estimate
-    of KL(old || new)).
+    ``policy_loss`` with "ppo_clip" and the symmetric bounds ``eps``.
     """
-    loss_BT, clipped_BT = clipped_policy_token_loss(logprobs_BT, old_logprobs_BT, adv_BT, eps)
+    return policy_loss(logprobs_BT, old_logprobs_BT, adv_BT, mask_BT, "ppo_clip", Clip(eps, eps),
+                       is_weights_BT)
+
+
+def policy_loss(
+    logprobs_BT: Tensor, old_logprobs_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, name: str,
+    clip: Clip, is_weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Masked token mean of the policy loss ``POLICY_LOSSES[name]`` with bounds ``clip`` (each
+    token's term times ``is_weights_BT`` when given): -> (loss, metrics).
+
+    Metrics: policy_loss, clip_frac, ratio_mean, approx_kl (masked mean of the k3 estimate
+    of KL(old || new)) and the bounds' fractions (``policy_metrics``).
+    """
+    terms = POLICY_LOSSES[name](logprobs_BT, old_logprobs_BT, adv_BT, mask_BT, clip)
+    loss_BT = terms.loss_BT
     if is_weights_BT is not None:
         loss_BT = loss_BT * is_weights_BT
     loss = masked_mean(loss_BT, mask_BT)
@@ -129,9 +143,9 @@ def clipped_policy_loss(
         log_ratio_BT = logprobs_BT - old_logprobs_BT
         metrics = {
             "policy_loss": metric(loss),
-            "clip_frac": metric(masked_mean(clipped_BT.float(), mask_BT)),
             "ratio_mean": metric(masked_mean(torch.exp(log_ratio_BT), mask_BT)),
             "approx_kl": metric(masked_mean(torch.exp(log_ratio_BT) - 1 - log_ratio_BT, mask_BT)),
+            **policy_metrics(terms, mask_BT),
         }
     return loss, metrics
 
@@ -166,20 +180,28 @@ class PPOLossInputs:
     is_weights_BT: Tensor | None = None
 
 
-def ppo_loss(inputs: PPOLossInputs, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """loss = clipped_policy_loss(eps=clip_eps) + vf_coef * clipped_value_loss(eps=value_clip_eps).
+# algo.policy_loss -> its bounds, read from PPO's keys (CISPO: no lower bound, as for GRPO).
+CLIPS: dict[str, Callable[[PPOConfig], Clip]] = {
+    "ppo_clip": lambda c: Clip(c.clip_eps, c.clip_eps, c.clip_ratio_c),
+    "cispo": lambda c: Clip(1.0, c.cispo_clip_high),
+}
 
-    (Schulman et al. 2017, eq. 9 without the entropy bonus.) Metrics: those of
-    ``clipped_policy_loss`` plus value_loss and loss.
+
+def ppo_loss(inputs: PPOLossInputs, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """loss = policy_loss(cfg.policy_loss) + vf_coef * clipped_value_loss(eps=value_clip_eps).
+
+    (Schulman et al. 2017, eq. 9 without the entropy bonus; "ppo_clip" clips at clip_eps.)
+    Metrics: those of ``policy_loss`` plus value_loss and loss.
     """
     x = inputs
-    policy_loss, metrics = clipped_policy_loss(
-        x.logprobs_BT, x.old_logprobs_BT, x.adv_BT, x.mask_BT, cfg.clip_eps, x.is_weights_BT
+    pg_loss, metrics = policy_loss(
+        x.logprobs_BT, x.old_logprobs_BT, x.adv_BT, x.mask_BT, cfg.policy_loss,
+        CLIPS[cfg.policy_loss](cfg), x.is_weights_BT
     )
     value_loss = clipped_value_loss(
         x.values_BT, x.old_values_BT, x.returns_BT, x.mask_BT, cfg.value_clip_eps
     )
-    loss = policy_loss + cfg.vf_coef * value_loss
+    loss = pg_loss + cfg.vf_coef * value_loss
     metrics["value_loss"] = metric(value_loss.detach())
     metrics["loss"] = metric(loss.detach())
     return loss, metrics

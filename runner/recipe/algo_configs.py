@@ -16,15 +16,48 @@ class GRPOConfig:
     group_size: int = key(8, "Completions sampled per prompt (at least 2).")
     ppo_epochs: int = key(1, "Passes over each batch of rollouts.")
     minibatches: int = key(1, "Optimizer steps per pass (the batch is split this many ways).")
-    clip_eps_low: float = key(0.2, "Lower clip of the importance ratio: 1 - eps_low.")
-    clip_eps_high: float = key(0.2, "Upper clip of the importance ratio: 1 + eps_high.")
-    scale_rewards: Literal["group", "batch", "none"] = key(
-        "group", "Divide advantages by the group's std, the batch's std, or not at all."
+    clip_eps_low: float = key(
+        0.2, "ppo_clip: lower clip of the importance ratio: 1 - eps_low."
     )
-    loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = key(
+    clip_eps_high: float = key(
+        0.2, "ppo_clip: upper clip of the importance ratio: 1 + eps_high."
+    )
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = key(
+        "grpo", "grpo: reward minus the group mean, scaled by scale_rewards; rloo: reward minus "
+        "the mean of the group's other members; reinforce_pp: REINFORCE++, each token's return "
+        "(the reward minus kl_beta x the per-token KL to the reference from it to the end) "
+        "normalised over the batch's tokens; reinforce_pp_baseline: reward minus the group "
+        "mean, normalised over the batch's tokens."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = key(
+        "group", "advantage = 'grpo' only: divide advantages by the group's std, the batch's "
+        "std, or not at all."
+    )
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = key(
+        "ppo_clip", "ppo_clip: PPO's clipped ratio per token (clip_eps_low/high, clip_ratio_c); "
+        "gspo: the sequence's ratio (exp of its mean token log-ratio) clipped per sequence "
+        "(gspo_clip_low/high; needs loss_agg = 'seq_mean'); cispo: the clipped, "
+        "stop-gradient ratio times the token's logprob, no token dropped (cispo_clip_high)."
+    )
+    clip_ratio_c: float = key(
+        0.0, "Dual clip (policy_loss = 'ppo_clip'): a token with a negative advantage A loses "
+        "at most -clip_ratio_c x A however large its ratio. 0: off; otherwise > 1."
+    )
+    gspo_clip_low: float = key(3e-4, "GSPO: lower clip of the sequence ratio: 1 - low.")
+    gspo_clip_high: float = key(4e-4, "GSPO: upper clip of the sequence ratio: 1 + high.")
+    cispo_clip_high: float = key(
+        4.0, "CISPO: upper bound of the importance weight: 1 + high (no lower bound; the "
+        "default 4 bounds it at 5, ScaleRL's value)."
+    )
+    loss_agg: Literal["token_mean", "seq_mean", "seq_mean_token_sum", "dr_grpo"] = key(
         "token_mean",
         "token_mean: mean over all tokens of the batch; seq_mean: mean per sequence then over "
-        "sequences; dr_grpo: sum divided by a constant (max_new_tokens x sequences).",
+        "sequences; seq_mean_token_sum: sum per sequence, mean over sequences; dr_grpo: sum "
+        "divided by a constant (max_new_tokens x sequences).",
+    )
+    mask_truncated: bool = key(
+        False, "Completions that hit rollout.max_new_tokens without finishing carry no loss "
+        "(their rewards still count in their group's advantages)."
     )
     kl_beta: float = key(
         0.0, "Weight of the k3 KL to the frozen reference (0 disables the reference)."
@@ -77,6 +110,18 @@ class PPOConfig:
     ppo_epochs: int = key(2, "Passes over each batch of rollouts.")
     minibatches: int = key(2, "Optimizer steps per pass.")
     clip_eps: float = key(0.2, "Clip of the policy ratio.")
+    policy_loss: Literal["ppo_clip", "cispo"] = key(
+        "ppo_clip", "ppo_clip: PPO's clipped ratio per token (clip_eps, clip_ratio_c); cispo: "
+        "the clipped, stop-gradient ratio times the token's logprob (cispo_clip_high)."
+    )
+    clip_ratio_c: float = key(
+        0.0, "Dual clip (policy_loss = 'ppo_clip'): a token with a negative advantage A loses "
+        "at most -clip_ratio_c x A however large its ratio. 0: off; otherwise > 1."
+    )
+    cispo_clip_high: float = key(
+        4.0, "CISPO: upper bound of the importance weight: 1 + high (no lower bound; the "
+        "default 4 bounds it at 5, ScaleRL's value)."
+    )
     value_clip_eps: float = key(0.2, "Clip of the value update around the old values.")
     vf_coef: float = key(0.5, "Weight of the value loss.")
     gamma: float = key(1.0, "Discount factor of GAE.")

@@ -327,6 +327,18 @@ def _eval_ranges(r: Recipe) -> list[Problem]:
     return p
 
 
+def check_reward_shaping(r: Recipe) -> list[Problem]:
+    """``reward.overlong_buffer_len`` shapes the rewards of the algorithms that train on their
+    own samples' rewards (their spec checks its range); elsewhere it would be ignored."""
+    spec, n = spec_of(r), r.reward.overlong_buffer_len
+    if not n or (spec.trains_on_rewards and spec.samples_online):
+        return []
+    return [Problem("reward.overlong_buffer_len", "only "
+                    + titles(lambda s: s.trains_on_rewards and s.samples_online)
+                    + f" train on shaped rewards, but algo.kind is {r.algo.kind!r}", got=n,
+                    hint="remove the key")]
+
+
 def check_sharding(r: Recipe) -> list[Problem]:
     """``train.sharding = "fsdp"`` where this version shards correctly: the policy of GRPO,
     DPO, OPD or PPO (with PPO's critic; full or LoRA), on local, torchrun or Ray ranks, in fp32 /
@@ -351,6 +363,7 @@ RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
     check_dotted_paths,
     check_env,
     check_ranges,
+    check_reward_shaping,
     check_logging,
 )
 

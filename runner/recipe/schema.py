@@ -236,6 +236,14 @@ class RewardConfig:
         "zero", "isolation = process: a sample whose reward failed (raised, timed out, crashed "
         "its worker) scores 0 and is counted in reward/failed/NAME (zero), or stops the step "
         "with one line naming the function and the item (fail).")
+    overlong_buffer_len: int = key(
+        0, "DAPO's overlong shaping (GRPO, PPO): a completion of L tokens longer than "
+        "rollout.max_new_tokens - overlong_buffer_len gets (max_new_tokens - buffer - L) / "
+        "buffer x overlong_penalty added to its reward. 0: off."
+    )
+    overlong_penalty: float = key(
+        1.0, "The penalty of a completion that fills rollout.max_new_tokens (>= 0)."
+    )
 
 
 @attrs.frozen

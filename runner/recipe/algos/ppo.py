@@ -24,6 +24,10 @@ def models(a: PPOConfig) -> tuple[ModelRef, ...]:
     return (ModelRef("algo.critic_path", a.critic_path, "critic"),) if a.critic_path else ()
 
 
+# algo.policy_loss -> the keys only it reads (another loss's key set is a recipe error)
+LOSS_KEYS = {"ppo_clip": ("clip_eps", "clip_ratio_c"), "cispo": ("cispo_clip_high",)}
+
+
 def checks(r: Recipe) -> list[Problem]:
     a = r.algo
     p = sampled.per_prompt_ranges(r)
@@ -34,6 +38,7 @@ def checks(r: Recipe) -> list[Problem]:
     p += in_range("algo.lam", a.lam, 0 <= a.lam <= 1, "in [0, 1]")
     p += in_range("algo.kl_coef", a.kl_coef, a.kl_coef >= 0, ">= 0")
     p += in_range("algo.critic_lr", a.critic_lr, a.critic_lr >= 0, ">= 0")
+    p += sampled.policy_loss_ranges(r, LOSS_KEYS) + sampled.overlong_ranges(r)
     p += sampled.minibatches_divide(r, "samples_per_prompt")
     p += sampled.needs_rewards(r, "PPO")
     return p + sampled.engine_is_ranges(r) + sampled.off_policy_ranges(r)

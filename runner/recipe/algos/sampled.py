@@ -6,7 +6,7 @@ from typing import Any
 
 from runner.errors import Problem
 from runner.recipe.rules import env_enabled, in_range
-from runner.recipe.schema import Recipe
+from runner.recipe.schema import Recipe, default_of
 
 MEDIA_KEYS = ("data.image_column", "data.video_column")
 MAX_OFF_POLICY_STEPS = 32  # algo.max_off_policy_steps: batches sampled ahead (and checkpointed)
@@ -61,3 +61,39 @@ def minibatches_divide(r: Recipe, per_prompt_key: str) -> list[Problem]:
         return [Problem("algo.minibatches", f"must divide prompts_per_step x {per_prompt_key} "
                         f"({rollouts})", got=a.minibatches)]
     return []
+
+
+def policy_loss_ranges(r: Recipe, keys_of: dict[str, tuple[str, ...]]) -> list[Problem]:
+    """algo.clip_ratio_c (the dual clip: 0, or > 1) and algo.cispo_clip_high, shared by GRPO
+    and PPO; and no key of another policy loss than algo.policy_loss set (``keys_of``: each
+    loss's own keys)."""
+    a = r.algo
+    c = a.clip_ratio_c
+    p: list[Problem] = []
+    if not (c == 0 or c > 1):
+        p.append(Problem("algo.clip_ratio_c", "must be 0 (off) or > 1", got=c,
+                         hint="the dual clip bounds a negative advantage's loss by -c A, which "
+                         "for c <= 1 would cut the loss of an unchanged policy; 3 is common"))
+    p += in_range("algo.cispo_clip_high", a.cispo_clip_high, a.cispo_clip_high >= 0, ">= 0")
+    for loss, keys in keys_of.items():
+        for k in keys:
+            value = getattr(a, k)
+            if loss != a.policy_loss and value != default_of(type(a), k):
+                p.append(Problem(f"algo.{k}", f"is a key of policy_loss = '{loss}', but "
+                                 f"policy_loss is '{a.policy_loss}'", got=value,
+                                 hint=f"remove it, or set algo.policy_loss = '{loss}'"))
+    return p
+
+
+def overlong_ranges(r: Recipe) -> list[Problem]:
+    """reward.overlong_buffer_len / overlong_penalty: a buffer within rollout.max_new_tokens, a
+    penalty >= 0, and single replies (an [env] episode's length is not one reply's)."""
+    w, n = r.reward, r.rollout.max_new_tokens
+    p = in_range("reward.overlong_buffer_len", w.overlong_buffer_len,
+                 0 <= w.overlong_buffer_len <= n, f"in [0, rollout.max_new_tokens ({n})]")
+    p += in_range("reward.overlong_penalty", w.overlong_penalty, w.overlong_penalty >= 0, ">= 0")
+    if w.overlong_buffer_len and env_enabled(r):
+        p.append(Problem("reward.overlong_buffer_len", "measures one reply against "
+                         "rollout.max_new_tokens; [env] episodes have several",
+                         got=w.overlong_buffer_len, hint="set it to 0, or remove the [env] table"))
+    return p

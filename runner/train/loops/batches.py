@@ -13,12 +13,14 @@ update is that of the one big batch.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 import torch
 
+from runner.algorithms.masked import masked_sum
 from runner.ranks.collective import Collective, interleave
 from runner.train.roles import FrozenScorer, Trainable, optimizer_step
 
@@ -135,7 +137,7 @@ def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,
                 return loss * 0.0
             kept.append((idx, value))
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v * share
+                sums[k] = _accumulate(k, sums.get(k), v, share, bool(rows))
             return loss * (share * world)
 
         return run
@@ -146,13 +148,55 @@ def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,
     return {**{k: float(v) for k, v in sums.items()}, "grad_norm": norm / world}, kept
 
 
+def global_whiten(comm: Collective, x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """``masked_whiten`` over the masked elements of every rank: the unbiased variance of the
+    global batch, (x - mean) / sqrt(var + 1e-8), 0 outside the mask (everywhere when no rank
+    has a masked element)."""
+    total, count = comm.sum([float(masked_sum(x_BT, mask_BT)), float(mask_BT.sum())])
+    mean = total / max(1.0, count)
+    sq = comm.sum([float(masked_sum((x_BT - mean) ** 2, mask_BT))])[0]
+    var = sq / max(1.0, count - 1)
+    return torch.where(mask_BT, (x_BT - mean) * (var + 1e-8) ** -0.5, torch.zeros_like(x_BT))
+
+
+# Metrics named NAME_min / NAME_max are extremes: the smallest / largest value of any
+# micro-batch, rank and optimizer step, not share-weighted means.
+EXTREMES: dict[str, tuple[Callable[[Any, Any], Any], float]] = {
+    "_min": (torch.minimum, math.inf), "_max": (torch.maximum, -math.inf)}
+
+
+def _extreme(key: str) -> tuple[Callable[[Any, Any], Any], float] | None:
+    return next((e for suffix, e in EXTREMES.items() if key.endswith(suffix)), None)
+
+
+def _accumulate(key: str, acc: Any, value: Any, share: float, has_rows: bool) -> Any:
+    """A micro-batch's metric added to the optimizer step's: weighted by its share, or, for an
+    extreme, the smaller / larger of the two (a micro-batch of no row counts as none)."""
+    extreme = _extreme(key)
+    if extreme is None:
+        return (0.0 if acc is None else acc) + value * share
+    pick, fill = extreme
+    value = torch.as_tensor(value if has_rows else fill, dtype=torch.float64)
+    return value if acc is None else pick(torch.as_tensor(acc, dtype=torch.float64), value)
+
+
 def reduce_history(comm: Collective, history: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Sum each optimizer step's share-weighted metrics over ranks, then average over steps."""
-    keys = sorted({k for h in history for k in h})
+    """Sum each optimizer step's share-weighted metrics over ranks, then average over steps; an
+    extreme (``NAME_min`` / ``NAME_max``) is the smallest / largest over ranks and steps."""
+    keys = sorted({k for h in history for k in h if _extreme(k) is None})
     flat = comm.sum([h.get(k, 0.0) for h in history for k in keys])
     n = len(history)
-    return {k: sum(flat[i * len(keys) + j] for i in range(n)) / max(1, n)
-            for j, k in enumerate(keys)}
+    out = {k: sum(flat[i * len(keys) + j] for i in range(n)) / max(1, n)
+           for j, k in enumerate(keys)}
+    extremes = sorted({k for h in history for k in h if _extreme(k) is not None})
+    if extremes:
+        per_rank = comm.gather([[h[k] for h in history if k in h] for k in extremes])
+        for j, k in enumerate(extremes):
+            pick = min if k.endswith("_min") else max
+            values = [v for rank in per_rank for v in rank[j] if math.isfinite(v)]
+            if values:  # none: no micro-batch held a row
+                out[k] = pick(values)
+    return out
 
 
 def select_rows(batch: Any, idx: torch.Tensor) -> Any:

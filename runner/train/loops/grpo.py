@@ -5,9 +5,11 @@ One step is three plain functions, each with explicit inputs and outputs:
 
 - ``produce``: this rank's prompts from the global cursor -> ``group_size`` completions each,
   with the engine's token logprobs (a ``Trajectory``);
-- ``score``: rewards -> advantages (from every rank's rewards, so ``scale_rewards = "batch"``
-  uses the global batch), the optional shared-prefix filter, the collated batch, the
-  minibatches of every epoch, and the behaviour and reference logprobs (a ``ScoredBatch``);
+- ``score``: rewards (with the overlong shaping) -> the optional shared-prefix filter and
+  truncation mask, the collated batch, the minibatches of every epoch, the behaviour and
+  reference logprobs, and the advantages of ``algo.advantage`` (from every rank's rewards, so
+  ``scale_rewards = "batch"`` and REINFORCE++'s normalisation use the global batch) (a
+  ``ScoredBatch``);
 - ``consume``: ``ppo_epochs`` x ``minibatches`` optimizer steps over minibatches of the global
   batch.
 
@@ -23,7 +25,8 @@ from typing import Any
 import attrs
 import torch
 
-from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, group_advantages, grpo_loss
+from runner.algorithms.advantages import AdvantageInputs, abs_sum_count, advantages
+from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, grpo_loss, row_weights
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import GRPOConfig
 from runner.rewards import RewardSet
@@ -33,6 +36,7 @@ from runner.train.loops.batches import (
     Layout,
     Minibatch,
     gather_rows,
+    global_whiten,
     minibatches,
     rank_mean,
     reduce_history,
@@ -42,13 +46,14 @@ from runner.train.loops.batches import (
 from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
 from runner.train.loops.rollouts import (
+    overlong_of,
     reward_trajectory,
     sample,
     shared_prefixes,
     stages,
     step_metrics,
 )
-from runner.train.loops.trajectory import Trajectory
+from runner.train.loops.trajectory import Trajectory, without_loss
 from runner.train.roles.policy import completion_grid
 
 
@@ -74,14 +79,14 @@ class ScoredBatch:
     layout: Layout
     batch: PolicyBatch
     rewards_all: list[float]  # every rank's rewards, in global row order
-    adv_all: torch.Tensor  # [global rows]
-    adv_B: torch.Tensor  # this rank's rows
+    adv_B: torch.Tensor  # this rank's rows: [B] per sequence, or [B, T] per token
     epochs: list[list[Minibatch]]
     engine_BT: torch.Tensor  # the engine's logprobs of the sampled tokens, on the batch's grid
     old_BT: torch.Tensor
     ref_BT: torch.Tensor | None
     own_old: bool  # the first minibatch's behaviour logprobs are its own forward's
     ignore_prefix: list[int] | None  # shared-prefix tokens left out of the loss, per row
+    adv_abs_mean: float  # mean |A| over every rank's sequences (or tokens, per-token A)
 
 
 def produce(run: RunContext, algo: GRPOConfig, step: int) -> Trajectory:
@@ -91,23 +96,24 @@ def produce(run: RunContext, algo: GRPOConfig, step: int) -> Trajectory:
 
 def score(run: RunContext, algo: GRPOConfig, rewards: RewardSet, traj: Trajectory,
           step: int) -> ScoredBatch:
-    """Rewards, group advantages, the batch and its minibatches, and the logprobs the loss
-    compares against (behaviour: the engine's or the policy's; reference with ``kl_beta``)."""
+    """Rewards (with the overlong shaping), the batch and its minibatches (completions that hit
+    the token limit out of the loss with ``mask_truncated``), the logprobs the loss compares
+    against (behaviour: the engine's or the policy's; reference with ``kl_beta``) and the
+    advantages of ``algo.advantage``."""
     recipe, policy, device = run.svc.recipe, run.policy, run.svc.accelerator.device
-    traj = reward_trajectory(traj, rewards, step)
+    traj = reward_trajectory(traj, rewards, step, overlong_of(recipe))
     ignore = shared_prefixes(traj, algo.group_size) if algo.shared_prefix_filter else None
     rank = run.svc.rank
     layout = Layout(rank.rank, rank.world_size, algo.prompts_per_step, algo.group_size)
     rewards_all = gather_rows(run.svc.comm, layout, traj.rewards)
-    adv_all = group_advantages(torch.tensor(rewards_all), algo.group_size, algo.scale_rewards)
-    adv_B = adv_all[[layout.global_row(i) for i in range(len(traj.completions))]].to(device)
     inputs = traj.policy_inputs(run.policy_packer, ignore)
+    if algo.mask_truncated:
+        inputs = without_loss(inputs, traj.truncated)
     batch = run.policy_packer.collate(inputs).to(device)
     width = batch.input_ids_BT.shape[1] - 1
     temperature = recipe.rollout.temperature
     tokens = [float(t) for t in batch.loss_mask_BT[:, 1:].sum(-1).tolist()]
-    weights = gather_rows(run.svc.comm, layout, tokens if algo.loss_agg == "token_mean" else
-                          [1.0] * len(tokens))
+    weights = gather_rows(run.svc.comm, layout, row_weights(algo.loss_agg, tokens))
     epochs = [minibatches(layout, weights, algo.minibatches,
                           step_seed(recipe.run.seed, step, salt=1 + epoch))
               for epoch in range(algo.ppo_epochs)]
@@ -132,10 +138,30 @@ def score(run: RunContext, algo: GRPOConfig, rewards: RewardSet, traj: Trajector
                     old_BT[rows, :scored.shape[1]] = scored
         reference = run.roles.reference
         ref_BT = reference.logprobs(batch, temperature)[0] if reference is not None else None
+    adv_B, adv_abs_mean = advantages_of(run, algo, layout, rewards_all, batch, engine_BT, ref_BT)
     # (A rank holding no row of the first minibatch only takes part with a zero-weighted row.)
     own_old = algo.old_logprobs == "policy" and bool(first_rows)
-    return ScoredBatch(traj, layout, batch, rewards_all, adv_all, adv_B, epochs, engine_BT,
-                       old_BT, ref_BT, own_old, ignore)
+    return ScoredBatch(traj, layout, batch, rewards_all, adv_B, epochs, engine_BT, old_BT,
+                       ref_BT, own_old, ignore, adv_abs_mean)
+
+
+def advantages_of(run: RunContext, algo: GRPOConfig, layout: Layout, rewards_all: list[float],
+                  batch: PolicyBatch, engine_BT: torch.Tensor, ref_BT: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, float]:
+    """This rank's advantages by ``algo.advantage`` (on the device) and their mean magnitude
+    over every rank. The group estimators read every rank's rewards; the batch-normalised ones
+    normalise over every rank's valid tokens. The per-token KL an estimator may fold into its
+    rewards is log pi_behaviour - log pi_ref of the sampled tokens, with the engine's logprobs
+    as the behaviour's (the policy's up to numerics; known before any training forward)."""
+    mask_BT = batch.loss_mask_BT[:, 1:].to(torch.bool)
+    rows_B = torch.tensor([layout.global_row(i) for i in range(mask_BT.shape[0])])
+    kl_BT = None if ref_BT is None else (engine_BT - ref_BT).detach()
+    adv = advantages(algo.advantage, AdvantageInputs(
+        rewards_N=torch.tensor(rewards_all), rows_B=rows_B, mask_BT=mask_BT, kl_BT=kl_BT,
+        group_size=algo.group_size, scale=algo.scale_rewards, kl_beta=algo.kl_beta,
+        whiten=lambda x, m: global_whiten(run.svc.comm, x, m)))
+    total, count = run.svc.comm.sum(list(abs_sum_count(adv, mask_BT)))
+    return adv.to(mask_BT.device), total / max(1.0, count)
 
 
 Kept = tuple[torch.Tensor, torch.Tensor]  # a micro-batch's detached logprobs and their mask
@@ -153,8 +179,9 @@ def minibatch_loss(run: RunContext, algo: GRPOConfig, scored: ScoredBatch, old_B
     old = lp_BT.detach() if first and s.own_old else old_BT[idx, :w]
     is_w = (engine_is_weights(old, s.engine_BT[idx, :w], algo.engine_is_cap)
             if algo.engine_is_correction else None)
+    adv = s.adv_B[idx] if s.adv_B.ndim == 1 else s.adv_B[idx, :w]
     loss, metrics = grpo_loss(GRPOLossInputs(
-        logprobs_BT=lp_BT, old_logprobs_BT=old, adv_B=s.adv_B[idx],
+        logprobs_BT=lp_BT, old_logprobs_BT=old, adv_B=adv,
         ref_logprobs_BT=None if s.ref_BT is None else s.ref_BT[idx, :w], mask_BT=mask_BT,
         max_tokens=run.svc.recipe.rollout.max_new_tokens, is_weights_BT=is_w), algo)
     return loss, metrics, (lp_BT.detach(), mask_BT)
@@ -188,7 +215,7 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
     policy.scheduler.step()
     out = reduce_history(run.svc.comm, history)
     out["lr"] = policy.scheduler.get_last_lr()[0]
-    out["adv_abs_mean"] = float(scored.adv_all.abs().mean())
+    out["adv_abs_mean"] = scored.adv_abs_mean
     out.update(rank_mean(run.svc.comm, policy.padding_metrics(scored.batch)))
     out["rollout/logprob_gap"] = max(run.svc.comm.gather(float(gap)))
     return out

@@ -27,10 +27,8 @@ import attrs
 import torch
 
 from runner.algorithms.grpo import engine_is_weights
-from runner.algorithms.masked import masked_sum
 from runner.algorithms.ppo import PPOLossInputs, ppo_advantages, ppo_loss
 from runner.packers.base import PolicyBatch
-from runner.ranks.collective import Collective
 from runner.recipe.schema import PPOConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
@@ -39,6 +37,7 @@ from runner.train.loops.batches import (
     Layout,
     Minibatch,
     gather_rows,
+    global_whiten,
     minibatches,
     rank_mean,
     reduce_history,
@@ -47,7 +46,13 @@ from runner.train.loops.batches import (
 )
 from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
-from runner.train.loops.rollouts import reward_trajectory, sample, stages, step_metrics
+from runner.train.loops.rollouts import (
+    overlong_of,
+    reward_trajectory,
+    sample,
+    stages,
+    step_metrics,
+)
 from runner.train.loops.trajectory import Trajectory
 from runner.train.roles import Trainable
 from runner.train.roles.critic import CRITIC
@@ -62,16 +67,6 @@ def run(run: RunContext) -> dict[str, Any]:
     return run_loop(run, lambda step: one_step(run, algo, rewards, critic, step),
                     (lambda: evaluate(run, rewards)) if run.state.has_held_out else None,
                     save=lambda step: run.save(step, {CRITIC: critic}))
-
-
-def global_whiten(comm: Collective, x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """``masked_whiten`` over the masked elements of every rank: the unbiased variance of the
-    global batch, (x - mean) / sqrt(var + 1e-8), 0 outside the mask."""
-    total, count = comm.sum([float(masked_sum(x_BT, mask_BT)), float(mask_BT.sum())])
-    mean = total / count
-    sq = comm.sum([float(masked_sum((x_BT - mean) ** 2, mask_BT))])[0]
-    var = sq / max(1.0, count - 1)
-    return torch.where(mask_BT, (x_BT - mean) * (var + 1e-8) ** -0.5, torch.zeros_like(x_BT))
 
 
 @attrs.frozen(eq=False)
@@ -103,11 +98,11 @@ def produce(run: RunContext, algo: PPOConfig, step: int) -> Trajectory:
 @torch.no_grad()
 def score(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainable,
           traj: Trajectory, step: int) -> ScoredPPOBatch:
-    """Rewards; the policy's, reference's and critic's values of the sampled tokens; GAE over
-    each completion's run of the batch grid, whitened over every rank's batch; and the
-    minibatches of every epoch (token-weighted)."""
+    """Rewards (with the overlong shaping); the policy's, reference's and critic's values of
+    the sampled tokens; GAE over each completion's run of the batch grid, whitened over every
+    rank's batch; and the minibatches of every epoch (token-weighted)."""
     recipe, device = run.svc.recipe, run.svc.accelerator.device
-    traj = reward_trajectory(traj, rewards, step)
+    traj = reward_trajectory(traj, rewards, step, overlong_of(recipe))
     # The rollout-side packer makes the inputs once; policy, reference and critic share them.
     inputs = traj.policy_inputs(run.rollout_packer)
     batch = run.rollout_packer.collate(inputs).to(device)

@@ -12,9 +12,10 @@ import torch
 from runner.envs.episodes import EpisodeResult, episode_stats
 from runner.errors import RewardFailure
 from runner.ranks.collective import interleave
-from runner.recipe.schema import RolloutConfig
+from runner.recipe.schema import Recipe, RolloutConfig
 from runner.rewards import RewardSet
 from runner.rewards.calls import MAX_REWARD
+from runner.rewards.shaping import Overlong
 from runner.rollout.base import RolloutOutput, SamplingConfig
 from runner.train.assembly.run import RunContext
 from runner.train.assembly.seeds import item_seed
@@ -194,16 +195,19 @@ def step_metrics(run: RunContext, traj: Trajectory, rewards_all: Sequence[float]
 
     ``reward/mean`` and ``reward/max`` over ``rewards_all`` (every rank's rewards), each reward
     function's mean (``reward/NAME``), ``completion_len`` (completion tokens per completion,
-    over every rank), the step's item ids (with ``logging.item_ids``), ``time/NAME`` for each
-    phase in ``seconds`` (wall seconds; it must name "rollout" and "update"), and this rank's
-    token throughput of the rollout and of the ``train_passes`` passes the update made over its
-    completions (``perf/rollout_tok_s``, ``perf/train_tok_s``).
+    over every rank), ``rollout/truncated_frac`` (the share of completions that hit the token
+    limit unfinished, over every rank), the step's item ids (with ``logging.item_ids``),
+    ``time/NAME`` for each phase in ``seconds`` (wall seconds; it must name "rollout" and
+    "update"), and this rank's token throughput of the rollout and of the ``train_passes``
+    passes the update made over its completions (``perf/rollout_tok_s``, ``perf/train_tok_s``).
     """
     r = torch.tensor(list(rewards_all))
-    n_tokens, n_completions = run.svc.comm.sum([traj.n_tokens, len(traj.completions)])
+    n_tokens, n_completions, n_truncated = run.svc.comm.sum(
+        [traj.n_tokens, len(traj.completions), sum(traj.truncated)])
     return {
         "reward/mean": float(r.mean()), "reward/max": float(r.max()),
         **rank_mean(run.svc.comm, traj.reward_parts), "completion_len": n_tokens / n_completions,
+        "rollout/truncated_frac": n_truncated / n_completions,
         **item_ids_metric(traj), **env_metrics(run, traj),
         **{f"time/{name}": s for name, s in seconds.items()},
         "perf/rollout_tok_s": traj.n_tokens / max(seconds["rollout"], 1e-9),
@@ -237,11 +241,26 @@ def with_env_rewards(values: Sequence[float], traj: Trajectory, step: int | None
     return total
 
 
-def reward_trajectory(traj: Trajectory, rewards: RewardSet, step: int) -> Trajectory:
+def reward_trajectory(traj: Trajectory, rewards: RewardSet, step: int,
+                      overlong: Overlong | None = None) -> Trajectory:
     """Rewards of ``traj``: the recipe's functions on each completion's text (an episode's last
-    reply) plus, for episodes, the environment's reward (also logged as ``reward/env``)."""
+    reply) plus, for episodes, the environment's reward (also logged as ``reward/env``), plus
+    with ``overlong`` each completion's overlong penalty (its mean logged as
+    ``reward/overlong_penalty``)."""
     values, parts = rewards.score(traj.texts, traj.items, step=step)
     if traj.env_rewards:
         parts = {**parts, "reward/env": sum(traj.env_rewards) / len(traj.env_rewards)}
-    return attrs.evolve(traj, rewards=tuple(with_env_rewards(values, traj, step)),
-                        reward_parts=parts)
+    total = with_env_rewards(values, traj, step)
+    if overlong is not None:
+        shaping = overlong.penalties([len(c.token_ids) for c in traj.completions])
+        total = [t + s for t, s in zip(total, shaping, strict=True)]
+        parts = {**parts, "reward/overlong_penalty": sum(shaping) / max(1, len(shaping))}
+    return attrs.evolve(traj, rewards=tuple(total), reward_parts=parts)
+
+
+def overlong_of(recipe: Recipe) -> Overlong | None:
+    """The recipe's overlong reward shaping (``reward.overlong_buffer_len`` > 0), or None."""
+    w = recipe.reward
+    if not w.overlong_buffer_len:
+        return None
+    return Overlong(recipe.rollout.max_new_tokens, w.overlong_buffer_len, w.overlong_penalty)

@@ -34,6 +34,12 @@ class Trajectory:
         return [c.text for c in self.completions]
 
     @property
+    def truncated(self) -> tuple[bool, ...]:
+        """Per completion: it hit the token limit without finishing (an episode: its last
+        reply did)."""
+        return tuple(c.finish_reason == "length" for c in self.completions)
+
+    @property
     def n_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions)
 
@@ -64,3 +70,10 @@ def _episode_mask(x: RLPolicyInput, c: Completion, mask: Sequence[int], packer: 
     n = x.n_prompt_tokens
     loss = x.loss_mask[:n] + tuple(a * b for a, b in zip(x.loss_mask[n:], mask, strict=True))
     return attrs.evolve(x, loss_mask=loss)
+
+
+def without_loss(inputs: Sequence[RLPolicyInput], drop: Sequence[bool]) -> list[RLPolicyInput]:
+    """``inputs`` with the loss mask of every ``drop``-ped sequence cleared: those carry no
+    loss (``algo.mask_truncated``)."""
+    return [attrs.evolve(x, loss_mask=(0,) * len(x.loss_mask)) if d else x
+            for x, d in zip(inputs, drop, strict=True)]
