@@ -40,10 +40,18 @@ HOST = "127.0.0.1"
 def make_app(model: ServedModel, api_key: str, name: str) -> FastAPI:
     """The app serving ``model`` as ``name`` to callers that present ``api_key``."""
     app = FastAPI(title="posttrain-run serve", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
+    _guard(app, api_key)
+    _routes(app, model, name)
+    return app
 
-    def error(exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _guard(app: FastAPI, api_key: str) -> None:
+    """The key check, and every error as OpenAI's error object."""
+    error = _error
 
     @app.middleware("http")
     async def authorize(request: Request, call_next: Callable[[Request], Awaitable[Response]]
@@ -73,6 +81,11 @@ def make_app(model: ServedModel, api_key: str, name: str) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error(ApiError(400, safe_line(str(exc)), None))
+
+
+def _routes(app: FastAPI, model: ServedModel, name: str) -> None:
+    """The API's paths."""
+    created = int(time.time())
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -112,8 +125,6 @@ def make_app(model: ServedModel, api_key: str, name: str) -> FastAPI:
         if req.sampling.stream:
             return _events(_completion_chunks(body, req.sampling))
         return JSONResponse(body)
-
-    return app
 
 
 def _completion_chunks(body: dict[str, Any], sampling: Sampling) -> list[dict[str, Any]]:
