@@ -168,3 +168,36 @@ def render_conversation(render: Render, eos_token_id: int, messages: Sequence[di
             len(turn) - ends[-1] - 1)
         ids += list(asked[len(ids):]) + turn
     return RenderedConversation(tuple(ids), tuple(mask))
+
+
+def hermes_tool_call_text(call: dict[str, Any]) -> str:
+    """One OpenAI tool call (``{"function": {"name", "arguments"}}``) in the syntax
+    ``parse_hermes_tool_calls`` reads back.
+
+    >>> hermes_tool_call_text({"type": "function", "function": {"name": "add",
+    ...                        "arguments": '{"a": 1}'}})
+    '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    """
+    fn = call["function"]
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass  # written as given: the model learns the text it was shown
+    return f"<tool_call>{json.dumps({'name': fn['name'], 'arguments': args})}</tool_call>"
+
+
+def with_tool_calls_written(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` for a template that knows no ``tool_calls``: each assistant message's calls
+    written after its content in the Hermes syntax (the built-in packers' ``parse_tool_calls``),
+    a null content as ""."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls or m.get("content") is None:
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = (m.get("content") or "") + "".join(
+                hermes_tool_call_text(c) for c in calls or ())
+        out.append(m)
+    return out

@@ -21,6 +21,7 @@ from typing import Any
 
 from runner.errors import Problem, RecipeError
 from runner.packers.base import DataPacker, RLPolicyInput
+from runner.packers.chat import with_tool_calls_written
 from runner.types import ObsBundle
 
 TEXT_FIELDS = ("text", "content", "sample")
@@ -59,13 +60,17 @@ class DecoderOnlyLLMDataPacker(DataPacker):
     def render_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                         = None, add_generation_prompt: bool = False) -> list[int]:
         """The chat template's text of ``messages`` (with ``tools``), encoded without adding
-        special tokens, as a single-turn prompt is."""
+        special tokens, as a single-turn prompt is. Assistant ``tool_calls`` go to a template
+        that renders them; one that does not mention them gets them written into the content
+        in the syntax ``parse_tool_calls`` reads (``chat.with_tool_calls_written``)."""
         tok = self._tok()
         if not tok.chat_template:
             raise RecipeError([Problem("model.path", f"{self.model_path}: the tokenizer has no "
                                        "chat template, which [env] episodes render messages with",
                                        hint="use a chat model, or a DataPacker whose "
                                        "render_messages renders them")])
+        if "tool_calls" not in tok.chat_template:
+            messages = with_tool_calls_written(messages)
         text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                        add_generation_prompt=add_generation_prompt)
         return self.encode_rollout_input(text)
