@@ -37,7 +37,7 @@ def _call_problem(call: Any, n: int, k: int) -> str:
 def _message_problem(message: Any, n: int) -> str:
     """Why element ``n`` is not a chat message, or "" (``messages[n].FIELD`` names the field)."""
     if not isinstance(message, Mapping):
-        return f"messages[{n}] is a {type(message).__name__}, not a mapping"
+        return f"messages[{n}] is {_kind(message)}, not a mapping"
     role = message.get("role")
     if role not in ROLES:
         return f"messages[{n}].role is {role!r}, not one of {', '.join(ROLES)}"
@@ -65,14 +65,14 @@ def messages_problem(value: Any) -> str:
         return f"is {_kind(value)}, not a list of chat messages"
     for n, message in enumerate(value):
         if problem := _message_problem(message, n):
-            return "has " + problem
+            return "is not a conversation: " + problem
     if not any(m["role"] == "assistant" for m in value):
         return "has no assistant message (nothing to train on)"
     return ""
 
 
 def _kind(value: Any) -> str:
-    return "null" if value is None else f"a {type(value).__name__}"
+    return "null" if value is None else f"of type {type(value).__name__}"
 
 
 def conversation_of(item: ObsBundle) -> list[dict[str, Any]]:
