@@ -67,7 +67,7 @@ def _chatml(role: str, content: str, eos: str) -> list[tuple[str, bool]]:
 # model -> (how its template writes a message, hand-copied from the template; its bos; the chat)
 TEMPLATES = {
     "builtin:tiny-arith": (_tiny, "<|bos|>", CHAT),
-    "builtin:tiny-arith-char": (_char, "<|bos|>", CHAT),
+    "builtin:tiny-arith-char": (_char, "<s>", CHAT),
     "builtin:tiny-arith-tools": (_tiny, "<|bos|>", TOOLS_CHAT),
     f"builtin:{SMOLLM2}": (_chatml, "", TOOLS_CHAT),
 }
@@ -162,12 +162,12 @@ def test_loss_by_hand_on_two_conversations(model64):
     inputs = [packer.get_conversation_input(c) for c in (CHAT, single)]
     lp, mask = batch_logprobs(model, packer.collate(inputs))
     loss, metrics = sft_loss(lp, mask)
-    assert abs(float(loss) - by_hand(model, inputs)) < 1e-12
-    assert float(metrics["loss"]) == float(loss)
+    assert abs(loss.item() - by_hand(model, inputs)) < 1e-12
+    assert metrics["loss"].item() == loss.item()
     tokens = [sum(x.loss_mask[1:]) for x in inputs]
-    pieces = [float(sft_loss(*batch_logprobs(model, packer.collate([x])))[0]) * n / sum(tokens)
+    pieces = [sft_loss(*batch_logprobs(model, packer.collate([x])))[0].item() * n / sum(tokens)
               for x, n in zip(inputs, tokens, strict=True)]
-    assert abs(sum(pieces) - float(loss)) < 1e-12
+    assert abs(sum(pieces) - loss.item()) < 1e-12
 
 
 def test_packed_equals_unpacked(model64):

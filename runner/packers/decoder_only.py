@@ -52,7 +52,8 @@ class DecoderOnlyLLMDataPacker(DataPacker):
         messages = item.prompt if isinstance(item.prompt, list) else [
             {"role": "user", "content": str(item.prompt)}]
         if tok.chat_template:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok.apply_chat_template(self._for_template(messages), tokenize=False,
+                                           add_generation_prompt=True)
         text = "\n".join(str(m["content"]) for m in messages)
         bos = tok.bos_token if tok.bos_token and not text.startswith(tok.bos_token) else ""
         return bos + text
@@ -69,11 +70,17 @@ class DecoderOnlyLLMDataPacker(DataPacker):
                                        "chat template, which [env] episodes render messages with",
                                        hint="use a chat model, or a DataPacker whose "
                                        "render_messages renders them")])
-        if "tool_calls" not in tok.chat_template:
-            messages = with_tool_calls_written(messages)
-        text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+        text = tok.apply_chat_template(self._for_template(messages), tools=tools or None,
+                                       tokenize=False,
                                        add_generation_prompt=add_generation_prompt)
         return self.encode_rollout_input(text)
+
+    def _for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` as the template reads them: assistant tool calls written into the
+        content when the template does not mention ``tool_calls``."""
+        if "tool_calls" in self._tok().chat_template:
+            return messages
+        return with_tool_calls_written(messages)
 
     def encode_rollout_input(self, rollout_input: Any) -> list[int]:
         if isinstance(rollout_input, list | tuple):
