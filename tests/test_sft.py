@@ -261,6 +261,7 @@ def test_sigkill_resume_is_bitwise(tmp_path):
     assert first.returncode == 0, first.stdout + first.stderr
     where = kill_at_random_points(recipe, resumed, 4, RESUME, random.Random(3), kills=1)
     done = run_subprocess(recipe, resumed, "run.max_steps=4", *RESUME)
+    assert where, "no kill happened"
     assert done.returncode == 0 and "resuming" in done.stdout, done.stdout + done.stderr
     try:
         assert_same_run(resumed, straight, 4, ("model/model.safetensors",
