@@ -180,7 +180,7 @@ def test_packed_equals_unpacked(model64):
     assert packed_logprobs(model, batch, 1.0) is not None  # the packed layout runs
     padded = sft_loss(*batch_logprobs(model, batch, pad_free=False))[0]
     packed = sft_loss(*batch_logprobs(model, batch, pad_free=True))[0]
-    assert abs(float(packed) - float(padded)) < 1e-12
+    assert abs(packed.item() - padded.item()) < 1e-12
 
 
 def _jsonl(path, rows_):
