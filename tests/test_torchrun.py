@@ -203,6 +203,7 @@ ALGOS = {
     "opd": ("recipes/opd-arith.toml", ("algo.prompts_per_step=4", "train.grad_accum_steps=2",
                                        "rollout.max_new_tokens=4")),
     "dpo": ("recipes/dpo-arith.toml", ("algo.pairs_per_step=8", "train.grad_accum_steps=2")),
+    "sft": ("recipes/sft-arith.toml", ("algo.examples_per_step=8", "train.grad_accum_steps=2")),
 }
 COMMON = ("run.max_steps=3", "data.validation.size=8", "train.eval_every=3",
           "logging.item_ids=true",
