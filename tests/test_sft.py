@@ -209,6 +209,13 @@ def test_malformed_messages_and_missing_column_name_the_row_and_field(tmp_path):
     assert "'conversation' is not in row 0" in text and "data.messages_column" in text
 
 
+def test_a_source_without_answers_is_refused_with_the_recipe(tmp_path):
+    with pytest.raises(RecipeError, match="data.messages_column: SFT trains on answers"):
+        load_recipe(REPO / "recipes" / "sft-arith.toml", [f"data.path={tmp_path}/x.jsonl"])
+    with pytest.raises(RecipeError, match="built-in arithmetic data has fixed"):
+        load_recipe(REPO / "recipes" / "sft-arith.toml", ["data.messages_column=messages"])
+
+
 def test_a_conversation_without_an_answer_is_named(tmp_path):
     path = _jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT[:2]}])
     with pytest.raises(RecipeError, match="row 0 .* has no assistant message"):

@@ -35,6 +35,12 @@ def checks(r: Recipe) -> list[Problem]:
                          "messages (data.messages_column), not a response column",
                          got=d.response_column, hint="remove data.response_column, or "
                          "data.messages_column for one prompt and one response per row"))
+    if (d.factory or d.path or d.name) and not (_set(d.messages_column)
+                                                or _set(d.response_column)):
+        p.append(Problem("data.messages_column", "SFT trains on answers: name the column of "
+                         "whole conversations, or the response column beside the prompt column",
+                         hint="set data.messages_column (chat messages), or "
+                         "data.response_column (one assistant answer per prompt)"))
     if _set(d.messages_column) and not (d.factory or d.path or d.name):
         p.append(Problem("data.messages_column", "the built-in arithmetic data has fixed "
                          "prompt and answer columns", got=d.messages_column,
