@@ -131,22 +131,12 @@ def conversation_rows(recipe: Recipe, packer: Any, item: Any) -> list[tuple[str,
     """The first training conversation as the template renders it, in runs of trained and
     untrained tokens (SFT's ``algo.loss_on``)."""
     from runner.data.conversations import conversation_of
-    from runner.packers.base import RLPolicyInput
-    from runner.rollout.base import Completion
 
-    x: RLPolicyInput = packer.get_conversation_input(conversation_of(item), recipe.algo.loss_on)
-    runs = spans(_Spans(Completion(x.input_ids, "", (0.0,) * len(x.input_ids), "stop"),
-                        x.loss_mask))
+    x = packer.get_conversation_input(conversation_of(item), recipe.algo.loss_on)
+    runs = token_runs(x.input_ids, x.loss_mask)
     rows = [(f"{'trained' if trained else 'not trained'}, {len(ids)} tokens",
              repr(packer.decode(ids, skip_special_tokens=False))) for trained, ids in runs]
     return rows + [("conversation tokens", f"{len(x.input_ids)} ({sum(x.loss_mask)} trained)")]
-
-
-class _Spans:
-    """What ``spans`` reads of an episode: its completion and loss mask."""
-
-    def __init__(self, completion: Any, loss_mask: Sequence[int]) -> None:
-        self.completion, self.loss_mask = completion, loss_mask
 
 
 def show_dry_run(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
@@ -184,8 +174,13 @@ def spans(result: Any) -> list[tuple[bool, list[int]]]:
     >>> spans(r)
     [(True, [5, 6, 2]), (False, [7, 8]), (True, [9])]
     """
+    return token_runs(result.completion.token_ids, result.loss_mask)
+
+
+def token_runs(ids: Sequence[int], mask: Sequence[int]) -> list[tuple[bool, list[int]]]:
+    """``ids`` as runs of (trained, ids) by their 0/1 ``mask``."""
     out: list[tuple[bool, list[int]]] = []
-    for token, m in zip(result.completion.token_ids, result.loss_mask, strict=True):
+    for token, m in zip(ids, mask, strict=True):
         if out and out[-1][0] == bool(m):
             out[-1][1].append(token)
         else:

@@ -191,15 +191,18 @@ def one_step(run: SFTRun, step: int) -> dict[str, Any]:
 @torch.no_grad()
 def held_out_nll(run: SFTRun) -> dict[str, float]:
     """NLL per trained token of the held-out conversations (each rank its shard, summed over
-    ranks) and its perplexity; conversations over the length limit are left out."""
+    ranks) and its perplexity; conversations over the length limit are left out and counted
+    (``eval/dropped``)."""
     ctx, model = run.run, str(run.run.model_path)
     items = ctx.state.val_items
-    inputs = []
+    inputs, dropped = [], 0
     for item in items:
         conversation = ObsBundle(item.metadata["conversation"], id=item.id, origin=item.origin)
         x = encode(run.packer, conversation, run.algo.loss_on, model)
         if not run.max_len or len(x.input_ids) <= run.max_len:
             inputs.append(x)
+        else:
+            dropped += 1
     nll = tokens = 0.0
     chunks = split_even(len(inputs), max(1, math.ceil(len(inputs) / HELD_OUT_CHUNK)))
     with lockstep(ctx.svc.comm, len(chunks), run.packer, run.device, ctx.policy):
@@ -207,10 +210,10 @@ def held_out_nll(run: SFTRun) -> dict[str, float]:
             batch = run.packer.collate(inputs[chunk]).to(run.device)
             part, count = nll_sum(*ctx.policy.logprobs(batch))
             nll, tokens = nll + part, tokens + count
-    nll, tokens = ctx.svc.comm.sum([nll, tokens])
+    nll, tokens, dropped = ctx.svc.comm.sum([nll, tokens, dropped])
     mean = nll / max(1.0, tokens)
     return {"eval/nll": mean, "eval/perplexity": math.exp(min(mean, 700.0)),
-            "eval/tokens": tokens}
+            "eval/tokens": tokens, "eval/dropped": dropped}
 
 
 def held_out(run: SFTRun) -> dict[str, float]:
