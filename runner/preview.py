@@ -105,6 +105,8 @@ def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None
                  ("tokens (chosen)", str(len(chosen.input_ids)))]
         return rows
     train, val = build_prompt_sources(recipe.data, recipe.algo.kind)
+    if spec_of(recipe).stream == "conversations":
+        return rows + conversation_rows(recipe, packer, train.item(0))
     held_out = [val.item(i) for i in range(len(val))] if val is not None else []
     tokenizer = load_tokenizer(path, trust_remote_code=recipe.model.trust_remote_code)
     limit = run_limit(recipe, path, packer, tokenizer, [s for s in (train, val) if s is not None],
@@ -123,6 +125,18 @@ def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None
         note = f" ({m.note})" if m.note else ""
         rows.append((m.role, f"{m.path} -> {resolve_model_path(m.path)}{note}"))
     return rows
+
+
+def conversation_rows(recipe: Recipe, packer: Any, item: Any) -> list[tuple[str, str]]:
+    """The first training conversation as the template renders it, in runs of trained and
+    untrained tokens (SFT's ``algo.loss_on``)."""
+    from runner.data.conversations import conversation_of
+
+    x = packer.get_conversation_input(conversation_of(item), recipe.algo.loss_on)
+    runs = token_runs(x.input_ids, x.loss_mask)
+    rows = [(f"{'trained' if trained else 'not trained'}, {len(ids)} tokens",
+             repr(packer.decode(ids, skip_special_tokens=False))) for trained, ids in runs]
+    return rows + [("conversation tokens", f"{len(x.input_ids)} ({sum(x.loss_mask)} trained)")]
 
 
 def show_dry_run(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],
@@ -160,8 +174,13 @@ def spans(result: Any) -> list[tuple[bool, list[int]]]:
     >>> spans(r)
     [(True, [5, 6, 2]), (False, [7, 8]), (True, [9])]
     """
+    return token_runs(result.completion.token_ids, result.loss_mask)
+
+
+def token_runs(ids: Sequence[int], mask: Sequence[int]) -> list[tuple[bool, list[int]]]:
+    """``ids`` as runs of (trained, ids) by their 0/1 ``mask``."""
     out: list[tuple[bool, list[int]]] = []
-    for token, m in zip(result.completion.token_ids, result.loss_mask, strict=True):
+    for token, m in zip(ids, mask, strict=True):
         if out and out[-1][0] == bool(m):
             out[-1][1].append(token)
         else:

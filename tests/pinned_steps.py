@@ -23,6 +23,7 @@ RECIPES = {
     "opd-arith": ("algo.prompts_per_step=4", "rollout.max_new_tokens=4"),
     "opd-cross-tokenizer": ("algo.prompts_per_step=2", "rollout.max_new_tokens=4"),
     "dpo-arith": ("algo.pairs_per_step=8",),
+    "sft-arith": ("algo.examples_per_step=8",),
 }
 COMMON = ("run.max_steps=2", "data.validation.enabled=false", "logging.sample_every=0")
 KEYS = ("loss", "reward/mean", "grad_norm", "reverse_kl", "kl", "value_loss", "reward_margin")

@@ -111,7 +111,7 @@ def test_every_kind_has_one_complete_spec():
         config = spec.config()
         assert spec.batch_key.removeprefix("algo.") in attrs.fields_dict(spec.config), kind
         assert spec.items_per_step(config) == spec.shape(config).items
-        assert spec.stream in ("prompts", "pairs")
+        assert spec.stream in ("prompts", "pairs", "conversations")
         assert set(spec.owned_keys) <= recipe_keys, kind
         assert callable(importlib.import_module(spec.loop).run), kind
 
@@ -139,3 +139,5 @@ def test_the_shapes_by_hand():
     assert attrs.astuple(ALGORITHMS["opd"].shape(opd)) == (6, 24, 2, 1)
     dpo = ALGORITHMS["dpo"].config(pairs_per_step=7)
     assert attrs.astuple(ALGORITHMS["dpo"].shape(dpo)) == (7, 14, 1, 1)
+    sft = ALGORITHMS["sft"].config(examples_per_step=9)
+    assert attrs.astuple(ALGORITHMS["sft"].shape(sft)) == (9, 9, 1, 1)

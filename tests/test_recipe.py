@@ -70,9 +70,9 @@ def test_unknown_table():
 
 
 def test_unknown_kind_lists_valid_kinds():
-    line = one_problem({"algo": {"kind": "sft"}})
-    assert "algo.kind: unknown algorithm kind (got 'sft')" in line
-    assert "grpo, dpo, ppo, opd" in line
+    line = one_problem({"algo": {"kind": "rm"}})
+    assert "algo.kind: unknown algorithm kind (got 'rm')" in line
+    assert "grpo, dpo, ppo, opd, sft" in line
 
 
 def test_wrong_type_names_expected_and_received():
@@ -269,7 +269,7 @@ def test_schema_describes_union_and_enums():
 
     schema = build_schema()
     kinds = [alt["properties"]["kind"]["const"] for alt in schema["properties"]["algo"]["oneOf"]]
-    assert kinds == ["grpo", "dpo", "ppo", "opd"]
+    assert kinds == ["grpo", "dpo", "ppo", "opd", "sft"]
     resume = schema["properties"]["data"]["properties"]["cursor_resume"]
     assert resume["enum"] == ["strict", "auto", "off"] and resume["default"] == "auto"
     assert resume["description"]

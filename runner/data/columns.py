@@ -1,6 +1,8 @@
 """Column mapping: a raw row (a mapping with the source's own column names) -> ObsBundle.
 
-``prompt_column`` becomes ``ObsBundle.prompt`` and ``response_column`` ``.reference``. PPO also
+``prompt_column`` becomes ``ObsBundle.prompt`` and ``response_column`` ``.reference``; SFT's
+``messages_column`` (when set) becomes ``.prompt`` instead, a checked list of chat messages
+(``runner.data.conversations``). PPO also
 maps ``image_column``, ``video_column`` and ``id_column``, and copies only the columns listed in
 ``metadata_columns`` into ``.metadata``: any other field of the row stays behind.
 """
@@ -13,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from runner.data.conversations import messages_problem
 from runner.errors import Problem, RecipeError
 from runner.recipe.algos import ALGORITHMS
 from runner.recipe.schema import DataConfig
@@ -29,12 +32,20 @@ class ColumnMap:
     video: str = ""
     id: str = ""
     metadata: tuple[str, ...] = ()
+    messages: str = ""  # a column of whole conversations, read instead of prompt and response
+
+    @property
+    def text(self) -> str:
+        """The column whose value is the item's prompt (its conversation, with messages)."""
+        return self.messages or self.prompt
 
     def describe(self) -> str:
         """Canonical text of the mapping, e.g. ``prompt=question response=answer``.
 
         Part of the cursor fingerprint: renaming a column changes what an index means.
         """
+        if self.messages:
+            return f"messages={self.messages}"
         pairs = [("prompt", self.prompt), ("response", self.response), ("image", self.image),
                  ("video", self.video), ("id", self.id), ("metadata", ",".join(self.metadata))]
         return " ".join(f"{name}={value}" for name, value in pairs if value)
@@ -43,6 +54,11 @@ class ColumnMap:
         """The canonical item of ``row``; ``where`` names the row in errors (e.g.
         "row 3 of ...")."""
         get = _Getter(row, where)
+        if self.messages:
+            value = get(self.messages, "data.messages_column")
+            check_value(messages_problem(value), where, self.messages, "data.messages_column")
+            return ObsBundle(prompt=[dict(m) for m in value],
+                             origin=MediaOrigin(where, "", "", self.messages))
         prompt = get(self.prompt, "data.prompt_column")
         check_value(prompt_problem(prompt), where, self.prompt, "data.prompt_column")
         reference = ""
@@ -72,7 +88,8 @@ def column_map(data: DataConfig, algo_kind: str) -> ColumnMap:
         image=data.image_column if reads("data.image_column") else "",
         video=data.video_column if reads("data.video_column") else "",
         id=data.id_column if reads("data.id_column") else "",
-        metadata=tuple(data.metadata_columns) if reads("data.metadata_columns") else ())
+        metadata=tuple(data.metadata_columns) if reads("data.metadata_columns") else (),
+        messages=data.messages_column if reads("data.messages_column") else "")
 
 
 class _Getter:

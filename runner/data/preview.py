@@ -45,7 +45,7 @@ def describe_data(recipe: Recipe) -> list[tuple[str, str]]:
     else:
         held = held_out.describe()
         rows.append(("held-out", f"{held['size']} items, {held['kind']}: {held['identity']}"))
-        if stream == "prompts":
+        if stream != "pairs":
             rows.append(("overlap check", f"training ids from {train.membership_from}, held-out "
                                           f"ids from {held_out.membership_from}"))
     return rows

@@ -1,5 +1,5 @@
-"""Prompt sources for GRPO, PPO and OPD: built-in arithmetic, a local file, a hub dataset, or a
-user factory, all behind one map-style ``PromptSource``.
+"""Prompt sources for GRPO, PPO and OPD (and SFT's conversations): built-in arithmetic, a local
+file, a hub dataset, or a user factory, all behind one map-style ``PromptSource``.
 
 Which source (``[data]``, at most one of factory / path / name):
 - none: the built-in arithmetic prompts, ``data.count`` of them from the training split (their
@@ -43,6 +43,7 @@ from runner.data.columns import (
     prompt_problem,
     reference_problem,
 )
+from runner.data.conversations import messages_problem
 from runner.data.cursor import fingerprint_of
 from runner.data.files import load_hub, load_local
 from runner.data.membership import check_overlap, item_id, text_id
@@ -109,7 +110,9 @@ class PromptSource:
         if self._column_values is None or self._items_fn is not None:
             return
         checks = [(self.columns.prompt, "data.prompt_column", prompt_problem)]
-        if self.columns.response:
+        if self.columns.messages:
+            checks = [(self.columns.messages, "data.messages_column", messages_problem)]
+        elif self.columns.response:
             checks.append((self.columns.response, "data.response_column", reference_problem))
         for column, key, problem_of in checks:
             for i, value in enumerate(self._column_values(column)):
@@ -122,7 +125,7 @@ class PromptSource:
         if self._column_values is None or self._items_fn is not None:
             return []
         return [(i, prompt_chars(value))
-                for i, value in enumerate(self._column_values(self.columns.prompt))]
+                for i, value in enumerate(self._column_values(self.columns.text))]
 
     def fingerprint_parts(self) -> dict[str, str]:
         return {**self.identity, "columns": self.columns.describe(),
@@ -148,7 +151,7 @@ def build_prompt_source(data: DataConfig, algo_kind: str, *, validation: bool = 
                         ) -> PromptSource:
     """The training source (or, with ``validation``, the held-out source) a recipe describes."""
     spec = ALGORITHMS[algo_kind]
-    if spec.stream != "prompts":
+    if spec.stream == "pairs":
         raise ValueError(f"{spec.title} reads preference pairs: use runner.data.preference")
     columns = column_map(data, algo_kind)
     items_fn = load_callable(data.items_fn, key="data.items_fn") if data.items_fn else None
@@ -217,7 +220,8 @@ def _builtin(data: DataConfig, split: str, count: int, columns: ColumnMap, **com
     return PromptSource(lambda i: dict(rows[i]), len(rows), kind="builtin",
                         label=f"built-in arithmetic ({split})",
                         identity={"source": "builtin", "builtin": spec},
-                        columns=attrs.evolve(columns, prompt="prompt", response="answer"),
+                        columns=attrs.evolve(columns, prompt="prompt", response="answer",
+                                             messages=""),
                         membership=lambda: tuple(p.key for p in problems),
                         membership_from="the problem keys", **common)
 
@@ -247,11 +251,13 @@ def _from_dataset(ds: Any, *, kind: str, label: str, identity: dict[str, str],
 
     def membership() -> tuple[str, ...]:
         # Hash of the raw prompt column: text only, no other column (no media) is decoded.
-        if columns.prompt not in ds.column_names:
-            raise RecipeError([Problem("data.prompt_column", f"membership ids of {label} hash "
-                                       f"the raw column {columns.prompt!r}, which it lacks",
-                                       hint="name a raw column in data.prompt_column")])
-        values = ds.select(range(length))[columns.prompt]
+        column, key = ((columns.messages, "data.messages_column") if columns.messages
+                       else (columns.prompt, "data.prompt_column"))
+        if column not in ds.column_names:
+            raise RecipeError([Problem(key, f"membership ids of {label} hash the raw column "
+                                       f"{column!r}, which it lacks",
+                                       hint=f"name a raw column in {key}")])
+        values = ds.select(range(length))[column]
         return tuple(text_id(value) for value in values)
 
     def column_values(column: str) -> list[Any]:
@@ -259,7 +265,7 @@ def _from_dataset(ds: Any, *, kind: str, label: str, identity: dict[str, str],
 
     return PromptSource(ds.__getitem__, length, kind=kind, label=label, identity=identity,
                         columns=columns, membership=membership,
-                        membership_from=f"a hash of its raw {columns.prompt!r} column",
+                        membership_from=f"a hash of its raw {columns.text!r} column",
                         column_values=column_values, **common)
 
 

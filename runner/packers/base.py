@@ -15,7 +15,12 @@ from typing import Any
 import attrs
 import torch
 
-from runner.packers.chat import ToolCall, parse_hermes_tool_calls, template_delta
+from runner.packers.chat import (
+    ToolCall,
+    parse_hermes_tool_calls,
+    render_conversation,
+    template_delta,
+)
 from runner.types import ObsBundle
 
 
@@ -242,6 +247,17 @@ class DataPacker(ABC):
         is not can override this with a renderer of its own."""
         return template_delta(lambda msgs, gen: self.render_messages(msgs, tools, gen),
                               self.eos_token_id, conversation, new_messages)
+
+    def get_conversation_input(self, messages: list[dict[str, Any]], loss_on: str = "assistant",
+                               tools: list[dict[str, Any]] | None = None) -> RLPolicyInput:
+        """SFT: a whole conversation as one sequence, its loss mask on the tokens the template
+        renders for the assistant's messages (``loss_on``), found by rendering it prefix by
+        prefix (``runner.packers.chat.render_conversation``: the append-only rule of
+        ``env_message_ids``, ``NotAppendOnly`` otherwise). Never searched in decoded text."""
+        out = render_conversation(lambda msgs, gen: self.render_messages(msgs, tools, gen),
+                                  self.eos_token_id, messages, loss_on)
+        first = next((i for i, m in enumerate(out.mask) if m), len(out.mask))
+        return RLPolicyInput(tuple(int(t) for t in out.ids), out.mask, first)
 
     def parse_tool_calls(self, text: str) -> list[ToolCall]:
         """The tool calls written in one assistant reply: the Qwen / Hermes syntax

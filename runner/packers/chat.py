@@ -112,3 +112,92 @@ def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
             continue
         calls.append(ToolCall(raw["name"], args))
     return calls
+
+
+@attrs.frozen
+class RenderedConversation:
+    """A conversation's tokens as the template renders it, with a 0/1 mask of those trained."""
+
+    ids: tuple[int, ...]
+    mask: tuple[int, ...]
+
+
+def _extends(longer: Sequence[int], shorter: Sequence[int], what: str, n: int) -> None:
+    if list(longer[:len(shorter)]) != list(shorter):
+        at = _first_difference(shorter, longer)
+        raise NotAppendOnly(f"rendering {what} changes the conversation before message {n} at "
+                            f"token {at}")
+
+
+def render_conversation(render: Render, eos_token_id: int, messages: Sequence[dict[str, Any]],
+                        loss_on: str) -> RenderedConversation:
+    """The tokens of ``messages`` rendered prefix by prefix, and which of them are trained.
+
+    For each assistant message n the template renders the messages before it with the
+    generation prompt (what the model is asked with), then with message n: both must extend
+    the tokens so far (the append-only rule of ``template_delta``, else ``NotAppendOnly``).
+    The turn's tokens up to and including its last eos token are the assistant's (what an
+    engine would sample); the template's tokens after that eos and before the next turn are
+    not. ``loss_on``: "assistant" trains every assistant turn, "last_assistant" the last,
+    "all" every token. Messages after the last assistant message are left out (nothing in
+    them is trained).
+
+    >>> template = lambda msgs, gen: [t for m in msgs for t in (m["role"][0], m["content"], 0)] \\
+    ...     + (["a"] if gen else [])
+    >>> r = render_conversation(template, 0, [{"role": "user", "content": "q"},
+    ...                                       {"role": "assistant", "content": "r"}], "assistant")
+    >>> list(zip(r.ids, r.mask))
+    [('u', 0), ('q', 0), (0, 0), ('a', 0), ('r', 1), (0, 1)]
+    """
+    turns = [n for n, m in enumerate(messages) if m.get("role") == "assistant"]
+    ids: list[Any] = []
+    mask: list[int] = []
+    for n in turns:
+        asked = render(list(messages[:n]), True)
+        _extends(asked, ids, "the generation prompt", n)
+        answered = render(list(messages[:n + 1]), False)
+        _extends(answered, asked, "the assistant's message", n)
+        turn = list(answered[len(asked):])
+        ends = [i for i, t in enumerate(turn) if t == eos_token_id]
+        if not ends:
+            raise NotAppendOnly(f"the template does not close the assistant's message {n} with "
+                                "the eos token")
+        trained = loss_on == "all" or loss_on == "assistant" or n == turns[-1]
+        head = [0 if loss_on != "all" else 1] * (len(asked) - len(ids))
+        mask += head + [int(trained)] * (ends[-1] + 1) + [int(loss_on == "all")] * (
+            len(turn) - ends[-1] - 1)
+        ids += list(asked[len(ids):]) + turn
+    return RenderedConversation(tuple(ids), tuple(mask))
+
+
+def hermes_tool_call_text(call: dict[str, Any]) -> str:
+    """One OpenAI tool call (``{"function": {"name", "arguments"}}``) in the syntax
+    ``parse_hermes_tool_calls`` reads back.
+
+    >>> hermes_tool_call_text({"type": "function", "function": {"name": "add",
+    ...                        "arguments": '{"a": 1}'}})
+    '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    """
+    fn = call["function"]
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass  # written as given: the model learns the text it was shown
+    return f"<tool_call>{json.dumps({'name': fn['name'], 'arguments': args})}</tool_call>"
+
+
+def with_tool_calls_written(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` for a template that knows no ``tool_calls``: each assistant message's calls
+    written after its content in the Hermes syntax (the built-in packers' ``parse_tool_calls``),
+    a null content as ""."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls or m.get("content") is None:
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = (m.get("content") or "") + "".join(
+                hermes_tool_call_text(c) for c in calls or ())
+        out.append(m)
+    return out

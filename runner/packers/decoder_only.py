@@ -21,6 +21,7 @@ from typing import Any
 
 from runner.errors import Problem, RecipeError
 from runner.packers.base import DataPacker, RLPolicyInput
+from runner.packers.chat import with_tool_calls_written
 from runner.types import ObsBundle
 
 TEXT_FIELDS = ("text", "content", "sample")
@@ -51,7 +52,8 @@ class DecoderOnlyLLMDataPacker(DataPacker):
         messages = item.prompt if isinstance(item.prompt, list) else [
             {"role": "user", "content": str(item.prompt)}]
         if tok.chat_template:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok.apply_chat_template(self._for_template(messages), tokenize=False,
+                                           add_generation_prompt=True)
         text = "\n".join(str(m["content"]) for m in messages)
         bos = tok.bos_token if tok.bos_token and not text.startswith(tok.bos_token) else ""
         return bos + text
@@ -59,16 +61,26 @@ class DecoderOnlyLLMDataPacker(DataPacker):
     def render_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                         = None, add_generation_prompt: bool = False) -> list[int]:
         """The chat template's text of ``messages`` (with ``tools``), encoded without adding
-        special tokens, as a single-turn prompt is."""
+        special tokens, as a single-turn prompt is. Assistant ``tool_calls`` go to a template
+        that renders them; one that does not mention them gets them written into the content
+        in the syntax ``parse_tool_calls`` reads (``chat.with_tool_calls_written``)."""
         tok = self._tok()
         if not tok.chat_template:
             raise RecipeError([Problem("model.path", f"{self.model_path}: the tokenizer has no "
                                        "chat template, which [env] episodes render messages with",
                                        hint="use a chat model, or a DataPacker whose "
                                        "render_messages renders them")])
-        text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+        text = tok.apply_chat_template(self._for_template(messages), tools=tools or None,
+                                       tokenize=False,
                                        add_generation_prompt=add_generation_prompt)
         return self.encode_rollout_input(text)
+
+    def _for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` as the template reads them: assistant tool calls written into the
+        content when the template does not mention ``tool_calls``."""
+        if "tool_calls" in self._tok().chat_template:
+            return messages
+        return with_tool_calls_written(messages)
 
     def encode_rollout_input(self, rollout_input: Any) -> list[int]:
         if isinstance(rollout_input, list | tuple):

@@ -169,7 +169,27 @@ class OPDConfig:
     )
 
 
-AlgoConfig = GRPOConfig | DPOConfig | PPOConfig | OPDConfig
+@attrs.frozen
+class SFTConfig:
+    kind: Literal["sft"] = key("sft", "Supervised fine-tuning on conversations (mean NLL of the "
+                               "trained tokens).")
+    examples_per_step: int = key(32, "Conversations per optimizer step (all ranks).")
+    loss_on: Literal["assistant", "last_assistant", "all"] = key(
+        "assistant", "Which tokens are trained: every assistant turn, the last assistant turn, "
+        "or every token of the conversation. A turn's tokens are the ones the chat template "
+        "renders for it, found by rendering the conversation prefix by prefix (append-only)."
+    )
+    max_seq_len: int = key(
+        0, "Most tokens of one rendered conversation; 0: rollout.max_model_len when set, else "
+        "no limit."
+    )
+    overlong: Literal["refuse", "drop"] = key(
+        "refuse", "A conversation longer than max_seq_len: refuse (the run stops, naming it) or "
+        "drop (left out of its step, counted as data/dropped). Never cut."
+    )
+
+
+AlgoConfig = GRPOConfig | DPOConfig | PPOConfig | OPDConfig | SFTConfig
 # kind tag -> config class, read off the union (the converter's tagged-union table); what else
 # the package knows of each kind is its spec, runner.recipe.algos.ALGORITHMS.
 ALGO_KINDS: dict[str, type] = {attrs.fields(c).kind.default: c for c in get_args(AlgoConfig)}

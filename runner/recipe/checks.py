@@ -32,9 +32,9 @@ _DOTTED_HINT = "write a dotted path like 'my_package.my_module.build'"
 
 
 def check_prompt_source(r: Recipe) -> list[Problem]:
-    """At most one of data.factory / data.path / data.name (for prompts; preference pairs:
-    check_pair_source)."""
-    if spec_of(r).stream != "prompts":
+    """At most one of data.factory / data.path / data.name (for prompts and conversations;
+    preference pairs: check_pair_source)."""
+    if spec_of(r).stream == "pairs":
         return []
     chosen = [k for k in ("factory", "path", "name") if _set(getattr(r.data, k))]
     if len(chosen) > 1:

@@ -19,11 +19,12 @@ def train_key(data: DataConfig) -> str:
 def held_out_reason(data: DataConfig, stream: str) -> str:
     """"" when a run of ``[data]`` evaluates on a held-out set; otherwise why it does not, as a
     sentence for the dry-run plan and the start of the run. ``stream`` is the data the
-    algorithm trains on (``AlgoSpec.stream``: "prompts" or "pairs").
+    algorithm trains on (``AlgoSpec.stream``: "prompts", "pairs" or "conversations").
 
     Preference pairs (DPO): held-out pairs whenever ``data.validation.enabled`` (a custom
     training source without a held-out source is an error, raised when the sources are built:
-    the overlap check needs both sides' ``membership_ids()``). Prompt sources: the built-in
+    the overlap check needs both sides' ``membership_ids()``). Prompt and conversation sources
+    (the same selectors): the built-in
     prompts come with their held-out set; a source of the user's needs one named beside it.
     """
     v = data.validation

@@ -16,6 +16,7 @@ from runner.recipe.algo_configs import (  # noqa: F401 - the recipe's classes ar
     GRPOConfig,
     OPDConfig,
     PPOConfig,
+    SFTConfig,
 )
 from runner.recipe.fields import default_of, key, table  # noqa: F401
 
@@ -97,6 +98,11 @@ class DataConfig:
     split: str = key("train", "Split to read from data.path or data.name.")
     prompt_column: str = key("prompt", "Column holding the prompt.")
     response_column: str = key("", "Column holding the reference answer, if any.")
+    messages_column: str = key(
+        "", "SFT only: column holding each conversation as chat messages (OpenAI format: role, "
+        "content, tool_calls; tool messages for tool results); instead of prompt_column and "
+        "response_column (one user turn, one assistant turn)."
+    )
     items_fn: str = key(
         "", "Dotted callable applied to each raw row (row in, row out) before columns are read."
     )

@@ -72,8 +72,9 @@ class AlgoSpec:
 
     - ``title``: how messages name it ("GRPO").
     - ``config``: its ``[algo]`` config class (``runner.recipe.schema``).
-    - ``stream``: the data it trains on: ``"prompts"`` (sampled by the engine) or ``"pairs"``
-      (preference pairs, read as given).
+    - ``stream``: the data it trains on: ``"prompts"`` (sampled by the engine), ``"pairs"``
+      (preference pairs, read as given) or ``"conversations"`` (chat conversations, read as
+      given from the same sources as prompts).
     - ``batch_key``: the ``[algo]`` key that sets the items drawn per step (all ranks).
     - ``shape(algo)``: a step's sizes (``Shape``).
     - ``roles(recipe)``: the roles it builds besides the driver and the policy.
@@ -95,7 +96,7 @@ class AlgoSpec:
 
     title: str
     config: type
-    stream: Literal["prompts", "pairs"]
+    stream: Literal["prompts", "pairs", "conversations"]
     batch_key: str
     shape: Callable[[Any], Shape]
     roles: Callable[[Recipe], frozenset[str]]

@@ -1,7 +1,8 @@
-"""A run's data side, one kind per algorithm: prompts (GRPO, PPO, OPD) or preference pairs
-(DPO). The assembly opens the sources (checked before any model is built), compares their
-fingerprint parts with the checkpoint's cursor, then builds this rank's stream resumed at that
-cursor, with its shard of the held-out prompts that evaluation generates from.
+"""A run's data side, one kind per algorithm: prompts (GRPO, PPO, OPD), preference pairs
+(DPO) or conversations (SFT, read from the same sources as prompts). The assembly opens the
+sources (checked before any model is built), compares their fingerprint parts with the
+checkpoint's cursor, then builds this rank's stream resumed at that cursor, with its shard of
+the held-out prompts that evaluation generates from.
 
 Which kind an algorithm uses is its spec's ``stream``; ``open_data`` opens it, so the assembly
 has no branch on the kind.
@@ -15,6 +16,7 @@ from typing import Protocol
 import attrs
 import numpy as np
 
+from runner.data.conversations import generation_item
 from runner.data.cursor import DataCursor, PromptData, PromptStream
 from runner.data.order import shard
 from runner.data.pairs import PreferencePair
@@ -99,6 +101,23 @@ class OpenedPairs:
         return [], streamed.held_out_items
 
 
+@attrs.frozen
+class OpenedConversations(OpenedPrompts):
+    """SFT's conversation sources: a stream over them as over prompts; the held-out
+    conversations become the prompts their last assistant message answers
+    (``runner.data.conversations.generation_item``), evaluated by NLL and by generation."""
+
+    def stream(self, recipe: Recipe, ctx: RankContext, cursor: DataCursor | None) -> Streamed:
+        streamed = super().stream(recipe, ctx, cursor)
+        return attrs.evolve(streamed, held_out_items=[
+            generation_item(item) for item in streamed.held_out_items])
+
+    def prompts_to_check(self, streamed: Streamed
+                         ) -> tuple[list[PromptSource], list[ObsBundle]]:
+        """No source's rows are engine prompts; this rank's held-out prompts are."""
+        return [], streamed.held_out_items
+
+
 def open_prompts(recipe: Recipe, ctx: RankContext) -> OpenedPrompts:
     """The training and held-out prompt sources, columns and overlap checked."""
     return OpenedPrompts(*build_prompt_sources(recipe.data, recipe.algo.kind))
@@ -110,10 +129,16 @@ def open_pairs(recipe: Recipe, ctx: RankContext) -> OpenedPairs:
                                                         world=ctx.world_size))
 
 
+def open_conversations(recipe: Recipe, ctx: RankContext) -> OpenedConversations:
+    """The training and held-out conversation sources, checked as prompt sources are."""
+    return OpenedConversations(*build_prompt_sources(recipe.data, recipe.algo.kind))
+
+
 # the data an algorithm trains on (AlgoSpec.stream) -> how it is opened
 _OPENERS: dict[str, Callable[[Recipe, RankContext], OpenedData]] = {
     "prompts": open_prompts,
     "pairs": open_pairs,
+    "conversations": open_conversations,
 }
 
 

@@ -1,0 +1,277 @@
+"""SFT: the loss by hand, token-exact assistant masks for each built-in text model's template,
+the refusal of a template that is not append-only, packed = unpacked, the data errors, a short
+CLI run and an exact resume after SIGKILLs."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from runner.algorithms.sft import sft_loss
+from runner.data.sources import build_prompt_sources
+from runner.errors import RecipeError
+from runner.models import load_causal_lm, resolve_model_path
+from runner.models.builtin import is_built
+from runner.models.home import model_dir
+from runner.packers import DecoderOnlyLLMDataPacker, build_packer
+from runner.recipe import load_recipe
+from runner.train.loops.sft import encode
+from runner.train.roles.packing import packed_logprobs
+from runner.train.roles.policy import batch_logprobs
+from runner.types import ObsBundle
+from tests.conftest import REPO
+from tests.resume_helpers import assert_same_run, kill_at_random_points, rows
+from tests.resume_helpers import run_cli as run_subprocess
+
+CALL = {"type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}
+CALL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+CHAT = [{"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "3+4="},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "9-2="},
+        {"role": "assistant", "content": "7"}]
+TOOLS_CHAT = [{"role": "system", "content": "Use the tools."},
+              {"role": "user", "content": "3+4="},
+              {"role": "assistant", "content": None, "tool_calls": [CALL]},
+              {"role": "tool", "content": "7"},
+              {"role": "assistant", "content": "7"},
+              {"role": "user", "content": "1+1="},
+              {"role": "assistant", "content": "2"}]
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def _tiny(role: str, content: str, eos: str) -> list[tuple[str, bool]]:
+    if role == "assistant":
+        return [("<|assistant|>", False), (content, True), (eos, True)]
+    if role == "tool":
+        return [(f"<|user|><tool_response>{content}</tool_response>{eos}", False)]
+    return [(f"<|{role}|>{content}{eos}", False)]
+
+
+def _char(role: str, content: str, eos: str) -> list[tuple[str, bool]]:
+    if role == "assistant":
+        return [("<assistant>", False), (content, True), (eos, True)]
+    return [(f"<{role}>{content}\n", False)]
+
+
+def _chatml(role: str, content: str, eos: str) -> list[tuple[str, bool]]:
+    if role == "assistant":
+        return [("<|im_start|>assistant\n", False), (content, True), (eos, True), ("\n", False)]
+    return [(f"<|im_start|>{role}\n{content}{eos}\n", False)]
+
+
+# model -> (how its template writes a message, hand-copied from the template; its bos; the chat)
+TEMPLATES = {
+    "builtin:tiny-arith": (_tiny, "<|bos|>", CHAT),
+    "builtin:tiny-arith-char": (_char, "<s>", CHAT),
+    "builtin:tiny-arith-tools": (_tiny, "<|bos|>", TOOLS_CHAT),
+    f"builtin:{SMOLLM2}": (_chatml, "", TOOLS_CHAT),
+}
+
+
+def _packer(model: str) -> DecoderOnlyLLMDataPacker:
+    if model.endswith(SMOLLM2) and not is_built(model_dir(SMOLLM2)):
+        pytest.skip("SmolLM2 is not converted on this machine")
+    return build_packer(resolve_model_path(model), "llama" if SMOLLM2 in model else "qwen2")
+
+
+def expected(model: str, packer, messages: list[dict], loss_on: str) -> tuple[list, list]:
+    """Ids and mask from the template written out by hand, each piece encoded on its own."""
+    write, bos, _ = TEMPLATES[model]
+    eos = packer.tokenizer.eos_token
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    pieces = [(bos, False)] if bos else []
+    for i, m in enumerate(messages[:last + 1]):
+        content = (m["content"] or "") + (CALL_TEXT if m.get("tool_calls") else "")
+        pieces += [(text, trained and (loss_on == "assistant" or i == last))
+                   for text, trained in write(m["role"], content, eos)]
+    ids, mask = [], []
+    for text, trained in pieces:
+        piece = packer.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [int(trained or loss_on == "all")] * len(piece)
+    return ids, mask
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "last_assistant", "all"])
+@pytest.mark.parametrize("model", sorted(TEMPLATES))
+def test_assistant_masks_are_the_templates_assistant_tokens(model, loss_on):
+    """Every built-in text model's template: the trained tokens are exactly the assistant
+    messages' content and eos (tool calls in the Hermes syntax), never the template's own."""
+    packer = _packer(model)
+    messages = TEMPLATES[model][2]
+    x = packer.get_conversation_input(messages, loss_on)
+    ids, mask = expected(model, packer, messages, loss_on)
+    assert list(x.input_ids) == ids
+    assert list(x.loss_mask) == mask
+    assert x.n_prompt_tokens == (0 if loss_on == "all" else mask.index(1))
+
+
+class ThinkStripping(DecoderOnlyLLMDataPacker):
+    """A template that rewrites earlier assistant turns (as reasoning templates drop earlier
+    thinking): not append-only."""
+
+    def render_messages(self, messages, tools=None, add_generation_prompt=False):
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        kept = [dict(m, content="") if m["role"] == "assistant" and i < last else m
+                for i, m in enumerate(messages)]
+        return super().render_messages(kept, tools, add_generation_prompt)
+
+
+def test_a_template_that_is_not_append_only_is_refused_in_one_line():
+    packer = ThinkStripping()
+    packer.setup(str(resolve_model_path("builtin:tiny-arith")))
+    item = ObsBundle(CHAT, id="chat-7")
+    with pytest.raises(RecipeError) as info:
+        encode(packer, item, "assistant", "tiny-arith")
+    text = str(info.value)
+    assert "\n" not in text.strip()
+    assert "not append-only" in text and "'chat-7'" in text and "message 4" in text
+
+
+@pytest.fixture(scope="module")
+def model64():
+    path = resolve_model_path("builtin:tiny-arith")
+    return load_causal_lm(path, dtype="float64"), build_packer(path, "qwen2")
+
+
+def by_hand(model, inputs) -> float:
+    """The mean NLL of the trained tokens, one sequence and one token at a time."""
+    total, count = 0.0, 0
+    for x in inputs:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([x.input_ids])).logits[0]
+        for t in range(1, len(x.input_ids)):
+            if x.loss_mask[t]:
+                row = logits[t - 1]
+                total -= float(row[x.input_ids[t]] - torch.logsumexp(row, 0))
+                count += 1
+    return total / count
+
+
+def test_loss_by_hand_on_two_conversations(model64):
+    """The loop's loss (padded batch, shifted grid, masked mean) equals the NLL summed token by
+    token over both conversations and divided by their trained tokens; two micro-batches, each
+    weighted by its share of the tokens, give the same loss."""
+    model, packer = model64
+    single = [{"role": "user", "content": "12-5="}, {"role": "assistant", "content": "7"}]
+    inputs = [packer.get_conversation_input(c) for c in (CHAT, single)]
+    lp, mask = batch_logprobs(model, packer.collate(inputs))
+    loss, metrics = sft_loss(lp, mask)
+    assert abs(loss.item() - by_hand(model, inputs)) < 1e-12
+    assert metrics["loss"].item() == loss.item()
+    tokens = [sum(x.loss_mask[1:]) for x in inputs]
+    pieces = [sft_loss(*batch_logprobs(model, packer.collate([x])))[0].item() * n / sum(tokens)
+              for x, n in zip(inputs, tokens, strict=True)]
+    assert abs(sum(pieces) - loss.item()) < 1e-12
+
+
+def test_packed_equals_unpacked(model64):
+    """Conversations of different lengths packed end to end (per-sequence positions, no
+    attention across them) give the padded batch's loss."""
+    model, packer = model64
+    chats = [CHAT, CHAT[:3], [{"role": "user", "content": "1+1="},
+                              {"role": "assistant", "content": "2"}]]
+    batch = packer.collate([packer.get_conversation_input(c) for c in chats])
+    assert packed_logprobs(model, batch, 1.0) is not None  # the packed layout runs
+    padded = sft_loss(*batch_logprobs(model, batch, pad_free=False))[0]
+    packed = sft_loss(*batch_logprobs(model, batch, pad_free=True))[0]
+    assert abs(packed.item() - padded.item()) < 1e-12
+
+
+def _jsonl(path, rows_):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    return path
+
+
+def _sources(path, *overrides):
+    recipe = load_recipe(REPO / "recipes" / "sft-arith.toml",
+                         [f"data.path={path}", "data.validation.enabled=false", *overrides])
+    return build_prompt_sources(recipe.data, recipe.algo.kind)
+
+
+def test_malformed_messages_and_missing_column_name_the_row_and_field(tmp_path):
+    bad = [dict(m) for m in CHAT]
+    del bad[1]["role"]
+    path = _jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT}, {"messages": bad}])
+    with pytest.raises(RecipeError) as info:
+        _sources(path, "data.messages_column=messages")
+    text = str(info.value)
+    assert "\n" not in text.strip()
+    assert f"row 1 of {path}" in text and "messages[1].role" in text
+    with pytest.raises(RecipeError) as info:
+        _sources(path, "data.messages_column=conversation")
+    text = str(info.value)
+    assert "'conversation' is not in row 0" in text and "data.messages_column" in text
+
+
+def test_a_source_without_answers_is_refused_with_the_recipe(tmp_path):
+    with pytest.raises(RecipeError, match="data.messages_column: SFT trains on answers"):
+        load_recipe(REPO / "recipes" / "sft-arith.toml", [f"data.path={tmp_path}/x.jsonl"])
+    with pytest.raises(RecipeError, match="built-in arithmetic data has fixed"):
+        load_recipe(REPO / "recipes" / "sft-arith.toml", ["data.messages_column=messages"])
+
+
+def test_a_conversation_without_an_answer_is_named(tmp_path):
+    path = _jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT[:2]}])
+    with pytest.raises(RecipeError, match="row 0 .* has no assistant message"):
+        _sources(path, "data.messages_column=messages")
+
+
+SMALL = ("algo.examples_per_step=4", "data.validation.size=8", "train.eval_every=2",
+         "logging.sample_every=0")
+
+
+def test_cli_run_on_tool_conversations(run_cli, tmp_path):
+    """Two steps end to end on a file of tool-using conversations, with held-out ones."""
+    train = _jsonl(tmp_path / "train.jsonl", [{"messages": TOOLS_CHAT}] * 6)
+    held = [dict(m) for m in TOOLS_CHAT]
+    held[1] = {"role": "user", "content": "2+5="}
+    val = _jsonl(tmp_path / "val.jsonl", [{"messages": held}])
+    rc, out, err = run_cli("--plain", "recipes/sft-arith.toml", f"run.output_dir={tmp_path / 'r'}",
+                           "model.path=builtin:tiny-arith-tools", f"data.path={train}",
+                           "data.messages_column=messages", f"data.validation.path={val}",
+                           "run.max_steps=2", "reward.functions=['exact_match']", *SMALL)
+    assert rc == 0, out + err
+    last = rows(tmp_path / "r")[-1]
+    assert last["step"] == 2 and last["sft/examples"] == 4 and last["sft/tokens"] > 0
+    assert math.isclose(last["eval/perplexity"], math.exp(last["eval/nll"]))
+    assert "eval/reward" in last
+
+
+def test_overlong_conversations_are_dropped_and_counted(run_cli, tmp_path):
+    rc, out, err = run_cli("--plain", "recipes/sft-arith.toml", f"run.output_dir={tmp_path}",
+                           "run.max_steps=1", "algo.max_seq_len=12", "algo.overlong=drop",
+                           *SMALL)
+    assert rc == 0, out + err
+    assert rows(tmp_path)[-1]["sft/dropped"] + rows(tmp_path)[-1]["sft/examples"] == 4
+    rc, out, err = run_cli("--plain", "recipes/sft-arith.toml", f"run.output_dir={tmp_path}/b",
+                           "run.max_steps=1", "algo.max_seq_len=4", *SMALL)
+    assert rc != 0 and "algo.max_seq_len" in out + err and "tokens, more than 4" in out + err
+
+
+RESUME = ("algo.examples_per_step=4", "data.validation.size=8", "train.eval_every=2",
+          "checkpoint.every_steps=1", "checkpoint.keep_last=3", "logging.sample_every=0")
+
+
+def test_sigkill_resume_is_bitwise(tmp_path):
+    """A straight run of 4 steps; another stopped at 2, SIGKILLed once, resumed to 4: the same
+    metrics, weights, optimizer state and cursor."""
+    recipe, straight, resumed = "recipes/sft-arith.toml", tmp_path / "a", tmp_path / "b"
+    done = run_subprocess(recipe, straight, "run.max_steps=4", *RESUME)
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = run_subprocess(recipe, resumed, "run.max_steps=2", *RESUME)
+    assert first.returncode == 0, first.stdout + first.stderr
+    where = kill_at_random_points(recipe, resumed, 4, RESUME, random.Random(3), kills=1)
+    done = run_subprocess(recipe, resumed, "run.max_steps=4", *RESUME)
+    assert where, "no kill happened"
+    assert done.returncode == 0 and "resuming" in done.stdout, done.stdout + done.stderr
+    try:
+        assert_same_run(resumed, straight, 4, ("model/model.safetensors",
+                                               "optimizer.safetensors"))
+    except AssertionError as exc:
+        raise AssertionError(f"after kills at {where}: {exc}") from exc
