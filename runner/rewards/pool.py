@@ -15,7 +15,6 @@ import atexit
 import collections
 import json
 import os
-import pickle
 import selectors
 import shutil
 import signal
@@ -32,6 +31,14 @@ import attrs
 from runner.errors import RewardFailure
 from runner.rewards.calls import not_a_reward
 from runner.rewards.sandbox import Limits, child_env, group_members, kill_group
+
+
+def item_record(item: Any) -> dict[str, Any]:
+    """What a worker receives of an item: its text fields and metadata (JSON); images and
+    videos stay in the trainer."""
+    return {"prompt": item.prompt, "reference": item.reference, "id": item.id,
+            "metadata": item.metadata}
+
 
 START_TIMEOUT_S = 120.0  # a worker imports the reward functions' modules before it is ready
 STARTS_IN_A_ROW = 3  # workers that die before answering once, in a row: the pool gives up
@@ -67,7 +74,7 @@ class _Worker:
                    "parent": os.getpid()})
 
     def send(self, message: Any) -> None:
-        data = pickle.dumps(message)
+        data = (json.dumps(message, allow_nan=True) + "\n").encode()
         view = memoryview(data)
         while view:
             view = view[os.write(self.cmd, view):]
@@ -157,7 +164,8 @@ class RewardPool:
                         break
                     task = todo.popleft()
                     try:
-                        w.send((task[1], task[0], completions[task[1]], items[task[1]]))
+                        w.send([task[1], task[0], completions[task[1]],
+                                item_record(items[task[1]])])
                     except BrokenPipeError:
                         todo.appendleft(task)
                         ready.discard(w)

@@ -1,10 +1,10 @@
 """One reward worker process of ``reward.isolation = "process"`` (started by
 ``runner.rewards.pool``; ``python -m runner.rewards.worker CMD_FD RESULT_FD``).
 
-It reads its set-up, then one task at a time (pickled by the trainer, which it trusts), and
-answers each on its result pipe with one JSON line (the trainer never unpickles what a worker
-writes). A task is one sample: the named reward function called on a one-element batch, in a
-fresh temporary working folder (deleted afterwards), with the sample's address-space and CPU
+It reads its set-up, then one task at a time, each a JSON line from the trainer, and answers
+each on its result pipe with one JSON line. An item arrives as an ``ObsBundle`` of its prompt,
+reference, id and metadata (no images or videos). A task is one sample: the named reward
+function called on a one-element batch, in a fresh temporary working folder (deleted afterwards), with the sample's address-space and CPU
 limits set and its stdout/stderr captured (a capped tail comes back with an error). A watchdog
 ends the worker, and everything it started, when the trainer is gone.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 from typing import Any
 
 from runner.rewards.sandbox import OUTPUT_CAP, Limits, lift_limits, limit_self
+from runner.types import ObsBundle
 
 
 def _watch(parent: int) -> None:
@@ -92,19 +92,20 @@ def _one(fn: Any, completion: str, item: Any, limits: Limits) -> dict[str, Any]:
 
 
 def main(cmd_fd: int, result_fd: int) -> None:
-    commands = os.fdopen(cmd_fd, "rb")
+    commands = os.fdopen(cmd_fd, "r", encoding="utf-8")
     results = os.fdopen(result_fd, "w")
-    setup = pickle.load(commands)
+    setup = json.loads(commands.readline())
     threading.Thread(target=_watch, args=(setup["parent"],), daemon=True).start()
     limits = Limits(*setup["limits"])
     functions = _functions(setup["functions"], limits)
     results.write(json.dumps({"ready": True}) + "\n")
     results.flush()
     while True:
-        try:
-            task_id, name, completion, item = pickle.load(commands)
-        except EOFError:
+        line = commands.readline()
+        if not line:
             return
+        task_id, name, completion, raw = json.loads(line)
+        item = ObsBundle(raw["prompt"], raw["reference"], id=raw["id"], metadata=raw["metadata"])
         answer = _one(functions[name], completion, item, limits)
         answer["id"] = task_id
         try:
