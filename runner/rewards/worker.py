@@ -4,9 +4,10 @@
 It reads its set-up, then one task at a time, each a JSON line from the trainer, and answers
 each on its result pipe with one JSON line. An item arrives as an ``ObsBundle`` of its prompt,
 reference, id and metadata (no images or videos). A task is one sample: the named reward
-function called on a one-element batch, in a fresh temporary working folder (deleted afterwards), with the sample's address-space and CPU
-limits set and its stdout/stderr captured (a capped tail comes back with an error). A watchdog
-ends the worker, and everything it started, when the trainer is gone.
+function called on a one-element batch, in a fresh temporary working folder (deleted
+afterwards), with the sample's address-space and CPU limits set and its stdout/stderr captured
+(a capped tail comes back with an error). A watchdog ends the worker, and everything it
+started, when the trainer is gone.
 """
 
 from __future__ import annotations
