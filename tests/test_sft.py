@@ -259,13 +259,11 @@ RESUME = ("algo.examples_per_step=4", "data.validation.size=8", "train.eval_ever
 
 
 def test_sigkill_resume_is_bitwise(tmp_path):
-    """A straight run of 4 steps; another stopped at 2, SIGKILLed once, resumed to 4: the same
-    metrics, weights, optimizer state and cursor."""
+    """A straight run of 4 steps; another SIGKILLed once after a checkpoint, resumed to 4: the
+    same metrics, weights, optimizer state and cursor."""
     recipe, straight, resumed = "recipes/sft-arith.toml", tmp_path / "a", tmp_path / "b"
     done = run_subprocess(recipe, straight, "run.max_steps=4", *RESUME)
     assert done.returncode == 0, done.stdout + done.stderr
-    first = run_subprocess(recipe, resumed, "run.max_steps=2", *RESUME)
-    assert first.returncode == 0, first.stdout + first.stderr
     where = kill_at_random_points(recipe, resumed, 4, RESUME, random.Random(3), kills=1)
     done = run_subprocess(recipe, resumed, "run.max_steps=4", *RESUME)
     assert where, "no kill happened"
