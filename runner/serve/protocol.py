@@ -5,8 +5,9 @@ shape), and the bodies of responses and stream chunks.
 Fields the server does not use (``user``, ``presence_penalty``, ``stream_options`` other than
 ``include_usage``, ...) are accepted and ignored, as agents send them; ``model`` may name any
 model (the response names the one served), so an agent written for another endpoint runs
-unchanged. Assistant messages that carry ``tool_calls`` are rendered with each call written as
-the model writes one (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``).
+unchanged. Assistant messages that carry ``tool_calls`` are rendered by the DataPacker: by a
+chat template that knows ``tool_calls``, else with each call written as the model writes one
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``).
 """
 
 from __future__ import annotations
@@ -152,16 +153,12 @@ def _text(content: Any, where: str) -> str:
     raise bad(f"{where}.content", "must be a string or a list of text parts")
 
 
-def call_text(name: str, arguments: Any) -> str:
-    """One tool call as the model writes it (what ``parse_hermes_tool_calls`` reads back)."""
-    return ("<tool_call>" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-            + "</tool_call>")
-
-
-def _calls_text(calls: Any, where: str) -> str:
+def _calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked (the packer renders them: a template that
+    knows ``tool_calls`` itself, else written in the syntax the model writes them in)."""
     if not isinstance(calls, list):
         raise bad(f"{where}.tool_calls", "must be a list")
-    texts = []
+    out = []
     for i, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -172,8 +169,9 @@ def _calls_text(calls: Any, where: str) -> str:
         except json.JSONDecodeError as exc:
             raise bad(f"{where}.tool_calls[{i}].function.arguments",
                       f"is not JSON ({exc.msg})") from exc
-        texts.append(call_text(fn["name"], arguments))
-    return "\n".join(texts)
+        out.append({"type": "function", "id": str(call.get("id", "")),
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
 
 
 def _message(raw: Any, i: int) -> dict[str, Any]:
@@ -186,10 +184,10 @@ def _message(raw: Any, i: int) -> dict[str, Any]:
     calls = raw.get("tool_calls") if role == "assistant" else None
     content = raw.get("content")
     text = "" if content is None and calls else _text(content, where)
+    message: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": text}
     if calls:
-        written = _calls_text(calls, where)
-        text = f"{text}\n{written}" if text else written
-    message = {"role": "system" if role == "developer" else role, "content": text}
+        message["tool_calls"] = _calls(calls, where)
     if role == "tool" and isinstance(raw.get("name"), str):
         message["name"] = raw["name"]
     return message
