@@ -52,8 +52,10 @@ def kind_branches(source: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
             hit = any(_kind_constants(s) for s in sides) or any(_names_kind(s) for s in sides)
-        elif isinstance(node, ast.Dict):
-            hit = any(k is not None and _kind_constants(k) for k in node.keys)
+        elif isinstance(node, ast.Dict):  # a table keyed by kinds: every string key is a kind
+            keys = [k.value for k in node.keys
+                    if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+            hit = bool(keys) and all(k in KINDS for k in keys)
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id == "isinstance" and len(node.args) == 2
               and id(node) not in asserted):
@@ -78,6 +80,8 @@ def test_the_detector_finds_each_way_of_branching_on_a_kind():
         'need = algo_kind == other',
     ])
     assert [line for line, _ in kind_branches(planted)] == [1, 2, 3, 4, 5, 6, 7]
+    # a table of other names, one of which is spelled like a kind, is not keyed by kind
+    assert kind_branches('ESTIMATORS = {"grpo": 1, "rloo": 2}') == []
     clean = '\n'.join([
         'assert isinstance(algo, GRPOConfig)',  # a loop narrowing its own config
         'print(recipe.algo.kind)',  # naming the kind in a message is not a branch

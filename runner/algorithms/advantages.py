@@ -152,14 +152,13 @@ class Estimator:
     kl_in_reward: bool = False
 
 
-# algo.advantage -> its estimator. Written as keywords: the name "grpo" here is an estimator's,
-# not an algorithm kind (tests/test_algo_registry.py reads kind names in dict literals).
-ESTIMATORS: dict[str, Estimator] = dict(
-    grpo=Estimator(_grpo),
-    rloo=Estimator(_rloo),
-    reinforce_pp=Estimator(_reinforce_pp, kl_in_reward=True),
-    reinforce_pp_baseline=Estimator(_reinforce_pp_baseline),
-)
+# algo.advantage -> its estimator ("grpo" names the group-normalised estimator here).
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(_grpo),
+    "rloo": Estimator(_rloo),
+    "reinforce_pp": Estimator(_reinforce_pp, kl_in_reward=True),
+    "reinforce_pp_baseline": Estimator(_reinforce_pp_baseline),
+}
 
 
 def advantages(name: str, inputs: AdvantageInputs) -> Tensor:
