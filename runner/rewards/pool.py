@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -123,11 +124,13 @@ class RewardPool:
         self.specs, self.size, self.limits = dict(specs), max(1, workers), limits
         self.workers: list[_Worker] = []
         self.died_starting = 0
+        self._lock = threading.Lock()  # one batch at a time, whichever thread asks
         atexit.register(self.close)
 
     def close(self) -> None:
-        while self.workers:
-            self.workers.pop().end()
+        with self._lock:
+            while self.workers:
+                self.workers.pop().end()
 
     def _start(self) -> _Worker:
         worker = _Worker(self.specs, self.limits)
@@ -147,6 +150,11 @@ class RewardPool:
     def score(self, names: Sequence[str], completions: Sequence[str], items: Sequence[Any]
               ) -> tuple[dict[str, list[float | None]], list[Failed]]:
         """Every function's value for every sample (None where it failed) and the failures."""
+        with self._lock:
+            return self._score(names, completions, items)
+
+    def _score(self, names: Sequence[str], completions: Sequence[str], items: Sequence[Any]
+               ) -> tuple[dict[str, list[float | None]], list[Failed]]:
         n = len(completions)
         values: dict[str, list[float | None]] = {name: [None] * n for name in names}
         failed: list[Failed] = []
