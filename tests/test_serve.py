@@ -174,6 +174,23 @@ def test_tool_calls_come_back_in_the_openai_shape_and_render_back(server, refere
             assert choice.message.content == (rest or None)
             assert len({c.id for c in calls}) == len(calls)
 
+    # Streamed, the same answers arrive as chunks: the tool calls whole, then the finish reason.
+    chunks = list(server.client.chat.completions.create(
+        model="x", messages=ask, tools=TOOLS, n=16, seed=1, temperature=1.0, max_tokens=32,
+        stream=True))
+    streamed: dict[int, list] = {}
+    finished: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.delta.tool_calls or [])
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    for i, choice in enumerate(r.choices):
+        calls = choice.message.tool_calls or []
+        assert [(t.function.name, t.function.arguments) for t in streamed[i]] == [
+            (t.function.name, t.function.arguments) for t in calls]
+        assert finished[i] == choice.finish_reason
+
     # The agent sends the call back with the tool's answer: the model reads the call as it
     # wrote it (the template renders the assistant's text, the call included).
     call = called[0].message.tool_calls[0]
