@@ -1,7 +1,7 @@
 """``posttrain-run serve``: the recipe's policy (its engine, DataPacker and chat template, built
 as a run builds them) behind an OpenAI-compatible endpoint on 127.0.0.1: ``model.py`` the engine
-and its request queue, ``protocol.py`` the API's requests and answers, ``app.py`` the HTTP
-server."""
+and its request queue, ``app.py`` the routes (the API's requests and answers:
+``runner.rollout.openai_api``; the HTTP server: ``runner.rollout.openai_server``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ def serve(recipe: Recipe, checkpoint: Path | None, *, port: int = 0, api_key: st
           name: str = "", say: Callable[[str], None] = print) -> int:
     """Build the model, listen on 127.0.0.1:``port`` and answer until SIGINT or SIGTERM;
     returns the exit code (0)."""
-    from runner.serve.app import HOST, listen, make_app, run_server
+    from runner.rollout.openai_server import HOST, listen, run_server
+    from runner.serve.app import make_app
     from runner.serve.model import ServedModel
 
     key = api_key or f"sk-{secrets.token_urlsafe(24)}"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import queue
 import secrets
 import threading
-from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import attrs
 from runner.errors import RunnerError
 from runner.recipe.schema import Recipe
 from runner.rollout.base import RolloutOutput, SamplingConfig
-from runner.serve.protocol import ApiError, ChatRequest, Choice, Sampling, bad
+from runner.rollout.openai_api import ApiError, ChatRequest, Choice, Sampling, bad, choices
 
 _STOP = object()
 
@@ -149,51 +148,7 @@ class ServedModel:
             job.done.set_result(outputs[at:at + len(job.prompts)])
             at += len(job.prompts)
 
-    # --- answers ----------------------------------------------------------------------------
     def choices(self, output: RolloutOutput, sampling: Sampling, *, chat: bool,
                 tools: bool) -> list[Choice]:
-        """The output's completions as answered: cut at the first stop sequence, and (chat
-        with tools) the tool calls the packer parses out of the text."""
-        out = []
-        for c in output.completions:
-            # the engine's ids and logprobs, the eos that ended a completion included
-            ids, text, logprobs, finish = (list(c.token_ids), c.text, list(c.logprobs),
-                                           c.finish_reason)
-            cut = _first_stop(text, sampling.stop)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-                keep = self._tokens_covering(ids, len(text))
-                ids, logprobs = ids[:keep], logprobs[:keep]
-            tokens = tuple(self.packer.decode([t], skip_special_tokens=False) for t in ids)
-            choice = Choice(text, tuple(ids), tuple(logprobs), tokens, finish, (), text)
-            if chat and tools:
-                choice = self._with_calls(choice)
-            out.append(choice)
-        return out
-
-    def _tokens_covering(self, ids: Sequence[int], chars: int) -> int:
-        """The fewest leading tokens whose text is at least ``chars`` characters long."""
-        for k in range(len(ids) + 1):
-            if len(self.packer.decode(ids[:k])) >= chars:
-                return k
-        return len(ids)
-
-    def _with_calls(self, choice: Choice) -> Choice:
-        import json
-
-        from runner.packers.chat import TOOL_CALL
-
-        calls = [c for c in self.packer.parse_tool_calls(choice.text) if not c.error]
-        if not calls:
-            return choice
-        content = TOOL_CALL.sub("", choice.text).strip() or None
-        named = tuple((c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in calls)
-        return attrs.evolve(choice, calls=named, content=content,
-                            finish_reason="tool_calls" if choice.finish_reason == "stop"
-                            else choice.finish_reason)
-
-
-def _first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where the first of ``stops`` begins in ``text`` (None: none occurs)."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
+        """The output's completions as answered (``runner.rollout.openai_api.choices``)."""
+        return choices(self.packer, output, sampling, chat=chat, tools=tools)

@@ -1,4 +1,5 @@
-"""The OpenAI API as ``posttrain-run serve`` speaks it, without a server or a model: requests
+"""The OpenAI API as the runner speaks it (``posttrain-run serve``, and agents trained over it),
+without a server: requests
 checked field by field (a bad one is an ``ApiError`` naming the field, answered in OpenAI's error
 shape), and the bodies of responses and stream chunks.
 
@@ -15,9 +16,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+from runner.rollout.base import RolloutOutput
+
+if TYPE_CHECKING:
+    from runner.packers.base import DataPacker
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 64
@@ -355,3 +361,51 @@ def _pieces(c: Choice) -> list[str]:
     if sent < len(text):
         pieces.append(text[sent:])
     return pieces
+
+
+def choices(packer: DataPacker, output: RolloutOutput, sampling: Sampling, *, chat: bool,
+            tools: bool) -> list[Choice]:
+    """An engine output's completions as answered: cut at the first stop sequence, and (chat
+    with tools) the tool calls ``packer`` parses out of the text. The ids and logprobs are the
+    engine's, the eos that ended a completion included."""
+    out = []
+    for c in output.completions:
+        ids, text, logprobs, finish = (list(c.token_ids), c.text, list(c.logprobs),
+                                       c.finish_reason)
+        cut = _first_stop(text, sampling.stop)
+        if cut is not None:
+            text, finish = text[:cut], "stop"
+            keep = _tokens_covering(packer, ids, len(text))
+            ids, logprobs = ids[:keep], logprobs[:keep]
+        tokens = tuple(packer.decode([t], skip_special_tokens=False) for t in ids)
+        choice = Choice(text, tuple(ids), tuple(logprobs), tokens, finish, (), text)
+        out.append(with_calls(packer, choice) if chat and tools else choice)
+    return out
+
+
+def _tokens_covering(packer: DataPacker, ids: Sequence[int], chars: int) -> int:
+    """The fewest leading tokens whose text is at least ``chars`` characters long."""
+    for k in range(len(ids) + 1):
+        if len(packer.decode(ids[:k])) >= chars:
+            return k
+    return len(ids)
+
+
+def with_calls(packer: DataPacker, choice: Choice) -> Choice:
+    """``choice`` with the tool calls written in its text, parsed by ``packer``, as calls."""
+    from runner.packers.chat import TOOL_CALL
+
+    calls = [c for c in packer.parse_tool_calls(choice.text) if not c.error]
+    if not calls:
+        return choice
+    content = TOOL_CALL.sub("", choice.text).strip() or None
+    named = tuple((c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in calls)
+    return attrs.evolve(choice, calls=named, content=content,
+                        finish_reason="tool_calls" if choice.finish_reason == "stop"
+                        else choice.finish_reason)
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the first of ``stops`` begins in ``text`` (None: none occurs)."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
