@@ -40,6 +40,7 @@ def _calls(recipe: Recipe) -> list[tuple[str, str, tuple | None, dict[str, Any]]
     ]
     e = recipe.env
     calls.append(("env.factory", e.factory, (), e.factory_kwargs))
+    calls.append(("env.agent", e.agent, (None,), {"client": None, **e.agent_kwargs}))
     calls += [(f"env.tools[{i}]", tool, None, {}) for i, tool in enumerate(e.tools)]
     return [c for c in calls if c[1]]
 

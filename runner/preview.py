@@ -205,8 +205,8 @@ def episode_rows(recipe: Recipe, model_path: Any, packer: Any, item: Any) -> lis
                              [item_seed(recipe.run.seed, 1, 0)])[0]
     finally:
         engine.close()
-    rows = [("environment", recipe.env.factory or "built-in tool environment"),
-            ("tools", ", ".join(s["function"]["name"] for s in runner.tools.schemas) or "none")]
+        runner.close()
+    rows = runner.describe()
     rows += [(f"{m['role']}", repr(m["content"])) for m in result.messages]
     rows.append(("prompt tokens (not trained)", str(len(result.prompt_ids))))
     for trained, ids in spans(result):

@@ -11,7 +11,7 @@ from runner.extensions import check_binds, load_callable
 from runner.recipe.rules import env_enabled
 
 if TYPE_CHECKING:
-    from runner.envs.episodes import EnvRunner
+    from runner.envs import EpisodePlayer
     from runner.packers.base import DataPacker
     from runner.recipe.schema import EnvConfig, Recipe
 
@@ -39,7 +39,7 @@ def load_factory(cfg: EnvConfig) -> Callable[..., Any] | None:
     return fn
 
 
-def build_env_runner(recipe: Recipe, packer: DataPacker) -> EnvRunner | None:
+def build_env_runner(recipe: Recipe, packer: DataPacker) -> EpisodePlayer | None:
     """The worker's episode player for ``recipe`` with the rollout-side ``packer``; None for
     single-turn rollouts."""
     if not env_enabled(recipe):
@@ -54,5 +54,10 @@ def build_env_runner(recipe: Recipe, packer: DataPacker) -> EnvRunner | None:
             or recipe.model.path, hint="use a text model with a chat template, or a packer "
             "whose render_messages renders them (and renders_chat = True)")])
     cfg = recipe.env
+    if cfg.agent:
+        from runner.envs.agents import AgentRunner
+
+        agent = load_callable(cfg.agent, key="env.agent")
+        return AgentRunner(cfg, packer, agent, recipe.model.path)
     return EnvRunner(cfg, packer, load_factory(cfg), ToolBox(load_tools(cfg), cfg.tool_timeout_s),
                      recipe.model.path)

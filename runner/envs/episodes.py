@@ -230,6 +230,14 @@ class EnvRunner:
                 hint="give the environment's messages roles the template knows (user, or tool "
                 "where it renders tool messages), or use a DataPacker that renders them")]) from exc
 
+    def describe(self) -> list[tuple[str, str]]:
+        return [("environment", self.cfg.factory or "built-in tool environment"),
+                ("tools", ", ".join(s["function"]["name"] for s in self.tools.schemas)
+                 or "none")]
+
+    def close(self) -> None:
+        """Nothing of its own outlives a batch."""
+
     # --- episodes ----------------------------------------------------------------------------
     def start(self, item: ObsBundle, seed: int, step: int | None, limit: int) -> _Episode:
         """A new episode of ``item``: its environment made and reset, its opening rendered,

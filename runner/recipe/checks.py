@@ -177,9 +177,9 @@ def check_env(r: Recipe) -> list[Problem]:
     p: list[Problem] = []
     spec = spec_of(r)
     if not spec.samples_online:
-        key = "env.factory" if e.factory else "env.tools"
+        key = "env.factory" if e.factory else "env.agent" if e.agent else "env.tools"
         p.append(Problem(key, f"{spec.title} trains on given pairs and plays no episodes",
-                         got=e.factory or e.tools, hint="remove the [env] table, or use "
+                         got=e.factory or e.agent or e.tools, hint="remove the [env] table, or use "
                          + titles(lambda s: s.samples_online)))
     p += _range("env.max_turns", e.max_turns, 1 <= e.max_turns <= 1024, "in [1, 1024]")
     p += _range("env.max_total_tokens", e.max_total_tokens,
@@ -188,6 +188,12 @@ def check_env(r: Recipe) -> list[Problem]:
                 "limit)")
     p += _range("env.step_timeout_s", e.step_timeout_s, e.step_timeout_s >= 0, ">= 0 (0: no "
                 "limit)")
+    if e.agent and (e.factory or e.tools):
+        p.append(Problem("env.agent", "an agent plays the episode itself (its own tools, over "
+                         "the OpenAI API): it takes no env.factory or env.tools", got=e.agent,
+                         hint="remove env.factory and env.tools, or env.agent"))
+    p += _range("env.concurrency", e.concurrency, 1 <= e.concurrency <= 4096, "in [1, 4096]")
+    p += _range("env.episode_timeout_s", e.episode_timeout_s, e.episode_timeout_s > 0, "> 0")
     if r.rollout.max_model_len and e.max_total_tokens > r.rollout.max_model_len:
         p.append(Problem("env.max_total_tokens", f"is more than rollout.max_model_len "
                          f"({r.rollout.max_model_len}), which holds a whole episode",
@@ -205,6 +211,7 @@ def check_dotted_paths(r: Recipe) -> list[Problem]:
         "data_packer.factory": r.data_packer.factory,
         "data_packer.teacher_model_factory": r.data_packer.teacher_model_factory,
         "env.factory": r.env.factory,
+        "env.agent": r.env.agent,
         **{f"env.tools[{i}]": t for i, t in enumerate(r.env.tools)},
     }
     problems = [Problem(k, "not a dotted path", got=v, hint=_DOTTED_HINT)

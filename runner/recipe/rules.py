@@ -19,6 +19,6 @@ def in_range(key: str, value: float, ok: bool, rule: str) -> list[Problem]:
 
 
 def env_enabled(recipe: Recipe) -> bool:
-    """Whether the recipe plays multi-turn episodes: an ``[env]`` factory or tools are named.
-    The one place this is decided."""
-    return bool(recipe.env.factory or recipe.env.tools)
+    """Whether the recipe plays multi-turn episodes: an ``[env]`` factory, tools or an agent
+    are named. The one place this is decided."""
+    return bool(recipe.env.factory or recipe.env.tools or recipe.env.agent)

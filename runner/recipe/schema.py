@@ -208,6 +208,19 @@ class EnvConfig:
     step_timeout_s: float = key(
         60.0, "Seconds the environment's reset or step may take; a slower one ends the run, "
         "naming it, the item and the turn. 0: no limit; at most 604800 (a week).")
+    agent: str = key(
+        "", "Dotted path of an agent written against the OpenAI API, called once per episode as "
+        "agent(item, client=openai.OpenAI(...), **agent_kwargs) with a client of the policy "
+        "served on 127.0.0.1; it returns its reward (a number, a dict of named numbers, or "
+        "None: the [reward] functions' alone). Instead of factory and tools.")
+    agent_kwargs: dict[str, Any] = key({}, "Keyword arguments for env.agent (free-form).")
+    concurrency: int = key(32, "env.agent: episodes played at a time.")
+    episode_timeout_s: float = key(
+        120.0, "env.agent: seconds one episode may take; a slower one ends (on_agent_error).")
+    on_agent_error: Literal["zero", "fail"] = key(
+        "fail", "env.agent: an agent that raises, returns something else than a reward, sends "
+        "a rewritten history or runs out of time: the run stops naming it and the item (fail), "
+        "or the episode's env reward is 0 and env/agent_error counts it (zero).")
 
 
 @attrs.frozen
@@ -401,5 +414,5 @@ class Recipe:
 
 # Keys whose tables are free-form: any sub-key is accepted (no "+" prefix needed in overrides).
 FREEFORM_KEYS = frozenset({"data.factory_kwargs", "data.validation.factory_kwargs",
-                           "env.factory_kwargs",
+                           "env.factory_kwargs", "env.agent_kwargs",
                            "launch.ray_runtime_env"})

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from runner.envs.episodes import EnvRunner, EpisodeResult
+from runner.envs import EpisodePlayer
+from runner.envs.episodes import EpisodeResult
 from runner.errors import NonFiniteUpdate
 from runner.packers.base import DataPacker, PolicyBatch
 from runner.recipe.schema import Recipe
@@ -322,7 +323,7 @@ class Rollout:
     """The rollout role: the engine and the rollout-side packer that feeds it."""
 
     def __init__(self, engine: RolloutEngine, packer: DataPacker,
-                 limit: PromptLimit | None = None, env: EnvRunner | None = None) -> None:
+                 limit: PromptLimit | None = None, env: EpisodePlayer | None = None) -> None:
         self.engine = engine
         self.packer = packer
         self.limit = limit or PromptLimit(None, "no limit")
@@ -363,4 +364,6 @@ class Rollout:
         self.engine.update_weights(named)
 
     def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
         self.engine.close()

@@ -1,0 +1,130 @@
+"""Agents written against the OpenAI API (``[env] agent``): the runner serves the policy to the
+user's agent on 127.0.0.1 and trains the tokens the engine sampled, in lockstep.
+
+The end-to-end check: the openai-SDK agent of ``examples/openai_agent.py``, which does what the
+built-in tool environment does, trains exactly the run of ``recipes/grpo-tools.toml`` (the same
+losses and weights, bitwise): the prompts it sends render to the same tokens, its tool results
+append the same tokens, every turn is seeded the same."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from runner.envs.agents import AgentRunner
+from runner.errors import RuntimeFailure
+from runner.models.builtin import builtin_folder
+from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
+from runner.recipe import load_recipe
+from runner.rollout.base import SamplingConfig
+from runner.types import ObsBundle
+from tests.conftest import REPO
+from tests.extmods import agents as A
+from tests.multiproc import listeners_of
+from tests.resume_helpers import deterministic_rows, final_weights, run_cli
+
+pytestmark = pytest.mark.slow
+ITEM = ObsBundle("What is 21 + 77?", reference="98", id="q")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from runner.rollout.factory import make_engine
+
+    recipe = load_recipe(REPO / "recipes/grpo-tools.toml")
+    packer = DecoderOnlyLLMDataPacker()
+    packer.setup(str(builtin_folder("tiny-arith-tools")))
+    eng = make_engine(recipe, builtin_folder("tiny-arith-tools"), dtype="float32",
+                      max_model_len=None)
+    yield packer, eng
+    eng.close()
+
+
+def play(engine, agent, *overrides, n=2, items=(ITEM,)):
+    packer, eng = engine
+    recipe = load_recipe(REPO / "recipes/grpo-openai-agent.toml",
+                         [f"env.agent={agent}", "env.agent_kwargs={}", *overrides])
+    runner = AgentRunner(recipe.env, packer, getattr(A, agent.rsplit(".", 1)[1]), "tiny")
+    try:
+        results = runner.play(eng.generate, lambda *a: None, list(items),
+                              SamplingConfig(n=n, max_new_tokens=16, temperature=1.0),
+                              [5] * len(items))
+        return results, runner
+    finally:
+        if runner.server is not None:
+            runner.server.stop()
+
+
+def test_the_agents_tokens_are_the_engines_and_its_rewards_arrive(engine):
+    results, runner = play(engine, "tests.extmods.agents.follows_up")
+    packer, _ = engine
+    for r in results:
+        assert r.env_reward == 0.5 and r.stats["turns"] == 2.0
+        trained = [t for t, m in zip(r.completion.token_ids, r.loss_mask, strict=True) if m]
+        first = r.completion.token_ids.index(packer.eos_token_id) + 1
+        # the first reply (the engine's, to its eos), then the template's follow-up (not
+        # trained), then the second reply
+        assert r.loss_mask[:first] == (1,) * first and 0 in r.loss_mask[first:]
+        assert len(trained) == sum(r.loss_mask) and r.completion.logprobs[first] == 0.0
+    results, _ = play(engine, "tests.extmods.agents.one_call", "env.agent_kwargs={reward = "
+                      "{ a = 1.0, b = 0.25 }}", n=1)
+    assert results[0].env_reward == 1.25 and results[0].stats["agent_a"] == 1.0
+
+
+def test_the_episodes_do_not_depend_on_how_many_play_at_once(engine):
+    items = [ObsBundle(f"What is {a} + {b}?", str(a + b)) for a, b in ((12, 30), (45, 11))]
+    wide, _ = play(engine, "tests.extmods.agents.follows_up", "env.concurrency=8", items=items)
+    narrow, _ = play(engine, "tests.extmods.agents.follows_up", "env.concurrency=1",
+                     items=items)
+    assert [r.completion.token_ids for r in wide] == [r.completion.token_ids for r in narrow]
+
+
+@pytest.mark.parametrize(("agent", "words"), [
+    ("rewrites", "does not send back the conversation so far"),
+    ("raises", "raised RuntimeError: the agent gave up"),
+    ("wrong_key", "raised AuthenticationError"),
+])
+def test_an_agent_that_breaks_the_contract_is_named(engine, agent, words):
+    with pytest.raises(RuntimeFailure) as caught:
+        play(engine, f"tests.extmods.agents.{agent}", n=1)
+    line = str(caught.value)
+    assert f"tests.extmods.agents.{agent}" in line and words in line and "item 'q'" in line
+    results, _ = play(engine, f"tests.extmods.agents.{agent}", "env.on_agent_error=zero", n=1)
+    assert results[0].env_reward == 0.0 and results[0].stats["agent_error"] == 1.0
+
+
+def test_a_hanging_agent_is_cut_and_an_idle_one_trains_nothing(engine):
+    results, _ = play(engine, "tests.extmods.agents.hangs", "env.on_agent_error=zero",
+                      "env.episode_timeout_s=1", n=1)
+    assert results[0].stats["agent_timeout"] == 1.0 and results[0].env_reward == 0.0
+    assert sum(results[0].loss_mask) > 0  # what it sampled before is kept, with reward 0
+    results, _ = play(engine, "tests.extmods.agents.never_asks", n=1)
+    assert results[0].env_reward == 2.0 and sum(results[0].loss_mask) == 0
+
+
+def test_the_endpoint_listens_on_loopback_only(engine):
+    packer, eng = engine
+    recipe = load_recipe(REPO / "recipes/grpo-openai-agent.toml")
+    runner = AgentRunner(recipe.env, packer, A.one_call, "tiny")
+    try:
+        url = runner._endpoint().url
+        assert url.startswith("http://127.0.0.1:")
+        listening = listeners_of({os.getpid()})
+        assert listening and all(a.startswith("127.0.0.1:") for a in listening), listening
+    finally:
+        runner.server.stop()
+    assert not listeners_of({os.getpid()})
+
+
+def test_an_openai_sdk_agent_trains_exactly_as_the_built_in_tool_environment(tmp_path):
+    common = ("run.max_steps=2", "algo.prompts_per_step=4", "algo.group_size=4",
+              "data.validation.size=8", "train.eval_every=2", "logging.sample_every=0")
+    for name in ("grpo-tools", "grpo-openai-agent"):
+        done = run_cli(f"recipes/{name}.toml", tmp_path / name, *common)
+        assert done.returncode == 0, done.stdout + done.stderr
+    tools, agent = (deterministic_rows(tmp_path / n) for n in ("grpo-tools", "grpo-openai-agent"))
+    keys = ("loss", "reward/mean", "env/turns", "env/tool_calls")
+    assert [[r.get(k) for k in keys] for r in tools] == [[r.get(k) for k in keys] for r in agent]
+    a, b = (final_weights(tmp_path / n, 2) for n in ("grpo-tools", "grpo-openai-agent"))
+    assert all((a[k] == b[k]).all() for k in a)
