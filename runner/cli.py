@@ -115,18 +115,26 @@ def build_eval_parser() -> argparse.ArgumentParser:
         description="Evaluate the recipe's model, or a checkpoint of its run, on the recipe's "
         "held-out set with its own reward functions, engine and DataPacker: mean reward, "
         "pass@k ([eval] num_samples, pass_at) and majority voting; writes eval.json.")
-    parser.add_argument("--checkpoint", default="", metavar="PATH|latest",
-                        help="a checkpoint folder (RUN_DIR/checkpoints/step-N) or 'latest' (the "
-                        "run's newest intact one); default: the recipe's model.path")
+    _checkpoint_arg(parser)
     parser.add_argument("--out", default="", metavar="DIR", help="where eval.json goes "
                         "(default: run.output_dir/eval/<checkpoint or model>)")
     parser.add_argument("--save-completions", action="store_true",
                         help="keep every completion's text in eval.json")
     parser.add_argument("--plain", action="store_true",
                         help="plain log lines instead of the live display")
+    _recipe_args(parser)
+    return parser
+
+
+def _checkpoint_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", default="", metavar="PATH|latest",
+                        help="a checkpoint folder (RUN_DIR/checkpoints/step-N) or 'latest' (the "
+                        "run's newest intact one); default: the recipe's model.path")
+
+
+def _recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="the recipe file (TOML)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
-    return parser
 
 
 def eval_command(argv: list[str]) -> int:
@@ -154,9 +162,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
         description="Serve the recipe's model, or a checkpoint of its run, behind an "
         "OpenAI-compatible endpoint on 127.0.0.1 (/v1/chat/completions, /v1/completions, "
         "/v1/models) with the recipe's engine, DataPacker and chat template; Ctrl-C stops it.")
-    parser.add_argument("--checkpoint", default="", metavar="PATH|latest",
-                        help="a checkpoint folder (RUN_DIR/checkpoints/step-N) or 'latest' (the "
-                        "run's newest intact one); default: the recipe's model.path")
+    _checkpoint_arg(parser)
     parser.add_argument("--port", type=int, default=8000,
                         help="the port on 127.0.0.1 (0: a free one; default 8000)")
     parser.add_argument("--api-key", default="", metavar="KEY",
@@ -164,8 +170,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
                         "printed at start)")
     parser.add_argument("--model-name", default="", metavar="NAME",
                         help="the model's name in answers and /v1/models (default: run.name)")
-    parser.add_argument("recipe", help="the recipe file (TOML)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    _recipe_args(parser)
     return parser
 
 
