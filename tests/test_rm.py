@@ -153,3 +153,10 @@ def test_nonsense_combinations_are_refused_in_one_line(override, key):
         load_recipe(REPO / RECIPE, [override])
     assert len(info.value.problems) == 1, str(info.value)
     assert key in str(info.value) and "\n" not in str(info.value).strip()
+
+
+def test_eval_of_a_reward_model_is_refused_in_one_line(trained, run_cli):
+    rc, out, err = run_cli("eval", "--plain", RECIPE, f"run.output_dir={trained}",
+                           "--checkpoint", "latest")
+    assert rc != 0 and "algo.kind" in out + err and "eval/pair_accuracy" in out + err
+    assert len((out + err).strip().splitlines()) == 1, out + err
