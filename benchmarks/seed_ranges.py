@@ -57,6 +57,7 @@ ROWS: dict[str, list[tuple[str, str, int]]] = {
     "opd-vl-teacher": [("reverse KL per token", "eval/reverse_kl", 2)],
     "grpo-tools": [ACC],
     "grpo-guess": [("env reward", "eval/reward", 3)],
+    "rm-arith": [("pair accuracy", "eval/pair_accuracy", 3)],
 }
 SLOW = {"grpo-smollm2-arith"}  # 15 minutes a run on two cores: only when named
 

@@ -24,6 +24,7 @@ RECIPES = {
     "opd-cross-tokenizer": ("algo.prompts_per_step=2", "rollout.max_new_tokens=4"),
     "dpo-arith": ("algo.pairs_per_step=8",),
     "sft-arith": ("algo.examples_per_step=8",),
+    "rm-arith": ("algo.pairs_per_step=8",),
 }
 COMMON = ("run.max_steps=2", "data.validation.enabled=false", "logging.sample_every=0")
 KEYS = ("loss", "reward/mean", "grad_norm", "reverse_kl", "kl", "value_loss", "reward_margin")

@@ -23,6 +23,7 @@ CASES = {
     "opd": ("recipes/opd-arith.toml", ("algo.prompts_per_step=4", "rollout.max_new_tokens=4")),
     "dpo": ("recipes/dpo-arith.toml", ("algo.pairs_per_step=6",)),
     "sft": ("recipes/sft-arith.toml", ("algo.examples_per_step=6",)),
+    "rm": ("recipes/rm-arith.toml", ("algo.pairs_per_step=6",)),
 }
 COMMON = ("run.max_steps=1", "data.validation.enabled=false", "model.dtype=float64",
           "logging.sample_every=0", "train.padding_free=false")

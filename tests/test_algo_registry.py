@@ -145,3 +145,5 @@ def test_the_shapes_by_hand():
     assert attrs.astuple(ALGORITHMS["dpo"].shape(dpo)) == (7, 14, 1, 1)
     sft = ALGORITHMS["sft"].config(examples_per_step=9)
     assert attrs.astuple(ALGORITHMS["sft"].shape(sft)) == (9, 9, 1, 1)
+    rm = ALGORITHMS["rm"].config(pairs_per_step=5)
+    assert attrs.astuple(ALGORITHMS["rm"].shape(rm)) == (5, 10, 1, 1)

@@ -11,7 +11,7 @@ from runner.errors import RecipeError
 from runner.recipe import load_recipe, recipe_from_mapping
 from runner.recipe.load import parse_value
 from runner.recipe.resolved import recipe_hash, write_resolved
-from runner.recipe.schema import DPOConfig, GRPOConfig, OPDConfig, PPOConfig, Recipe
+from runner.recipe.schema import DPOConfig, GRPOConfig, OPDConfig, PPOConfig, Recipe, RMConfig
 from tests.conftest import RECIPES
 
 
@@ -41,7 +41,8 @@ def test_empty_recipe_is_all_defaults():
 
 
 @pytest.mark.parametrize("kind,cls", [("grpo", GRPOConfig), ("dpo", DPOConfig),
-                                      ("ppo", PPOConfig), ("opd", OPDConfig)])
+                                      ("ppo", PPOConfig), ("opd", OPDConfig),
+                                      ("rm", RMConfig)])
 def test_algo_is_tagged_union(kind, cls):
     assert isinstance(recipe_from_mapping({"algo": {"kind": kind}}).algo, cls)
 
@@ -70,9 +71,9 @@ def test_unknown_table():
 
 
 def test_unknown_kind_lists_valid_kinds():
-    line = one_problem({"algo": {"kind": "rm"}})
-    assert "algo.kind: unknown algorithm kind (got 'rm')" in line
-    assert "grpo, dpo, ppo, opd, sft" in line
+    line = one_problem({"algo": {"kind": "kto"}})
+    assert "algo.kind: unknown algorithm kind (got 'kto')" in line
+    assert "grpo, dpo, ppo, opd, sft, rm" in line
 
 
 def test_wrong_type_names_expected_and_received():
@@ -269,7 +270,7 @@ def test_schema_describes_union_and_enums():
 
     schema = build_schema()
     kinds = [alt["properties"]["kind"]["const"] for alt in schema["properties"]["algo"]["oneOf"]]
-    assert kinds == ["grpo", "dpo", "ppo", "opd", "sft"]
+    assert kinds == ["grpo", "dpo", "ppo", "opd", "sft", "rm"]
     resume = schema["properties"]["data"]["properties"]["cursor_resume"]
     assert resume["enum"] == ["strict", "auto", "off"] and resume["default"] == "auto"
     assert resume["description"]

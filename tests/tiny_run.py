@@ -28,6 +28,7 @@ SMALL = {
     "opd": ("algo.prompts_per_step=2", "algo.samples_per_prompt=2"),
     "dpo": ("algo.pairs_per_step=4", "data.synthetic_pairs=64"),
     "sft": ("algo.examples_per_step=4",),
+    "rm": ("algo.pairs_per_step=4", "data.synthetic_pairs=64"),
 }
 COMMON = ("data.validation.enabled=false", "logging.sample_every=0", "rollout.max_new_tokens=4",
           "run.max_steps=2")

@@ -7,6 +7,6 @@ loop is named by its row of ``runner.recipe.algos.ALGORITHMS``.
 
 from __future__ import annotations
 
-from runner.algorithms import dpo, grpo, opd, ppo, sft
+from runner.algorithms import dpo, grpo, opd, ppo, rm, sft
 
-__all__ = ["dpo", "grpo", "opd", "ppo", "sft"]
+__all__ = ["dpo", "grpo", "opd", "ppo", "rm", "sft"]

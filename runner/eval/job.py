@@ -71,7 +71,15 @@ def eval_job(recipe: Recipe, plan: RunPlan, *, checkpoint: str = "", out: str = 
     """The job every rank runs: ``checkpoint`` ("latest", a checkpoint folder, or "" for
     ``model.path``) found and checked, and its output folder (``out``, or the run's
     ``eval/<label>``)."""
-    reason = held_out_reason(recipe.data, spec_of(recipe).stream)
+    spec = spec_of(recipe)
+    if spec.head != "lm":
+        raise RecipeError([Problem("algo.kind", "posttrain-run eval scores generated answers, and "
+                                   f"the score head this run trains ({spec.title}) generates "
+                                   "none; the run logs its held-out pair accuracy "
+                                   "(eval/pair_accuracy)", got=recipe.algo.kind, source=SOURCE,
+                                   hint="read metrics.jsonl, or load the exported folder with "
+                                   "AutoModelForSequenceClassification")])
+    reason = held_out_reason(recipe.data, spec.stream)
     if reason:
         raise RecipeError([Problem("data.validation", f"the recipe has no held-out set to "
                                    f"evaluate on ({reason})", source=SOURCE)])

@@ -178,25 +178,64 @@ def require_safetensors(folder: Path, key: str = "model.path") -> None:
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False,
-                   *, key: str = "model.path") -> Any:
+                   *, key: str = "model.path", head: str = "lm") -> Any:
     """The language model of a folder (or ``builtin:NAME``) in ``dtype``, in eval mode:
     ``AutoModelForCausalLM``, or for a vision-language folder the image-text-to-text class
     (``AutoModelForCausalLM`` refuses e.g. ``qwen3_vl``). Weights come from safetensors only;
-    a folder with pickled weights is a ``RecipeError`` at ``key``."""
+    a folder with pickled weights is a ``RecipeError`` at ``key``. With ``head = "score"`` the
+    same architecture with a scalar score head instead (``score_config``): a new head on a
+    language model's folder, the trained one on a reward model's."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder = _folder(path)
     require_safetensors(folder, key)
-    auto = AutoModelForImageTextToText if is_multimodal(folder) else AutoModelForCausalLM
+    auto = _auto_class(folder, head, key)
     try:
+        kwargs = ({"config": _config(folder, head, trust_remote_code)} if head == "score"
+                  else {})
         model = auto.from_pretrained(
             str(folder), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
-            use_safetensors=True,
+            use_safetensors=True, **kwargs,
         )
     except ValueError as exc:
         raise _known_failure(exc, folder, trust_remote_code) from exc
     return model.eval()
+
+
+def _auto_class(folder: Path, head: str, key: str) -> Any:
+    """The transformers auto class of the model ``head`` names for ``folder``."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
+
+    if head == "score":
+        if is_multimodal(folder):
+            raise RecipeError([Problem(key, f"{folder}: a vision-language model gets no score "
+                                       "head in this version", hint="use a text model")])
+        return AutoModelForSequenceClassification
+    return AutoModelForImageTextToText if is_multimodal(folder) else AutoModelForCausalLM
+
+
+def _config(folder: Path, head: str, trust_remote_code: bool) -> Any:
+    """The folder's config; for a score head ``score_config`` of it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    return score_config(config, folder, trust_remote_code) if head == "score" else config
+
+
+def score_config(config: Any, folder: Path, trust_remote_code: bool = False) -> Any:
+    """``config`` for one scalar output (``num_labels = 1``) and a ``pad_token_id`` (the
+    tokenizer's pad token, else its eos): transformers scores each sequence at its last token
+    that is not the pad token, and refuses batches of several without one."""
+    config.num_labels = 1
+    if getattr(config, "pad_token_id", None) is None:
+        tok = load_tokenizer(folder, trust_remote_code)
+        config.pad_token_id = (tok.pad_token_id if tok.pad_token_id is not None
+                               else tok.eos_token_id)
+    return config
 
 
 def _known_failure(exc: ValueError, folder: Path, trust_remote_code: bool) -> Exception:
@@ -226,19 +265,18 @@ def _known_failure(exc: ValueError, folder: Path, trust_remote_code: bool) -> Ex
 
 
 def empty_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False,
-                    *, key: str = "model.path") -> Any:
+                    *, key: str = "model.path", head: str = "lm") -> Any:
     """``load_causal_lm``'s model without its weights: the parameters on the meta device (no
     memory), the buffers computed on the CPU as a load computes them. Sharded ranks fill in
     their own shards from the folder's files (runner.train.roles.sharding.fill_shards)."""
     import torch
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder = _folder(path)
     require_safetensors(folder, key)
-    auto = AutoModelForImageTextToText if is_multimodal(folder) else AutoModelForCausalLM
+    auto = _auto_class(folder, head, key)
     try:
-        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        config = _config(folder, head, trust_remote_code)
         with init_empty_weights(include_buffers=False):
             model = auto.from_config(config, dtype=getattr(torch, dtype),
                                      trust_remote_code=trust_remote_code)

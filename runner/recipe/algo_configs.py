@@ -189,7 +189,18 @@ class SFTConfig:
     )
 
 
-AlgoConfig = GRPOConfig | DPOConfig | PPOConfig | OPDConfig | SFTConfig
+@attrs.frozen
+class RMConfig:
+    kind: Literal["rm"] = key("rm", "Reward model: a scalar score head on the policy "
+                              "architecture, trained on preference pairs (Bradley-Terry).")
+    pairs_per_step: int = key(16, "Preference pairs per optimizer step (all ranks).")
+    center_coef: float = key(
+        0.0, "Weight of the penalty mean((r_chosen + r_rejected)^2), which keeps the scores "
+        "centred on 0 (the Bradley-Terry loss sees only their differences). 0: off."
+    )
+
+
+AlgoConfig = GRPOConfig | DPOConfig | PPOConfig | OPDConfig | SFTConfig | RMConfig
 # kind tag -> config class, read off the union (the converter's tagged-union table); what else
 # the package knows of each kind is its spec, runner.recipe.algos.ALGORITHMS.
 ALGO_KINDS: dict[str, type] = {attrs.fields(c).kind.default: c for c in get_args(AlgoConfig)}

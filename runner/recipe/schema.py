@@ -16,6 +16,7 @@ from runner.recipe.algo_configs import (  # noqa: F401 - the recipe's classes ar
     GRPOConfig,
     OPDConfig,
     PPOConfig,
+    RMConfig,
     SFTConfig,
 )
 from runner.recipe.fields import default_of, key, table  # noqa: F401

@@ -6,7 +6,7 @@ the spec (``spec_of(recipe)``). ``tests/test_layers.py`` holds that rule.
 
 from __future__ import annotations
 
-from runner.recipe.algos import dpo, grpo, opd, ppo, sft
+from runner.recipe.algos import dpo, grpo, opd, ppo, rm, sft
 from runner.recipe.algos.spec import AlgoSpec, ModelRef, Shape
 from runner.recipe.schema import ALGO_KINDS, Recipe
 
@@ -17,6 +17,7 @@ ALGORITHMS: dict[str, AlgoSpec] = {
     "ppo": ppo.SPEC,
     "opd": opd.SPEC,
     "sft": sft.SPEC,
+    "rm": rm.SPEC,
 }
 assert {k: s.config for k, s in ALGORITHMS.items()} == ALGO_KINDS, "a kind without its spec"
 

@@ -8,6 +8,10 @@ from runner.recipe.held_out import held_out_reason
 from runner.recipe.rules import in_range
 from runner.recipe.schema import DPOConfig, Recipe
 
+# The [data] keys of the preference-pair stream (DPO's, and the reward model's)
+PAIR_KEYS = ("data.jsonl_path", "data.tar_path", "data.synthetic_pairs", "data.chosen_key",
+             "data.rejected_key", "data.validation.jsonl_path")
+
 
 def shape(a: DPOConfig) -> Shape:
     return Shape(a.pairs_per_step, 2 * a.pairs_per_step)
@@ -38,7 +42,6 @@ def checks(r: Recipe) -> list[Problem]:
 SPEC = AlgoSpec(
     title="DPO", config=DPOConfig, stream="pairs", batch_key="algo.pairs_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.dpo",
-    owned_keys=("data.jsonl_path", "data.tar_path", "data.synthetic_pairs", "data.chosen_key",
-                "data.rejected_key", "data.validation.jsonl_path"),
+    owned_keys=PAIR_KEYS,
     samples_online=False,
 )

@@ -90,6 +90,10 @@ class AlgoSpec:
     - ``sharded(algo)``: the roles ``train.sharding = "fsdp"`` shards, of those it may have.
     - ``models(algo)``: model folders it loads besides the policy (``ModelRef``).
     - ``ahead(algo)``: the steps whose batches a producer samples ahead (0: synchronous).
+    - ``head``: what the trained model is: ``"lm"`` a language model (its logits over the
+      vocabulary), ``"score"`` a scalar score head on the same architecture (transformers'
+      ``*ForSequenceClassification`` with ``num_labels = 1``: a reward model), which the
+      assembly loads, checkpoints and exports instead.
     - ``loop``: the module of its training loop (its ``run(RunContext)``), imported when a run
       starts, so that the recipe layer stays free of torch.
     """
@@ -109,6 +113,7 @@ class AlgoSpec:
     sharded: Callable[[Any], tuple[str, ...]] = _trained_and_reference
     models: Callable[[Any], tuple[ModelRef, ...]] = _no_models
     ahead: Callable[[Any], int] = _none_ahead
+    head: Literal["lm", "score"] = "lm"
 
     @property
     def kind(self) -> str:

@@ -162,6 +162,7 @@ def load_policy_model(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint | No
     from runner.models import load_causal_lm
 
     trust, dtype = recipe.model.trust_remote_code, recipe.model.dtype
+    head = spec_of(recipe).head  # a language model, or a score head on it (a reward model)
     # With LoRA the base weights always come from the base folder; a checkpoint holds adapters.
     lora = recipe.model.lora.rank > 0
     model_dir = ckpt.model_dir if ckpt and not lora else base
@@ -173,7 +174,7 @@ def load_policy_model(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint | No
             from runner.train.roles.sharding import load_for_sharding
 
             return load_for_sharding(model_dir, dtype, trust)
-        return load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust), None
+        return load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust, head=head), None
 
     model, weights = step("policy", load) or (None, None)
     model = _trained(model, recipe) if model is not None else None

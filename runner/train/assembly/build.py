@@ -24,6 +24,7 @@ from runner.errors import RecipeError, RunnerError
 from runner.packers.base import DataPacker
 from runner.precision import Precision
 from runner.ranks.context import RankContext
+from runner.recipe.algos import spec_of
 from runner.recipe.schema import Recipe
 from runner.rollout.lengths import PromptLimit
 from runner.state.fit import ModelShapes, misfit, shapes_of
@@ -119,13 +120,15 @@ def rollout_for(recipe: Recipe, ctx: RankContext, actors: RoleProvider | None, m
     return Rollout(engine, packer, limit, build_env_runner(recipe, packer))
 
 
-def model_shapes(path: Path, dtype: str = "float32", trust_remote_code: bool = False
-                 ) -> ModelShapes:
-    """The shapes of the model of folder ``path`` as a run builds it, read from an empty (meta)
-    model: what a checkpoint of it must hold (``runner.state.fit``)."""
+def model_shapes(path: Path, dtype: str = "float32", trust_remote_code: bool = False,
+                 head: str = "lm") -> ModelShapes:
+    """The shapes of the model of folder ``path`` as a run builds it (with the trained model's
+    ``head``, ``AlgoSpec.head``), read from an empty (meta) model: what a checkpoint of it must
+    hold (``runner.state.fit``)."""
     from runner.models.loading import empty_causal_lm
 
-    return shapes_of(empty_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code))
+    return shapes_of(empty_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                     head=head))
 
 
 def recipe_check(recipe: Recipe) -> Callable[[Any], str]:
@@ -138,7 +141,8 @@ def recipe_check(recipe: Recipe) -> Callable[[Any], str]:
 
     @functools.cache
     def shapes() -> ModelShapes:
-        return model_shapes(resolve_model_path(m.path), m.dtype, m.trust_remote_code)
+        return model_shapes(resolve_model_path(m.path), m.dtype, m.trust_remote_code,
+                            spec_of(recipe).head)
 
     def check(loaded: Any) -> str:
         if lora:  # adapters, and an optimizer of the adapters alone: not checked here

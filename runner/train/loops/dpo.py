@@ -78,7 +78,7 @@ def completion_tokens(inputs: Sequence[RLPolicyInput], device: Any) -> torch.Ten
     return torch.tensor([float(sum(x.loss_mask)) for x in inputs], device=device)
 
 
-def _pack(packer: DataPacker, pairs: Sequence[PreferencePair]) -> list[RLPolicyInput]:
+def pack_pairs(packer: DataPacker, pairs: Sequence[PreferencePair]) -> list[RLPolicyInput]:
     """[chosen_0 .. chosen_n, rejected_0 .. rejected_n]: one concatenated batch."""
     both = [packer.get_preference_input(ObsBundle(p.prompt, id=p.id), p.chosen, p.rejected)
             for p in pairs]
@@ -112,7 +112,7 @@ def pair_loss_inputs(run: DPORun, model: Any, pairs: Sequence[Any]) -> DPOLossIn
     """The loss inputs of ``pairs``: ``model``'s and the reference's summed logprobs of the
     chosen and rejected answers (one collated batch read by both), and the chosen answers'
     token counts."""
-    inputs = _pack(run.packer, pairs)
+    inputs = pack_pairs(run.packer, pairs)
     batch = run.packer.collate(inputs).to(run.device)
     n = len(pairs)
     ref_c, ref_r = reference_logprobs(run, pairs, batch)
@@ -132,7 +132,7 @@ def precompute(run: DPORun, reporter: Reporter) -> None:
     with lockstep(run.run.svc.comm, len(chunks), run.packer, run.device, run.reference):
         for chunk in chunks:
             part = pairs[chunk]
-            batch = run.packer.collate(_pack(run.packer, part)).to(run.device)
+            batch = run.packer.collate(pack_pairs(run.packer, part)).to(run.device)
             chosen, rejected = reference_logprobs(run, part, batch)
             run.cache.update({p.id: (float(c), float(r))
                               for p, c, r in zip(part, chosen, rejected, strict=True)})
@@ -167,7 +167,7 @@ def micro_batches(run: DPORun, n: int) -> list[slice]:
 def score(run: DPORun, pairs: Sequence[PreferencePair]) -> ScoredPairs:
     """The pairs packed once and the reference's logprobs of their answers. The reference
     scores the same micro-batches the policy trains on, so both read batches padded alike."""
-    inputs = _pack(run.packer, pairs)
+    inputs = pack_pairs(run.packer, pairs)
     n, chosen, rejected = len(pairs), [], []
     for piece in micro_batches(run, n):
         ref = cached_reference(run, pairs[piece])

@@ -142,14 +142,15 @@ def scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, A
 
 def checkpoint_policy(recipe: Recipe, ckpt: Path) -> Any:
     """The policy a checkpoint folder of a run of ``recipe`` holds, as one model: its weights
-    (full fine-tuning), or its LoRA adapters merged into the base model's weights
-    (W + (alpha / r) B A)."""
+    (full fine-tuning; a reward model's with its score head, ``AlgoSpec.head``), or its LoRA
+    adapters merged into the base model's weights (W + (alpha / r) B A)."""
     from runner.models import load_causal_lm, resolve_model_path
+    from runner.recipe.algos import spec_of
 
     m = recipe.model
     if m.lora.rank == 0:
         return load_causal_lm(ckpt / MODEL_DIR, dtype=m.dtype,
-                              trust_remote_code=m.trust_remote_code)
+                              trust_remote_code=m.trust_remote_code, head=spec_of(recipe).head)
     from runner.train.roles.lora import apply_lora, load_adapters
 
     base = load_causal_lm(resolve_model_path(m.path), dtype=m.dtype,

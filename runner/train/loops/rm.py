@@ -1,0 +1,152 @@
+"""The reward-model loop: Bradley-Terry on given preference pairs, no reference, no engine.
+
+The trained model is the policy's architecture with a scalar score head (``AlgoSpec.head`` is
+``"score"``: transformers' ``*ForSequenceClassification``, ``num_labels = 1``), which scores
+each prompt + answer at its last token. Each step takes this rank's share of
+``pairs_per_step`` pairs from the DatasetPreferenceEnv cursor (DPO's stream: the same sources,
+shuffling, sharding and cursor), scores chosen and rejected answers in one concatenated forward
+and minimises ``runner.algorithms.rm.rm_loss`` (a mean over the global batch of pairs).
+Held-out: pair accuracy (ties count half), loss and mean margin over the full set, each rank
+its shard.
+
+One step is three plain functions, each with explicit inputs and outputs:
+
+- ``produce``: this rank's share of the step's pairs from the data cursor;
+- ``score``: the pairs packed once (chosen and rejected behind one prompt encoding); nothing
+  is computed before the update (there is no reference);
+- ``consume``: one optimizer step over the global batch of pairs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import attrs
+import torch
+
+from runner.algorithms.rm import rm_loss
+from runner.data.pairs import PreferencePair
+from runner.packers.base import RLPolicyInput
+from runner.ranks.collective import interleave
+from runner.recipe.schema import RMConfig
+from runner.train.assembly.run import RunContext
+from runner.train.loops.batches import (
+    Minibatch,
+    lockstep,
+    reduce_history,
+    split_even,
+    train_minibatch,
+)
+from runner.train.loops.dpo import pack_pairs
+from runner.train.loops.loop import run_loop
+from runner.train.roles import Trainable
+
+
+@attrs.define
+class RMRun:
+    run: RunContext
+    algo: RMConfig
+
+    @property
+    def device(self) -> Any:
+        return self.run.svc.accelerator.device
+
+
+@attrs.frozen(eq=False)
+class PackedPairs:
+    """A step's pairs (this rank's), packed: [chosen_0 .. chosen_n, rejected_0 .. rejected_n]."""
+
+    pairs: tuple[PreferencePair, ...]
+    inputs: tuple[RLPolicyInput, ...]
+
+    def rows(self, idx: torch.Tensor) -> list[RLPolicyInput]:
+        """The packed inputs of pairs ``idx``: their chosen answers, then their rejected ones."""
+        n, picked = len(self.pairs), idx.tolist()
+        return [self.inputs[i] for i in picked] + [self.inputs[n + i] for i in picked]
+
+
+def pair_scores(model: Trainable, run: RMRun, inputs: Sequence[RLPolicyInput]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s scores of packed pairs ``inputs`` (chosen ones, then rejected ones) in one
+    forward: (chosen_B, rejected_B)."""
+    scores = model.scores(run.run.policy_packer.collate(inputs).to(run.device))
+    n = len(inputs) // 2
+    return scores[:n], scores[n:]
+
+
+def produce(run: RMRun) -> list[PreferencePair]:
+    """This rank's share of the step's ``pairs_per_step`` pairs; advances the data cursor."""
+    ctx = run.run
+    return ctx.state.data.next_batch(run.algo.pairs_per_step // ctx.svc.rank.world_size)
+
+
+def score(run: RMRun, pairs: Sequence[PreferencePair]) -> PackedPairs:
+    """The pairs packed once, each answer behind its prompt's encoding."""
+    return PackedPairs(tuple(pairs), tuple(pack_pairs(run.run.policy_packer, pairs)))
+
+
+def minibatch_loss(run: RMRun, packed: PackedPairs, idx: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The Bradley-Terry loss of pairs ``idx`` and its metrics."""
+    chosen, rejected = pair_scores(run.run.policy, run, packed.rows(idx))
+    return rm_loss(chosen, rejected, run.algo.center_coef)
+
+
+def consume(run: RMRun, packed: PackedPairs) -> dict[str, float]:
+    """One optimizer step over the global batch of pairs (a mean over all of them); the
+    reduced metrics and the learning rate."""
+    ctx, algo = run.run, run.algo
+    train = ctx.svc.recipe.train
+    n = len(packed.pairs)
+    whole = Minibatch(list(range(n)), [1.0] * n, float(algo.pairs_per_step))
+    history = [train_minibatch([ctx.policy], whole, partial(minibatch_loss, run, packed),
+                               train.grad_accum_steps, ctx.svc.rank.world_size,
+                               train.max_grad_norm)]
+    ctx.policy.scheduler.step()
+    return {**reduce_history(ctx.svc.comm, history), "lr": ctx.policy.scheduler.get_last_lr()[0]}
+
+
+def one_step(run: RMRun, step: int) -> dict[str, Any]:
+    """produce -> score -> consume; the step's metrics (``time/update``: the whole step)."""
+    ctx = run.run
+    t0 = time.perf_counter()
+    pairs = produce(run)
+    metrics = consume(run, score(run, pairs))
+    ids = ({"data/item_ids": interleave(ctx.svc.comm.gather([p.id for p in pairs]))}
+           if ctx.svc.recipe.logging.item_ids else {})
+    return {**metrics, **ids, "time/update": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def held_out(run: RMRun) -> dict[str, float]:
+    """Pair accuracy (ties count half), loss and mean margin over the held-out pairs (each rank
+    its shard, summed)."""
+    ctx = run.run
+    pairs = ctx.state.data.validation_pairs()
+    correct = loss_sum = margin_sum = 0.0
+    chunks = split_even(len(pairs), max(1, len(pairs) // 64))
+    # Ranks hold unequal held-out shards: the trained model forwards as often on each.
+    with lockstep(ctx.svc.comm, len(chunks), ctx.policy_packer, run.device, ctx.policy):
+        for chunk in chunks:
+            part = pairs[chunk]
+            chosen, rejected = pair_scores(ctx.policy, run, pack_pairs(ctx.policy_packer, part))
+            _, m = rm_loss(chosen, rejected, run.algo.center_coef)
+            correct += float(m["accuracy"]) * len(part)
+            loss_sum += float(m["loss"]) * len(part)
+            margin_sum += float(m["margin"]) * len(part)
+    correct, loss_sum, margin_sum, n = ctx.svc.comm.sum([correct, loss_sum, margin_sum,
+                                                         len(pairs)])
+    n = max(1.0, n)
+    return {"eval/pair_accuracy": correct / n, "eval/loss": loss_sum / n,
+            "eval/margin": margin_sum / n}
+
+
+def run(ctx: RunContext) -> dict[str, Any]:
+    algo = ctx.svc.recipe.algo
+    assert isinstance(algo, RMConfig)
+    rm = RMRun(ctx, algo)
+    return run_loop(ctx, lambda s: one_step(rm, s),
+                    (lambda: held_out(rm)) if ctx.state.has_held_out else None)

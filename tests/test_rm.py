@@ -1,0 +1,162 @@
+"""Reward models: the Bradley-Terry loss and its gradient by hand, the score head as transformers
+computes it on a checkpoint and an exported folder, a short CLI run, an exact resume after a
+SIGKILL and the recipe's refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runner.algorithms.rm import rm_loss
+from runner.errors import RecipeError
+from runner.models import load_causal_lm, resolve_model_path
+from runner.packers import build_packer
+from runner.recipe import load_recipe
+from runner.state.layout import MODEL_DIR
+from runner.train.loops.dpo import pack_pairs
+from runner.train.roles import Trainable
+from tests.conftest import REPO
+from tests.resume_helpers import assert_same_run, kill_at_random_points, rows
+from tests.resume_helpers import run_cli as run_subprocess
+
+RECIPE = "recipes/rm-arith.toml"
+SMALL = ("algo.pairs_per_step=4", "data.validation.size=8", "train.eval_every=2",
+         "logging.sample_every=0")
+CHOSEN = [0.3, -1.2, 2.0, 0.5]
+REJECTED = [0.1, 0.4, -0.7, 0.5]  # the last pair a tie
+
+
+def by_hand(center: float) -> tuple[float, list[float], list[float]]:
+    """The loss and its gradients in the scores, written out per pair:
+    loss = 1/B sum_b [log(1 + exp(-m_b)) + k (c_b + r_b)^2], m_b = c_b - r_b;
+    dloss/dc_b = (-(1 - sigma(m_b)) + 2k (c_b + r_b)) / B,
+    dloss/dr_b = ((1 - sigma(m_b)) + 2k (c_b + r_b)) / B."""
+    B = len(CHOSEN)
+    loss, d_c, d_r = 0.0, [], []
+    for c, r in zip(CHOSEN, REJECTED, strict=True):
+        m, s = c - r, c + r
+        loss += (math.log1p(math.exp(-m)) + center * s * s) / B
+        miss = 1 - 1 / (1 + math.exp(-m))
+        d_c.append((-miss + 2 * center * s) / B)
+        d_r.append((miss + 2 * center * s) / B)
+    return loss, d_c, d_r
+
+
+@pytest.mark.parametrize("center", [0.0, 0.25])
+def test_bradley_terry_loss_and_gradient_by_hand(center):
+    chosen = torch.tensor(CHOSEN, dtype=torch.float64, requires_grad=True)
+    rejected = torch.tensor(REJECTED, dtype=torch.float64, requires_grad=True)
+    loss, metrics = rm_loss(chosen, rejected, center)
+    loss.backward()
+    want, d_c, d_r = by_hand(center)
+    assert abs(loss.item() - want) < 1e-12
+    assert max(abs(a - b) for a, b in zip(chosen.grad.tolist(), d_c, strict=True)) < 1e-12
+    assert max(abs(a - b) for a, b in zip(rejected.grad.tolist(), d_r, strict=True)) < 1e-12
+    assert metrics["accuracy"].item() == (2 + 0.5) / 4  # two right, one wrong, one tie
+    margins = [c - r for c, r in zip(CHOSEN, REJECTED, strict=True)]
+    assert abs(metrics["margin"].item() - sum(margins) / 4) < 1e-12
+    assert abs(metrics["bt_loss"].item() - by_hand(0.0)[0]) < 1e-12
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two steps of the recipe from the CLI, and the run exported."""
+    out = tmp_path_factory.mktemp("rm") / "run"
+    done = run_subprocess(RECIPE, out, "run.max_steps=2", *SMALL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def test_cli_run_logs_pair_accuracy_and_margin(trained):
+    first, last = rows(trained)[0], rows(trained)[-1]
+    assert first["step"] == 0 and 0 <= first["eval/pair_accuracy"] <= 1
+    assert last["step"] == 2 and {"loss", "accuracy", "margin", "eval/pair_accuracy",
+                                  "eval/loss", "eval/margin"} <= set(last)
+    config = json.loads((trained / "checkpoints" / "step-000002" / MODEL_DIR
+                         / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"]
+    assert len(config["id2label"]) == 1 and config["pad_token_id"] == 0  # num_labels = 1
+
+
+def training_scores(folder, inputs) -> torch.Tensor:
+    """The loop's scores of ``inputs``: one padded batch through ``Trainable.scores``."""
+    model = load_causal_lm(folder, head="score")
+    cpu = SimpleNamespace(device=torch.device("cpu"), mixed_precision="no")
+    packer = build_packer(resolve_model_path("builtin:tiny-arith"), "qwen2")
+    with torch.no_grad():
+        return Trainable(model, None, None, cpu).scores(packer.collate(inputs))
+
+
+def transformers_scores(folder, inputs) -> list[float]:
+    """Each sequence scored alone by transformers' own class, as a user loads the folder."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([x.input_ids])).logits[0, 0].item() for x in inputs]
+
+
+def test_checkpoint_and_export_score_as_transformers_does(trained, tmp_path, run_cli):
+    """The score head's output in the loop (a padded batch) equals transformers' on the
+    checkpoint folder and on the exported folder (each sequence alone), float32, 1e-5."""
+    packer = build_packer(resolve_model_path("builtin:tiny-arith"), "qwen2")
+    pairs = [SimpleNamespace(prompt=q, chosen=c, rejected=r, id=q)
+             for q, c, r in (("3+4=", "7", "8"), ("12-5=", "7", "6"), ("20+19=", "39", "19+20=39"))]
+    inputs = pack_pairs(packer, pairs)
+    assert len({len(x.input_ids) for x in inputs}) > 1  # the batch is padded
+    ckpt = trained / "checkpoints" / "step-000002" / MODEL_DIR
+    ours = training_scores(ckpt, inputs).tolist()
+    theirs = transformers_scores(ckpt, inputs)
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-5
+    rc, out, err = run_cli("export", str(trained), str(tmp_path / "exported"))
+    assert rc == 0, out + err
+    exported = transformers_scores(tmp_path / "exported", inputs)
+    assert max(abs(a - b) for a, b in zip(ours, exported, strict=True)) < 1e-5
+
+
+RESUME = ("algo.pairs_per_step=4", "data.validation.size=8", "train.eval_every=2",
+          "checkpoint.every_steps=1", "checkpoint.keep_last=3", "logging.sample_every=0")
+
+
+def test_sigkill_resume_is_bitwise(tmp_path):
+    """A straight run of 4 steps; another SIGKILLed once after a checkpoint, resumed to 4: the
+    same metrics, weights (score head included), optimizer state and cursor."""
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    done = run_subprocess(RECIPE, straight, "run.max_steps=4", *RESUME)
+    assert done.returncode == 0, done.stdout + done.stderr
+    where = kill_at_random_points(RECIPE, resumed, 4, RESUME, random.Random(3), kills=1)
+    done = run_subprocess(RECIPE, resumed, "run.max_steps=4", *RESUME)
+    assert where, "no kill happened"
+    assert done.returncode == 0 and "resuming" in done.stdout, done.stdout + done.stderr
+    try:
+        assert_same_run(resumed, straight, 4, ("model/model.safetensors",
+                                               "optimizer.safetensors"))
+    except AssertionError as exc:
+        raise AssertionError(f"after kills at {where}: {exc}") from exc
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("algo.center_coef=-0.1", "algo.center_coef"),
+    ("algo.pairs_per_step=0", "algo.pairs_per_step"),
+    ("model.lora.rank=8", "model.lora.rank"),
+    ("train.sharding=fsdp", "train.sharding"),
+    ("data.messages_column=messages", "data.messages_column"),
+    ("algo.beta=0.1", "algo.beta"),
+])
+def test_nonsense_combinations_are_refused_in_one_line(override, key):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(REPO / RECIPE, [override])
+    assert len(info.value.problems) == 1, str(info.value)
+    assert key in str(info.value) and "\n" not in str(info.value).strip()
+
+
+def test_eval_of_a_reward_model_is_refused_in_one_line(trained, run_cli):
+    rc, out, err = run_cli("eval", "--plain", RECIPE, f"run.output_dir={trained}",
+                           "--checkpoint", "latest")
+    assert rc != 0 and "algo.kind" in out + err and "eval/pair_accuracy" in out + err
+    assert len((out + err).strip().splitlines()) == 1, out + err
