@@ -184,6 +184,13 @@ def _serve(args: argparse.Namespace) -> int:
     if ctx is not None:
         raise RecipeError([Problem("", "serve runs as one process, not under a launcher's ranks",
                                    hint="start posttrain-run serve directly", source="serve")])
+    from runner.recipe.algos import spec_of
+
+    if spec_of(recipe).head != "lm":
+        raise RecipeError([Problem("algo.kind", f"serve answers with a language model; "
+                                   f"{spec_of(recipe).title} trains a score head, which "
+                                   "writes no completions", got=recipe.algo.kind,
+                                   hint="serve a recipe whose model generates", source="serve")])
     if not 0 <= args.port <= 65535:
         raise RecipeError([Problem("--port", "must be in [0, 65535]", got=args.port,
                                    source="serve")])

@@ -278,3 +278,12 @@ def test_a_checkpoint_that_is_not_there_is_one_line_before_any_model(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     last = done.stderr.strip().splitlines()
     assert len(last) == 1 and "checkpoint" in last[0] and "Traceback" not in done.stderr
+
+
+def test_a_reward_model_recipe_is_not_served(tmp_path):
+    done = subprocess.run([*CLI[:3], "serve", "recipes/rm-arith.toml",
+                           f"run.output_dir={tmp_path}"], cwd=REPO, env=_env(), text=True,
+                          capture_output=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()
+    assert len(last) == 1 and "algo.kind" in last[0] and "score head" in last[0]
