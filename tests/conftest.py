@@ -20,7 +20,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # The files with the longest runs go first, so the two workers end together (each file runs on
 # one worker, with its module fixtures built once).
-FIRST = ("test_torchrun.py", "test_ray.py", "test_resume_algorithms.py", "test_resume_grpo.py",
+FIRST = ("test_ray.py", "test_torchrun.py", "test_fsdp.py", "test_off_policy.py",
+         "test_export.py", "test_resume_algorithms.py", "test_resume_grpo.py",
          "test_qwen3_vl_runs.py", "test_reference_examples.py", "test_train_e2e.py",
          "test_accumulation.py", "test_pinned_steps.py")
 RECIPES = sorted((REPO / "recipes").glob("*.toml")) + sorted((REPO / "examples").glob("*.toml"))
