@@ -98,6 +98,7 @@ class AgentRunner:
         self.sessions: dict[str, _Session] = {}
         self.lock = threading.Condition()
         self.server: Any = None
+        self.http: Any = None  # the episodes' clients' connection pool
         self.tools_seen: tuple[dict[str, Any], ...] = ()  # the last first call's
 
     def describe(self) -> list[tuple[str, str]]:
@@ -109,6 +110,9 @@ class AgentRunner:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self.http is not None:
+            self.http.close()
+            self.http = None
 
     # --- the endpoint ---------------------------------------------------------------------
     def _endpoint(self) -> Any:
@@ -156,6 +160,7 @@ class AgentRunner:
         sessions = [_Session(item, episode_seed(s, k), f"ep-{secrets.token_hex(16)}", limit)
                     for item, s in zip(items, item_seeds, strict=True) for k in range(params.n)]
         url = self._endpoint().url
+        self._http()  # made here, before the agents' threads share it
         for first in range(0, len(sessions), self.cfg.concurrency):
             self._wave(sessions[first:first + self.cfg.concurrency], url, generate, check_tokens,
                        params, step)
@@ -199,17 +204,27 @@ class AgentRunner:
                                                             "env.episode_timeout_s"))
                     s.pending = None
 
+    def _http(self) -> Any:
+        """One HTTP connection pool for every episode's client (making one per client costs
+        more than the calls it serves)."""
+        if self.http is None:
+            import httpx
+
+            self.http = httpx.Client(timeout=self.cfg.episode_timeout_s,
+                                     limits=httpx.Limits(max_connections=None,
+                                                         max_keepalive_connections=256))
+        return self.http
+
     def _run_agent(self, s: _Session, url: str) -> None:
         from openai import OpenAI
 
         client = OpenAI(base_url=url, api_key=s.key, max_retries=0,
-                        timeout=self.cfg.episode_timeout_s)
+                        timeout=self.cfg.episode_timeout_s, http_client=self._http())
         try:
             s.value = self.agent(s.item, client=client, **self.cfg.agent_kwargs)
         except BaseException as exc:  # noqa: BLE001 - the agent's own failure, reported
             s.error = s.error or f"raised {type(exc).__name__}: {exc}"
         finally:
-            client.close()
             with self.lock:
                 s.returned = s.done = True
                 if s.pending is not None:  # cannot be: the agent waited on it
