@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 from tests import forkserver
@@ -90,3 +91,26 @@ def descendants(pid: int) -> set[int]:
         grew = bool(new)
     return found
 
+
+
+def alive(pids: set[int] | list[int]) -> set[int]:
+    """The processes of ``pids`` still running (zombies count as gone)."""
+    out = set()
+    for pid in pids:
+        try:
+            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+def wait_gone(pids: set[int] | list[int], timeout_s: float = 5.0) -> list[int]:
+    """The processes of ``pids`` still running after ``timeout_s``, sorted."""
+    deadline = time.monotonic() + timeout_s
+    left = alive(pids)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = alive(left)
+    return sorted(left)

@@ -45,7 +45,7 @@ import torch
 
 from runner.state.layout import checkpoint_step, complete_checkpoints
 from tests.conftest import REPO
-from tests.multiproc import descendants, listeners_of, run_ranks
+from tests.multiproc import alive, descendants, listeners_of, run_ranks
 from tests.resume_helpers import (
     CLI,
     _env,
@@ -269,27 +269,14 @@ def test_dpo_local_cluster_and_reference_actor_equal_torchrun_on_loopback(cluste
     assert all(_loopback(a) for a in seen), seen
     assert_same_run(out, torchrun, 2, DDP_FILES)
     deadline = time.monotonic() + 15
-    while _alive(pids) and time.monotonic() < deadline:
+    while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(pids)  # the local cluster is gone with the run
+    assert not alive(pids)  # the local cluster is gone with the run
 
     separate = tmp_path / "separate"  # the reference in an actor of its own
     done = run_ray(DPO, separate, cluster.address, *DPO_SMALL, *SEPARATE)
     assert done.returncode == 0, done.stdout + done.stderr
     assert_same_run(separate, torchrun, 2, DDP_FILES)
-
-
-def _alive(pids: set[int]) -> set[int]:
-    """The processes of ``pids`` still running (zombies count as gone)."""
-    out = set()
-    for pid in pids:
-        try:
-            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.add(pid)
-    return out
 
 
 def _rollout_actor_pid(cluster: Cluster) -> int:

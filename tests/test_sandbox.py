@@ -19,10 +19,10 @@ from runner.recipe import load_recipe
 from runner.recipe.schema import RewardConfig
 from runner.rewards import build_rewards
 from runner.rewards.code_tests import code_tests, code_tests_all, fraction_passed, program_of
-from runner.rewards.sandbox import Limits, wait_gone
+from runner.rewards.sandbox import Limits
 from runner.types import ObsBundle
 from tests.conftest import REPO
-from tests.multiproc import descendants
+from tests.multiproc import descendants, wait_gone
 from tests.resume_helpers import deterministic_rows, final_weights, run_cli
 
 ASSERTS = "assert f(1) == 2\nassert f(2) == 4\nassert f(3) == 7\n"  # 7: f = 2x fails the third

@@ -9,7 +9,6 @@ sample scores 0 and is counted (``reward.on_error = "zero"``) or stops the step 
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
@@ -26,7 +25,7 @@ from runner.rewards.builtin import (
     math_verify_reward,
 )
 from runner.rewards.calls import MAX_REWARD, RewardFn, call_all
-from runner.rewards.code_tests import fraction_passed
+from runner.rewards.code_tests import code_rewards
 from runner.rewards.sandbox import Limits
 from runner.types import ObsBundle
 
@@ -121,9 +120,7 @@ def isolation_of(cfg: RewardConfig) -> Literal["thread", "process"]:
 
 def build_rewards(cfg: RewardConfig) -> RewardSet:
     limits = Limits(cfg.sample_timeout_s, cfg.memory_mb)
-    code = {"code_tests": functools.partial(fraction_passed, limits=limits),
-            "code_tests_all": functools.partial(fraction_passed, limits=limits,
-                                                all_or_nothing=True)}
+    code = code_rewards(limits)
     fns = tuple(code.get(n) or BUILTIN_REWARDS.get(n) or
                 load_callable(n, key=f"reward.functions[{i}]") for i, n in enumerate(cfg.functions))
     if "math_verify" in cfg.functions:

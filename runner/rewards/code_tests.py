@@ -18,6 +18,7 @@ own, each line marked with a random token the program is not given.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -210,3 +211,11 @@ def code_tests(completions: Sequence[str], items: Sequence[ObsBundle]) -> list[f
 def code_tests_all(completions: Sequence[str], items: Sequence[ObsBundle]) -> list[float]:
     """1.0 when the completion's program passes every test of the item, else 0.0."""
     return fraction_passed(completions, items, all_or_nothing=True)
+
+
+def code_rewards(limits: Limits) -> dict[str, Any]:
+    """The code-running built-ins by name, each under ``limits`` (the recipe's
+    ``reward.sample_timeout_s`` and ``reward.memory_mb``)."""
+    return {"code_tests": functools.partial(fraction_passed, limits=limits),
+            "code_tests_all": functools.partial(fraction_passed, limits=limits,
+                                                all_or_nothing=True)}

@@ -20,7 +20,6 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -106,22 +105,3 @@ def group_members(pgid: int) -> list[int]:
 def python_argv() -> list[str]:
     """This interpreter, isolated from the user's site and environment (``-I``)."""
     return [sys.executable, "-I"]
-
-
-def wait_gone(pids: Sequence[int], timeout_s: float = 5.0) -> list[int]:
-    """The processes of ``pids`` still there after ``timeout_s`` (zombies count as gone)."""
-    deadline = time.monotonic() + timeout_s
-    left = list(pids)
-    while left and time.monotonic() < deadline:
-        left = [p for p in left if _alive(p)]
-        if left:
-            time.sleep(0.05)
-    return left
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"

@@ -32,15 +32,11 @@ def _watch(parent: int) -> None:
 
 
 def _functions(specs: dict[str, str], limits: Limits) -> dict[str, Any]:
-    import functools
-
     from runner.extensions import load_callable
     from runner.rewards.builtin import BUILTIN_REWARDS
-    from runner.rewards.code_tests import fraction_passed
+    from runner.rewards.code_tests import code_rewards
 
-    sandboxed = {"code_tests": functools.partial(fraction_passed, limits=limits),
-                 "code_tests_all": functools.partial(fraction_passed, limits=limits,
-                                                     all_or_nothing=True)}
+    sandboxed = code_rewards(limits)
     return {name: sandboxed.get(spec) or BUILTIN_REWARDS.get(spec) or load_callable(spec)
             for name, spec in specs.items()}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -23,6 +23,9 @@ import torch
 from runner.algorithms.masked import masked_sum
 from runner.ranks.collective import Collective, interleave
 from runner.train.roles import FrozenScorer, Trainable, optimizer_step
+
+if TYPE_CHECKING:
+    from runner.recipe.schema import TrainConfig
 
 
 @attrs.frozen
@@ -111,6 +114,19 @@ def train_minibatch(trainables: Sequence[Trainable], mb: Minibatch, loss_fn: Los
         return (*loss_fn(rows), None)
 
     return train_minibatch_keeping(trainables, mb, keeping, accum, world, max_grad_norm)[0]
+
+
+def whole_batch_step(policy: Trainable, comm: Collective, train: TrainConfig,
+                     weights: Sequence[float], denominator: float, loss_fn: LossFn
+                     ) -> dict[str, float]:
+    """One optimizer step of ``policy`` over this rank's rows of the global batch (the offline
+    kinds: DPO, RM, SFT): row ``i`` weighs ``weights[i]`` in a global mean over
+    ``denominator``. The metrics reduced over ranks, and the learning rate."""
+    whole = Minibatch(list(range(len(weights))), list(weights), denominator)
+    history = [train_minibatch([policy], whole, loss_fn, train.grad_accum_steps, comm.world,
+                               train.max_grad_norm)]
+    policy.scheduler.step()
+    return {**reduce_history(comm, history), "lr": policy.scheduler.get_last_lr()[0]}
 
 
 def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,

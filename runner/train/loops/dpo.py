@@ -36,11 +36,9 @@ from runner.recipe.schema import DPOConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
 from runner.train.loops.batches import (
-    Minibatch,
     lockstep,
-    reduce_history,
     split_even,
-    train_minibatch,
+    whole_batch_step,
 )
 from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
@@ -195,15 +193,10 @@ def minibatch_loss(run: DPORun, scored: ScoredPairs, idx: torch.Tensor
 def consume(run: DPORun, scored: ScoredPairs) -> dict[str, float]:
     """One optimizer step over the global batch of pairs (a mean over all of them); the
     reduced metrics and the learning rate."""
-    ctx, algo = run.run, run.algo
-    train = ctx.svc.recipe.train
-    n = len(scored.pairs)
-    whole = Minibatch(list(range(n)), [1.0] * n, float(algo.pairs_per_step))
-    history = [train_minibatch([ctx.policy], whole, partial(minibatch_loss, run, scored),
-                               train.grad_accum_steps, ctx.svc.rank.world_size,
-                               train.max_grad_norm)]
-    ctx.policy.scheduler.step()
-    return {**reduce_history(ctx.svc.comm, history), "lr": ctx.policy.scheduler.get_last_lr()[0]}
+    ctx = run.run
+    return whole_batch_step(ctx.policy, ctx.svc.comm, ctx.svc.recipe.train,
+                            [1.0] * len(scored.pairs), float(run.algo.pairs_per_step),
+                            partial(minibatch_loss, run, scored))
 
 
 def one_step(run: DPORun, step: int) -> dict[str, Any]:

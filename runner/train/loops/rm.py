@@ -34,11 +34,9 @@ from runner.ranks.collective import interleave
 from runner.recipe.schema import RMConfig
 from runner.train.assembly.run import RunContext
 from runner.train.loops.batches import (
-    Minibatch,
     lockstep,
-    reduce_history,
     split_even,
-    train_minibatch,
+    whole_batch_step,
 )
 from runner.train.loops.dpo import pack_pairs
 from runner.train.loops.loop import run_loop
@@ -98,15 +96,10 @@ def minibatch_loss(run: RMRun, packed: PackedPairs, idx: torch.Tensor
 def consume(run: RMRun, packed: PackedPairs) -> dict[str, float]:
     """One optimizer step over the global batch of pairs (a mean over all of them); the
     reduced metrics and the learning rate."""
-    ctx, algo = run.run, run.algo
-    train = ctx.svc.recipe.train
-    n = len(packed.pairs)
-    whole = Minibatch(list(range(n)), [1.0] * n, float(algo.pairs_per_step))
-    history = [train_minibatch([ctx.policy], whole, partial(minibatch_loss, run, packed),
-                               train.grad_accum_steps, ctx.svc.rank.world_size,
-                               train.max_grad_norm)]
-    ctx.policy.scheduler.step()
-    return {**reduce_history(ctx.svc.comm, history), "lr": ctx.policy.scheduler.get_last_lr()[0]}
+    ctx = run.run
+    return whole_batch_step(ctx.policy, ctx.svc.comm, ctx.svc.recipe.train,
+                            [1.0] * len(packed.pairs), float(run.algo.pairs_per_step),
+                            partial(minibatch_loss, run, packed))
 
 
 def one_step(run: RMRun, step: int) -> dict[str, Any]:

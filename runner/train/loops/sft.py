@@ -43,11 +43,9 @@ from runner.recipe.schema import SFTConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
 from runner.train.loops.batches import (
-    Minibatch,
     lockstep,
-    reduce_history,
     split_even,
-    train_minibatch,
+    whole_batch_step,
 )
 from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
@@ -163,13 +161,9 @@ def consume(run: SFTRun, ex: Examples) -> dict[str, float]:
     if not inputs:
         pad = run.packer.pad_token_id
         inputs, tokens = [RLPolicyInput((pad, pad), (0, 0), 2)], [0.0]
-    whole = Minibatch(list(range(len(inputs))), tokens, max(total, 1.0))
-    history = [train_minibatch([ctx.policy], whole, partial(rows_loss, run, inputs),
-                               train.grad_accum_steps, ctx.svc.rank.world_size,
-                               train.max_grad_norm)]
-    ctx.policy.scheduler.step()
-    return {**reduce_history(ctx.svc.comm, history), "sft/tokens": total, "sft/examples": kept,
-            "sft/dropped": dropped, "lr": ctx.policy.scheduler.get_last_lr()[0]}
+    stepped = whole_batch_step(ctx.policy, ctx.svc.comm, train, tokens, max(total, 1.0),
+                               partial(rows_loss, run, inputs))
+    return {**stepped, "sft/tokens": total, "sft/examples": kept, "sft/dropped": dropped}
 
 
 def one_step(run: SFTRun, step: int) -> dict[str, Any]:
