@@ -58,6 +58,7 @@ ROWS: dict[str, list[tuple[str, str, int]]] = {
     "grpo-tools": [ACC],
     "grpo-guess": [("env reward", "eval/reward", 3)],
     "rm-arith": [("pair accuracy", "eval/pair_accuracy", 3)],
+    "sft-arith": [ACC, ("NLL per trained token", "eval/nll", 3)],
 }
 SLOW = {"grpo-smollm2-arith"}  # 15 minutes a run on two cores: only when named
 
