@@ -21,6 +21,7 @@ from runner.recipe.algos import spec_of
 from runner.recipe.checks import BUILTIN_REWARDS, trackers_of
 from runner.recipe.plan import sharded_roles
 from runner.recipe.schema import Recipe
+from runner.rewards.model import is_model_reward, model_rewards, reward_model_problems
 
 
 def _calls(recipe: Recipe) -> list[tuple[str, str, tuple | None, dict[str, Any]]]:
@@ -36,7 +37,8 @@ def _calls(recipe: Recipe) -> list[tuple[str, str, tuple | None, dict[str, Any]]
     calls += [
         (f"reward.functions[{i}]", fn, ([], []), {})
         for i, fn in enumerate(recipe.reward.functions)
-        if fn not in BUILTIN_REWARDS and spec_of(recipe).trains_on_rewards
+        if fn not in BUILTIN_REWARDS and not is_model_reward(fn)
+        and spec_of(recipe).trains_on_rewards
     ]
     e = recipe.env
     calls.append(("env.factory", e.factory, (), e.factory_kwargs))
@@ -125,6 +127,8 @@ def validate_models(recipe: Recipe) -> list[Problem]:
     trust = recipe.model.trust_remote_code
     problems = [p for key, path in _model_paths(recipe)
                 for p in check_model_folder(path, key, trust)]
+    problems += [p for key, path in model_rewards(recipe.reward.functions)
+                 for p in reward_model_problems(path, key)]
     problems += check_output_dir(recipe.run.output_dir)
     shared = [m for m in spec_of(recipe).models(recipe.algo) if m.same_vocab]
     if problems or not shared:
@@ -277,6 +281,10 @@ def estimate_state(recipe: Recipe, world: int) -> StateEstimate:
         full["reference"] = frozen_bytes(n, frozen_dtype)
     if "teacher" in roles and on_ranks:
         full["teacher"] = frozen_bytes(params("teacher"), frozen_dtype)
+    for i, (key, path) in enumerate(model_rewards(recipe.reward.functions)
+                                    if "reward" in roles else []):
+        name = "reward model" + (f" {i + 1}" if i else "")
+        full[name] = frozen_bytes(count(tensor_shapes(resolve_model_path(path, key=key))), dtype)
     device_bytes, device = device_memory(recipe)
     layout = "FSDP" if recipe.train.sharding == "fsdp" else "DDP"
     return StateEstimate(layout, world, full, device_bytes, device, sharded_roles(recipe))

@@ -82,6 +82,7 @@ def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None
     from runner.data.sources import build_prompt_sources
     from runner.models import load_tokenizer, read_model_type, resolve_model_path
     from runner.packers import build_packer
+    from runner.rewards.model import model_rewards
     from runner.rollout.lengths import run_limit
     from runner.types import ObsBundle
 
@@ -124,6 +125,10 @@ def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None
     for m in spec_of(recipe).models(recipe.algo):
         note = f" ({m.note})" if m.note else ""
         rows.append((m.role, f"{m.path} -> {resolve_model_path(m.path)}{note}"))
+    for key, reward_path in model_rewards(recipe.reward.functions):
+        rows.append((f"reward model ({key})", f"{reward_path} -> "
+                     f"{resolve_model_path(reward_path, key=key)} (frozen; scores each rank's "
+                     "completions in the rank's process, on its device)"))
     return rows
 
 

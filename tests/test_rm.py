@@ -160,3 +160,94 @@ def test_eval_of_a_reward_model_is_refused_in_one_line(trained, run_cli):
                            "--checkpoint", "latest")
     assert rc != 0 and "algo.kind" in out + err and "eval/pair_accuracy" in out + err
     assert len((out + err).strip().splitlines()) == 1, out + err
+
+
+# --- a reward model in use: reward.functions = ["model:PATH"], run folders as model paths -------
+
+
+def test_a_run_folder_means_its_newest_complete_checkpoints_model(trained, tmp_path):
+    from runner.models import read_model_type
+    from runner.recipe.resolved import run_folder_models
+
+    model = trained / "checkpoints" / "step-000002" / MODEL_DIR
+    assert resolve_model_path(str(trained)) == model
+    assert read_model_type(str(trained)) == "qwen2"
+    recipe = load_recipe(REPO / "recipes/grpo-arith.toml",
+                         [f'reward.functions=["model:{trained}"]'])
+    assert run_folder_models(recipe) == {"reward.functions[0]": str(model)}
+    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)  # never completed
+    with pytest.raises(RecipeError, match="has no complete checkpoint"):
+        resolve_model_path(str(tmp_path), key="model.path")
+    adapters = tmp_path / "checkpoints" / "step-000003"
+    (adapters / MODEL_DIR).mkdir(parents=True)
+    (adapters / "COMPLETE").write_text("")
+    with pytest.raises(RecipeError, match="LoRA adapters.*posttrain-run export"):
+        resolve_model_path(str(tmp_path), key="model.path")
+
+
+def test_a_reward_model_scores_as_its_training_loop_and_transformers_do(trained):
+    """``model:RUN`` scores each completion behind its prompt exactly as the reward-model run
+    scored its chosen answers (``Trainable.scores`` on a padded batch) and as transformers does
+    on the checkpoint folder, one sequence at a time (float32, 1e-5); scores come per
+    completion, in order, batched by ``BATCH``."""
+    from runner.rewards import build_rewards
+    from runner.rewards.model import BATCH
+    from runner.recipe.schema import RewardConfig
+    from runner.types import ObsBundle
+
+    rewards = build_rewards(RewardConfig(functions=[f"model:{trained}", "arithmetic_exact"],
+                                         weights=[1.0, 0.0]))
+    questions = [(f"What is {a} + {b}?", str(a + b + (i % 3 == 0))) for i, (a, b) in
+                 enumerate((a, b) for a in range(7) for b in range(6))]  # 42 > BATCH
+    assert len(questions) > BATCH
+    items = [ObsBundle(q, reference=str(eval(q[8:-1]))) for q, _ in questions]
+    texts = [answer for _, answer in questions]
+    total, values = rewards.score_each(texts, items)
+    packer = build_packer(resolve_model_path("builtin:tiny-arith"), "qwen2")
+    inputs = pack_pairs(packer, [SimpleNamespace(prompt=i.prompt, chosen=t, rejected=t, id="")
+                                 for i, t in zip(items, texts, strict=True)])[:len(items)]
+    ckpt = trained / "checkpoints" / "step-000002" / MODEL_DIR
+    loop = training_scores(ckpt, inputs).tolist()
+    theirs = transformers_scores(ckpt, inputs)
+    ours = values[f"model:{trained}"]
+    assert max(abs(a - b) for a, b in zip(ours, loop, strict=True)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-5
+    assert total == ours  # the rule reward's weight is 0
+    assert values["arithmetic_exact"] == [float(i % 3 != 0) for i in range(len(items))]
+
+
+@pytest.mark.parametrize(("path", "why"), [
+    ("builtin:tiny-arith", "is not a reward model"),
+    ("/nonexistent/rm", "model folder not found"),
+    ("", "names no reward model"),
+])
+def test_a_bad_reward_model_is_named_before_anything_is_built(path, why):
+    from runner.preflight import validate_models
+
+    recipe = load_recipe(REPO / "recipes/grpo-arith.toml", [f'reward.functions=["model:{path}"]'])
+    problems = validate_models(recipe)
+    assert [p.key for p in problems] == ["reward.functions[0]"], problems
+    assert why in problems[0].message and "\n" not in problems[0].render()
+
+
+def test_grpo_trains_on_a_reward_model_named_by_its_run_folder(trained, tmp_path, run_cli):
+    """GRPO whose reward is the reward model (a run folder), the rule reward logged at weight 0:
+    the run's rewards are the model's scores, the dry run shows the model and its memory, and
+    the resolved recipe records the checkpoint the run folder meant."""
+    functions = f'reward.functions=["model:{trained}","arithmetic_exact"]'
+    args = ("algo.prompts_per_step=2", "algo.group_size=2", "rollout.max_new_tokens=4",
+            "run.max_steps=1", "data.validation.size=4", "train.eval_every=1",
+            "logging.sample_every=0", functions, "reward.weights=[1.0,0.0]")
+    rc, out, err = run_cli("recipes/grpo-arith.toml", "--dry-run", "--plain",
+                           f"run.output_dir={tmp_path / 'plan'}", *args)
+    assert rc == 0, out + err
+    assert "reward model (reward.functions[0])" in out and "reward model" in out.split(
+        "Memory")[1]
+    done = run_subprocess("recipes/grpo-arith.toml", tmp_path / "run", *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = rows(tmp_path / "run")[-1]
+    name = f"model:{trained}"
+    assert last[f"reward/{name}"] == pytest.approx(last["reward/mean"], abs=1e-6)
+    assert 0 <= last["eval/reward/arithmetic_exact"] <= 1
+    resolved = (tmp_path / "run" / "recipe.resolved.toml").read_text()
+    assert str(trained / "checkpoints" / "step-000002" / MODEL_DIR) in resolved

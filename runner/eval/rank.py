@@ -91,7 +91,9 @@ def _build(recipe: Recipe, ctx: RankContext, comm: Collective, job: EvalJob,
     push = ckpt is not None and (lora or remote)
     weights = (step("policy", lambda: checkpoint_policy(recipe, ckpt))
                if push and (ctx.is_main or not remote) else None)
-    rewards = step("reward", lambda: build_rewards(recipe.reward))
+    rewards = step("reward", lambda: build_rewards(
+        recipe.reward, device=comm.device, dtype=recipe.model.dtype,
+        trust_remote_code=recipe.model.trust_remote_code))
     hashes = (step("policy", lambda: model_files_hash({"policy": engine_dir}))
               if ctx.world_size > 1 else {})
     handshake(comm, ctx, step.failed, "", hashes)

@@ -1,9 +1,11 @@
 """Resolve a recipe's ``model.path`` and load a model and its tokenizer from a folder.
 
 ``model.path`` is either ``builtin:NAME`` (a folder shipped with the package, or for SmolLM2
-converted into the cache on first use: ``runner.models.builtin``) or a local Hugging Face model
-folder. Importing this module imports neither torch nor transformers; the loaders import them
-when called. Remote code never runs unless ``trust_remote_code`` is asked for, and weights load
+converted into the cache on first use: ``runner.models.builtin``), a local Hugging Face model
+folder, or a run folder (a run's ``output_dir``), which means the model of its newest complete
+checkpoint (``run_model_folder``): so SFT -> GRPO and RM -> GRPO chain without copying paths.
+Importing this module imports neither torch nor transformers; the loaders import them when
+called. Remote code never runs unless ``trust_remote_code`` is asked for, and weights load
 from safetensors only: a folder whose weights are pickled (``pytorch_model.bin`` and the like)
 is refused, never unpickled.
 """
@@ -48,12 +50,34 @@ def resolve_model_path(path: str | Path, *, key: str = "model.path") -> Path:
         return builtin_folder(name)
     folder = Path(text).expanduser()
     if not folder.is_dir():
-        hint = "give a local Hugging Face model folder, or builtin:NAME"
+        hint = "give a local Hugging Face model folder, a run folder, or builtin:NAME"
         raise RecipeError([Problem(key, "model folder not found", got=text, hint=hint)])
-    if not (folder / "config.json").is_file():
-        hint = "a Hugging Face model folder holds config.json beside the weights"
-        raise RecipeError([Problem(key, "the folder has no config.json", got=text, hint=hint)])
-    return folder
+    if (folder / "config.json").is_file():
+        return folder
+    if (folder / "checkpoints").is_dir():
+        return run_model_folder(folder, key)
+    hint = "a Hugging Face model folder holds config.json beside the weights"
+    raise RecipeError([Problem(key, "the folder has no config.json", got=text, hint=hint)])
+
+
+def run_model_folder(run: Path, key: str = "model.path") -> Path:
+    """The model folder (``checkpoints/step-N/model``) of run folder ``run``'s newest complete
+    checkpoint; a ``RecipeError`` at ``key`` when it has none, or when that checkpoint holds LoRA
+    adapters rather than a whole model (``posttrain-run export`` merges them into one)."""
+    from runner.state.layout import MODEL_DIR, complete_checkpoints
+
+    done = complete_checkpoints(run / "checkpoints")
+    if not done:
+        raise RecipeError([Problem(key, f"the run folder {run} has no complete checkpoint",
+                                   got=str(run), hint="train that run first (checkpoint."
+                                   "every_steps saves them), or give a model folder")])
+    model = done[-1] / MODEL_DIR
+    if not (model / "config.json").is_file():
+        raise RecipeError([Problem(
+            key, f"the newest checkpoint of {run} ({done[-1].name}) holds no whole model "
+            "(LoRA adapters)", got=str(run), hint=f"merge them into a model folder with "
+            f"posttrain-run export {run} OUT_DIR, and give OUT_DIR")])
+    return model
 
 
 def read_model_type(path: str | Path, *, key: str = "model.path") -> str:
@@ -69,15 +93,23 @@ def read_model_type(path: str | Path, *, key: str = "model.path") -> str:
         if name in BUILTIN_MODEL_TYPES:
             return BUILTIN_MODEL_TYPES[name]
         resolve_model_path(text, key=key)  # raises the unknown-name error
-    config = Path(text).expanduser() / "config.json"
+    folder = Path(text).expanduser()
+    if not (folder / "config.json").is_file() and (folder / "checkpoints").is_dir():
+        folder = run_model_folder(folder, key)
+    config = folder / "config.json"
     if not config.is_file():
         raise RecipeError([Problem(key, "the folder has no config.json", got=text)])
     return str(json.loads(config.read_text(encoding="utf-8")).get("model_type", ""))
 
 
 def _folder(path: str | Path) -> Path:
-    """A ``builtin:NAME`` resolved to its folder; any other path passed on as it is."""
-    return resolve_model_path(path) if str(path).startswith(PREFIX) else Path(path).expanduser()
+    """A ``builtin:NAME`` or a run folder resolved to its model folder; any other path passed
+    on as it is."""
+    folder = Path(path).expanduser()
+    if str(path).startswith(PREFIX) or (not (folder / "config.json").is_file()
+                                        and (folder / "checkpoints").is_dir()):
+        return resolve_model_path(path)
+    return folder
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:

@@ -217,10 +217,10 @@ def check_dotted_paths(r: Recipe) -> list[Problem]:
     problems = [Problem(k, "not a dotted path", got=v, hint=_DOTTED_HINT)
                 for k, v in paths.items() if v and not is_dotted_path(v)]
     for i, fn in enumerate(r.reward.functions):
-        if fn not in BUILTIN_REWARDS and not is_dotted_path(fn):
-            problems.append(Problem(f"reward.functions[{i}]", "neither a built-in reward nor a "
-                                    "dotted path", got=fn, hint="built-in rewards: "
-                                    + ", ".join(BUILTIN_REWARDS)))
+        if fn not in BUILTIN_REWARDS and not is_dotted_path(fn) and not fn.startswith("model:"):
+            problems.append(Problem(f"reward.functions[{i}]", "neither a built-in reward, a "
+                                    "reward model (model:PATH) nor a dotted path", got=fn,
+                                    hint="built-in rewards: " + ", ".join(BUILTIN_REWARDS)))
     return problems
 
 

@@ -41,8 +41,33 @@ def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str]:
     return versions
 
 
+def run_folder_models(recipe: Recipe) -> dict[str, str]:
+    """``{recipe key: model folder}`` for every model the recipe names by a run folder (its
+    newest complete checkpoint's model, as the run loads it); a folder that does not resolve is
+    left out (the run refuses it with its own error)."""
+    from runner.errors import RecipeError
+    from runner.models.loading import run_model_folder
+    from runner.recipe.algos import spec_of
+    from runner.rewards.model import model_rewards
+
+    named = [("model.path", recipe.model.path)]
+    named += [(m.key, m.path) for m in spec_of(recipe).models(recipe.algo)]
+    named += model_rewards(recipe.reward.functions)
+    found = {}
+    for key, path in named:
+        folder = Path(path).expanduser()
+        if (folder / "checkpoints").is_dir() and not (folder / "config.json").is_file():
+            try:
+                found[key] = str(run_model_folder(folder, key))
+            except RecipeError:
+                continue
+    return found
+
+
 def resolved_document(recipe: Recipe, overrides: Sequence[str] = (),
                       source: str = "") -> dict[str, Any]:
+    """The recipe's tables and the ``[resolved]`` table: source, overrides, hash, package
+    versions and, for models named by a run folder, the checkpoint folder each one means."""
     doc = unstructure_recipe(recipe)
     doc[RESOLVED_TABLE] = {
         "source": source,
@@ -50,6 +75,9 @@ def resolved_document(recipe: Recipe, overrides: Sequence[str] = (),
         "recipe_hash": recipe_hash(recipe),
         "versions": package_versions(),
     }
+    models = run_folder_models(recipe)
+    if models:
+        doc[RESOLVED_TABLE]["models"] = models
     return doc
 
 

@@ -5,13 +5,15 @@ each under ``reward.timeout_s`` (``runner.rewards.calls``); any failure is a ``R
 naming the function and the item. With ``"process"`` every sample of every function is a task
 for the set's worker processes (``runner.rewards.pool``), each under its own limits; a failed
 sample scores 0 and is counted (``reward.on_error = "zero"``) or stops the step (``"fail"``).
+A reward model (``model:PATH``, ``runner.rewards.model``) always scores in the trainer, on its
+device, like a thread-isolated function.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
@@ -26,6 +28,8 @@ from runner.rewards.builtin import (
 )
 from runner.rewards.calls import MAX_REWARD, RewardFn, call_all
 from runner.rewards.code_tests import code_rewards
+from runner.rewards.model import PREFIX as MODEL_PREFIX
+from runner.rewards.model import ModelReward, is_model_reward
 from runner.rewards.sandbox import Limits
 from runner.types import ObsBundle
 
@@ -77,11 +81,16 @@ class RewardSet:
     def _scored(self, completions: Sequence[str], items: Sequence[ObsBundle], step: int | None
                 ) -> tuple[list[float], dict[str, list[float]], dict[str, int]]:
         failed: dict[str, int] = {}
-        if self.isolation == "process":
-            per_function, failed = self._in_workers(list(completions), list(items), step)
-        else:
-            per_function = call_all(self.names, self.functions, list(completions), list(items),
-                                    timeout_s=self.timeout_s, step=step)
+        # Reward models score in this process; under process isolation the rest in the workers.
+        here = [self.isolation == "thread" or is_model_reward(n) for n in self.names]
+        pooled = [n for n, h in zip(self.names, here, strict=True) if not h]
+        from_pool, failed = (self._in_workers(pooled, list(completions), list(items), step)
+                             if pooled else ([], {}))
+        local = call_all([n for n, h in zip(self.names, here, strict=True) if h],
+                         [f for f, h in zip(self.functions, here, strict=True) if h],
+                         list(completions), list(items), timeout_s=self.timeout_s, step=step) \
+            if any(here) else []
+        per_function = [(local if h else from_pool).pop(0) for h in here]
         total = [0.0] * len(completions)
         values_of = {}
         for name, values, weight in zip(self.names, per_function, self.weights, strict=True):
@@ -95,20 +104,22 @@ class RewardSet:
                                         "reward.weights or the rewards' scale")])
         return total, values_of, failed
 
-    def _in_workers(self, completions: list[str], items: list[ObsBundle], step: int | None
-                    ) -> tuple[list[list[float]], dict[str, int]]:
-        """Every sample in the worker processes; failures per ``on_error``."""
+    def _in_workers(self, names: list[str], completions: list[str], items: list[ObsBundle],
+                    step: int | None) -> tuple[list[list[float]], dict[str, int]]:
+        """Every sample of functions ``names`` in the worker processes; failures per
+        ``on_error``."""
         from runner.rewards.pool import RewardPool
 
         if not self._pool:
-            self._pool.append(RewardPool(dict(zip(self.names, self.specs, strict=True)),
-                                         self.workers, self.limits))
-        values, failures = self._pool[0].score(self.names, completions, items)
+            specs = dict(zip(self.names, self.specs, strict=True))
+            self._pool.append(RewardPool({n: specs[n] for n in names}, self.workers,
+                                         self.limits))
+        values, failures = self._pool[0].score(names, completions, items)
         if failures and self.on_error == "fail":
             raise RewardFailure(step, [(f.name, f.index, f"at item {f.index}: {f.what}")
                                        for f in failures[:8]])
-        counts = {name: sum(f.name == name for f in failures) for name in self.names}
-        return [[0.0 if v is None else v for v in values[name]] for name in self.names], counts
+        counts = {name: sum(f.name == name for f in failures) for name in names}
+        return [[0.0 if v is None else v for v in values[name]] for name in names], counts
 
 
 def isolation_of(cfg: RewardConfig) -> Literal["thread", "process"]:
@@ -118,11 +129,21 @@ def isolation_of(cfg: RewardConfig) -> Literal["thread", "process"]:
     return "process" if set(cfg.functions) & set(CODE_REWARDS) else "thread"
 
 
-def build_rewards(cfg: RewardConfig) -> RewardSet:
+def build_rewards(cfg: RewardConfig, *, device: Any = "cpu", dtype: str = "float32",
+                  trust_remote_code: bool = False) -> RewardSet:
+    """The recipe's reward functions; reward models (``model:PATH``) load on ``device`` in
+    ``dtype`` when first called."""
     limits = Limits(cfg.sample_timeout_s, cfg.memory_mb)
     code = code_rewards(limits)
-    fns = tuple(code.get(n) or BUILTIN_REWARDS.get(n) or
-                load_callable(n, key=f"reward.functions[{i}]") for i, n in enumerate(cfg.functions))
+
+    def function(i: int, name: str) -> RewardFn:
+        key = f"reward.functions[{i}]"
+        if is_model_reward(name):
+            return ModelReward(name[len(MODEL_PREFIX):], key, device=device, dtype=dtype,
+                               trust_remote_code=trust_remote_code)
+        return code.get(name) or BUILTIN_REWARDS.get(name) or load_callable(name, key=key)
+
+    fns = tuple(function(i, n) for i, n in enumerate(cfg.functions))
     if "math_verify" in cfg.functions:
         _require_math_verify(cfg.functions.index("math_verify"))
     weights = tuple(cfg.weights) if cfg.weights else (1.0,) * len(fns)

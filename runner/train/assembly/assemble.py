@@ -312,7 +312,10 @@ def build_roles(run: RunContext) -> Roles:
                               sharded="critic" in run.svc.plan.sharded,
                               rank=run.svc.rank.rank, world=run.svc.rank.world_size)
     teacher = build_teacher(run) if "teacher" in wanted else None
-    rewards = build_rewards(recipe.reward) if "reward" in wanted else None
+    rewards = build_rewards(recipe.reward, device=run.svc.accelerator.device,
+                            dtype=recipe.model.dtype,
+                            trust_remote_code=recipe.model.trust_remote_code) \
+        if "reward" in wanted else None
     return Roles(reference, critic, teacher, rewards)
 
 

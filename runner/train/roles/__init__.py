@@ -60,12 +60,10 @@ class Trainable:
         """A score model's scalar per row [B] (float32 or wider): its forward as transformers
         runs it, the score head's output at each row's last token that is not the pad token
         (``config.pad_token_id``), so a saved folder scores the same outside the runner."""
-        from runner.algorithms.masked import at_least_float32
+        from runner.rewards.model import sequence_scores
 
         with self._attention():
-            out = self.model(input_ids=batch.input_ids_BT, use_cache=False,
-                             **batch.model_kwargs())
-        return at_least_float32(out.logits[:, 0])
+            return sequence_scores(self.model, batch)
 
     def __call__(self, batch: PolicyBatch) -> torch.Tensor:
         """The module's own output (a critic's values)."""
