@@ -76,6 +76,16 @@ class GRPOConfig:
         "correcting for an engine that computes with other numerics (e.g. bf16 weights)."
     )
     engine_is_cap: float = key(2.0, "Upper bound (>= 1) of the engine importance weight.")
+    dynamic_sampling: Literal["off", "filter"] = key(
+        "off", "filter: DAPO's dynamic sampling. Groups whose rewards are all equal (no "
+        "advantage signal) are dropped and more prompts are drawn from the cursor, "
+        "prompts_per_step at a time, until prompts_per_step groups are kept or "
+        "max_sample_batches batches were drawn (then the step trains on the groups it kept)."
+    )
+    max_sample_batches: int = key(
+        3, "dynamic_sampling = 'filter': the most batches of prompts_per_step prompts drawn in "
+        "one step (>= 1)."
+    )
     max_off_policy_steps: int = key(
         0, "0: sample, then train (synchronous). k >= 1: a producer samples the batches of the "
         "next k steps while the current one trains, so the batch trained at step t was sampled "

@@ -6,7 +6,7 @@ from runner.errors import Problem
 from runner.recipe.algos import sampled
 from runner.recipe.algos.spec import AlgoSpec, Shape
 from runner.recipe.rules import in_range
-from runner.recipe.schema import GRPOConfig, Recipe
+from runner.recipe.schema import GRPOConfig, Recipe, default_of
 
 
 def shape(a: GRPOConfig) -> Shape:
@@ -44,6 +44,7 @@ def checks(r: Recipe) -> list[Problem]:
     p += in_range("algo.clip_eps_high", a.clip_eps_high, a.clip_eps_high >= 0, ">= 0")
     p += in_range("algo.kl_beta", a.kl_beta, a.kl_beta >= 0, ">= 0")
     p += family_checks(a)
+    p += dynamic_sampling_checks(a)
     p += sampled.policy_loss_ranges(r, LOSS_KEYS)
     p += sampled.minibatches_divide(r, "group_size")
     p += sampled.needs_rewards(r, "GRPO")
@@ -75,6 +76,39 @@ def family_checks(a: GRPOConfig) -> list[Problem]:
         p.append(Problem("algo.shared_prefix_filter", "needs a group of at least 2 completions "
                          "to share a prefix", got=True,
                          hint="raise algo.group_size, or turn the filter off"))
+    return p
+
+
+def dynamic_sampling_checks(a: GRPOConfig) -> list[Problem]:
+    """DAPO's dynamic sampling: a cap of at least one batch, read only when it is on; a group
+    to compare (its rewards all equal is what it drops); a group estimator; no producer
+    sampling ahead (not supported yet)."""
+    p = in_range("algo.max_sample_batches", a.max_sample_batches, a.max_sample_batches >= 1,
+                 ">= 1 (the first batch of the step counts)")
+    if a.dynamic_sampling == "off":
+        if a.max_sample_batches != default_of(GRPOConfig, "max_sample_batches"):
+            p.append(Problem("algo.max_sample_batches", "is read only with dynamic_sampling = "
+                             "'filter', but dynamic_sampling is 'off'", got=a.max_sample_batches,
+                             hint="remove it, or set algo.dynamic_sampling = 'filter'"))
+        return p
+    if a.group_size < 2:
+        p.append(Problem("algo.dynamic_sampling", "drops the groups whose rewards are all equal, "
+                         f"and a group of {a.group_size} completion always is", got="filter",
+                         hint="raise algo.group_size to at least 2, or set "
+                         "algo.dynamic_sampling = 'off'"))
+    if a.advantage == "reinforce_pp":
+        p.append(Problem("algo.dynamic_sampling", "drops groups with no advantage signal within "
+                         "the group, but advantage = 'reinforce_pp' normalises over the batch, "
+                         "not the group", got="filter",
+                         hint="use a group estimator (algo.advantage = 'grpo', 'rloo' or "
+                         "'reinforce_pp_baseline'), or set algo.dynamic_sampling = 'off'"))
+    if a.max_off_policy_steps >= 1:
+        p.append(Problem("algo.dynamic_sampling", "is not supported yet with "
+                         f"max_off_policy_steps = {a.max_off_policy_steps} (how many batches a "
+                         "step draws depends on every rank's groups, and the producer samples "
+                         "ahead without a collective)", got="filter",
+                         hint="set algo.max_off_policy_steps = 0, or algo.dynamic_sampling = "
+                         "'off'"))
     return p
 
 

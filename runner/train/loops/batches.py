@@ -46,6 +46,11 @@ class Layout:
         item, sample = divmod(local, self.chunk)
         return (item * self.world + self.rank) * self.chunk + sample
 
+    @property
+    def local_rows_count(self) -> int:
+        """The rows this rank holds (its items r, r + world, ... below ``items``)."""
+        return len(range(self.rank, self.items, self.world)) * self.chunk
+
     def global_item(self, local_item: int) -> int:
         return local_item * self.world + self.rank
 

@@ -13,7 +13,10 @@ One step is three plain functions, each with explicit inputs and outputs:
 - ``consume``: ``ppo_epochs`` x ``minibatches`` optimizer steps over minibatches of the global
   batch.
 
-``one_step`` calls them in a row, then pushes the new weights to the engine. Everything random
+``one_step`` calls them in a row, then pushes the new weights to the engine. With
+``algo.dynamic_sampling = "filter"`` the step's ``produce`` is ``dynamic.draw`` (DAPO's dynamic
+sampling: batches drawn and rewarded until the step has its groups with unequal rewards), and
+``score`` takes the kept groups as they are (``score_rewarded``). Everything random
 is seeded from (run seed, step) and each prompt's global position, so a resumed run repeats the
 uninterrupted one exactly, and the same global batch trains the same way on any number of ranks.
 """
@@ -32,6 +35,7 @@ from runner.recipe.schema import GRPOConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
 from runner.train.assembly.seeds import step_seed
+from runner.train.loops import dynamic
 from runner.train.loops.batches import (
     Layout,
     Minibatch,
@@ -50,6 +54,7 @@ from runner.train.loops.rollouts import (
     reward_trajectory,
     sample,
     shared_prefixes,
+    staged_step,
     stages,
     step_metrics,
 )
@@ -96,31 +101,40 @@ def produce(run: RunContext, algo: GRPOConfig, step: int) -> Trajectory:
 
 def score(run: RunContext, algo: GRPOConfig, rewards: RewardSet, traj: Trajectory,
           step: int) -> ScoredBatch:
-    """Rewards (with the overlong shaping), the batch and its minibatches (completions that hit
-    the token limit out of the loss with ``mask_truncated``), the logprobs the loss compares
-    against (behaviour: the engine's or the policy's; reference with ``kl_beta``) and the
-    advantages of ``algo.advantage``."""
+    """Rewards (with the overlong shaping), then ``score_rewarded`` of the step's full batch."""
+    traj = reward_trajectory(traj, rewards, step, overlong_of(run.svc.recipe))
+    return score_rewarded(run, algo, traj, step, algo.prompts_per_step)
+
+
+def score_rewarded(run: RunContext, algo: GRPOConfig, traj: Trajectory, step: int,
+                   groups: int) -> ScoredBatch:
+    """A rewarded batch of ``groups`` groups over every rank (this rank's by the data rule:
+    its groups r, r + world, ...; rows after them are padding, with no loss), its minibatches
+    (completions that hit the token limit out of the loss with ``mask_truncated``), the
+    logprobs the loss compares against (behaviour: the engine's or the policy's; reference with
+    ``kl_beta``) and the advantages of ``algo.advantage``."""
     recipe, policy, device = run.svc.recipe, run.policy, run.svc.accelerator.device
-    traj = reward_trajectory(traj, rewards, step, overlong_of(recipe))
     ignore = shared_prefixes(traj, algo.group_size) if algo.shared_prefix_filter else None
     rank = run.svc.rank
-    layout = Layout(rank.rank, rank.world_size, algo.prompts_per_step, algo.group_size)
-    rewards_all = gather_rows(run.svc.comm, layout, traj.rewards)
+    layout = Layout(rank.rank, rank.world_size, groups, algo.group_size)
+    n = layout.local_rows_count
+    rewards_all = gather_rows(run.svc.comm, layout, traj.rewards[:n])
     inputs = traj.policy_inputs(run.policy_packer, ignore)
-    if algo.mask_truncated:
-        inputs = without_loss(inputs, traj.truncated)
+    inputs = without_loss(inputs, [i >= n or (algo.mask_truncated and t)
+                                   for i, t in enumerate(traj.truncated)])
     batch = run.policy_packer.collate(inputs).to(device)
     width = batch.input_ids_BT.shape[1] - 1
     temperature = recipe.rollout.temperature
-    tokens = [float(t) for t in batch.loss_mask_BT[:, 1:].sum(-1).tolist()]
+    tokens = [float(t) for t in batch.loss_mask_BT[:n, 1:].sum(-1).tolist()]
     weights = gather_rows(run.svc.comm, layout, row_weights(algo.loss_agg, tokens))
     epochs = [minibatches(layout, weights, algo.minibatches,
                           step_seed(recipe.run.seed, step, salt=1 + epoch))
               for epoch in range(algo.ppo_epochs)]
     # The first optimizer step trains on freshly sampled data with the weights that sampled it:
     # its rows' behaviour logprobs are that step's own forward (detached). Only the other rows
-    # need a separate scoring forward, and none when there is one minibatch.
-    first_rows = set(epochs[0][0].rows)
+    # need a separate scoring forward, and none when there is one minibatch. (A batch of no
+    # group, dynamic sampling's when it kept none, has no minibatch: no optimizer step.)
+    first_rows = set(epochs[0][0].rows) if epochs[0] else set()
     others = [r for r in range(len(traj.completions)) if r not in first_rows]
     with torch.no_grad():
         engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions],
@@ -142,7 +156,7 @@ def score(run: RunContext, algo: GRPOConfig, rewards: RewardSet, traj: Trajector
     # (A rank holding no row of the first minibatch only takes part with a zero-weighted row.)
     own_old = algo.old_logprobs == "policy" and bool(first_rows)
     return ScoredBatch(traj, layout, batch, rewards_all, adv_B, epochs, engine_BT, old_BT,
-                       ref_BT, own_old, ignore, adv_abs_mean)
+                       ref_BT, own_old, None if ignore is None else ignore[:n], adv_abs_mean)
 
 
 def advantages_of(run: RunContext, algo: GRPOConfig, layout: Layout, rewards_all: list[float],
@@ -154,13 +168,17 @@ def advantages_of(run: RunContext, algo: GRPOConfig, layout: Layout, rewards_all
     rewards is log pi_behaviour - log pi_ref of the sampled tokens, with the engine's logprobs
     as the behaviour's (the policy's up to numerics; known before any training forward)."""
     mask_BT = batch.loss_mask_BT[:, 1:].to(torch.bool)
-    rows_B = torch.tensor([layout.global_row(i) for i in range(mask_BT.shape[0])])
+    n = layout.local_rows_count  # rows after them: padding, with no loss
+    if not rewards_all:  # a batch of no group (dynamic sampling kept none): nothing to train
+        return torch.zeros(mask_BT.shape[0], device=mask_BT.device), 0.0
+    rows_B = torch.tensor([layout.global_row(i) if i < n else 0
+                           for i in range(mask_BT.shape[0])])
     kl_BT = None if ref_BT is None else (engine_BT - ref_BT).detach()
     adv = advantages(algo.advantage, AdvantageInputs(
         rewards_N=torch.tensor(rewards_all), rows_B=rows_B, mask_BT=mask_BT, kl_BT=kl_BT,
         group_size=algo.group_size, scale=algo.scale_rewards, kl_beta=algo.kl_beta,
         whiten=lambda x, m: global_whiten(run.svc.comm, x, m)))
-    total, count = run.svc.comm.sum(list(abs_sum_count(adv, mask_BT)))
+    total, count = run.svc.comm.sum(list(abs_sum_count(adv[:n], mask_BT[:n])))
     return adv.to(mask_BT.device), total / max(1.0, count)
 
 
@@ -239,15 +257,45 @@ def _with_rows(old_BT: torch.Tensor, kept: list[tuple[torch.Tensor, Kept]]) -> t
 
 
 def one_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int) -> dict[str, Any]:
+    """One step by ``algo.dynamic_sampling`` (``STEPS``); the step's metrics."""
+    return STEPS[algo.dynamic_sampling](run, algo, rewards, step)
+
+
+def plain_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int
+               ) -> dict[str, Any]:
     """produce -> score -> consume, then the new weights to the engine; the step's metrics."""
     scored, metrics, seconds = stages(
         run, step, algo.group_size, lambda: produce(run, algo, step),
         lambda traj: score(run, algo, rewards, traj, step),
         lambda s: consume(run, algo, s) | _prefix_metrics(run, s))
+    _show_sample(run, scored, step)
+    return step_metrics(run, scored.traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics
+
+
+def filtered_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int
+                  ) -> dict[str, Any]:
+    """DAPO's dynamic sampling: draw (and reward) batches until the step's groups are full
+    (``dynamic.draw``), score and consume the kept groups. The reward, length and rollout
+    metrics are those of every completion drawn; ``perf/train_tok_s`` counts the trained."""
+    (drawn, scored), metrics, seconds = staged_step(
+        run, lambda: dynamic.draw(run, algo, rewards, step),
+        lambda d: (d, score_rewarded(run, algo, d.traj, step, d.kept)),
+        lambda ds: consume(run, algo, ds[1]) | _prefix_metrics(run, ds[1]))
+    _show_sample(run, scored, step)
+    n = scored.layout.local_rows_count
+    trained = sum(len(c.token_ids) for c in scored.traj.completions[:n])
+    return (step_metrics(run, drawn.drawn, drawn.drawn_rewards, seconds, algo.ppo_epochs)
+            | {"perf/train_tok_s": algo.ppo_epochs * trained / max(seconds["update"], 1e-9)}
+            | drawn.metrics | metrics)
+
+
+STEPS = {"off": plain_step, "filter": filtered_step}  # algo.dynamic_sampling -> one step
+
+
+def _show_sample(run: RunContext, scored: ScoredBatch, step: int) -> None:
     traj, every = scored.traj, run.svc.recipe.logging.sample_every
     if every and step % every == 0:
         run.svc.reporter.sample(step, str(traj.items[0].prompt), traj.texts[0], traj.rewards[0])
-    return step_metrics(run, traj, scored.rewards_all, seconds, algo.ppo_epochs) | metrics
 
 
 def _prefix_metrics(run: RunContext, scored: ScoredBatch) -> dict[str, float]:

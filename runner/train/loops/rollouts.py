@@ -83,11 +83,12 @@ def roll_out(rollout: Rollout, items: Sequence[ObsBundle], params: SamplingConfi
     return trajectory(items, rollout.generate(items, params, seeds))
 
 
-def position_seeds(run: RunContext, seed: int, step: int, n: int) -> list[int]:
+def position_seeds(run: RunContext, seed: int, step: int, n: int, offset: int = 0) -> list[int]:
     """Seeds of this rank's ``n`` items of a batch, from each item's global position (rank r
-    holds positions r, r + world, ...): the same whatever the number of ranks."""
+    holds positions r, r + world, ...) plus ``offset`` (the step's items drawn before this
+    batch): the same whatever the number of ranks."""
     world, rank = run.svc.rank.world_size, run.svc.rank.rank
-    return [item_seed(seed, step, j * world + rank) for j in range(n)]
+    return [item_seed(seed, step, offset + j * world + rank) for j in range(n)]
 
 
 def sample(run: RunContext, n_prompts: int, n_samples: int, step: int) -> Trajectory:
@@ -98,13 +99,14 @@ def sample(run: RunContext, n_prompts: int, n_samples: int, step: int) -> Trajec
     return with_item_ids(run, traj, indices, n_samples)
 
 
-def sample_ahead(run: RunContext, n_prompts: int, n_samples: int, step: int
+def sample_ahead(run: RunContext, n_prompts: int, n_samples: int, step: int, offset: int = 0
                  ) -> tuple[Trajectory, list[int]]:
     """``sample`` without any collective call (a producer thread runs it): the trajectory and
-    the source index of each completion's item."""
+    the source index of each completion's item. ``offset``: the items the step drew before
+    this batch (dynamic sampling's later batches), so that every draw has seeds of its own."""
     indexed = run.state.data.next_indexed(n_prompts // run.svc.rank.world_size)
     items = [item for _, item in indexed]
-    seeds = position_seeds(run, run.svc.recipe.run.seed, step, len(items))
+    seeds = position_seeds(run, run.svc.recipe.run.seed, step, len(items), offset)
     traj = roll_out(run.rollout, items, sampling(run.svc.recipe.rollout, n_samples, 0), seeds,
                     step)
     per_item = len(traj.completions) // max(1, len(items))
@@ -126,10 +128,11 @@ def item_ids_metric(traj: Trajectory) -> dict[str, list[int]]:
 
 
 Scored = TypeVar("Scored")
+Drawn = TypeVar("Drawn")
 
 
-def staged_step(run: RunContext, produce: Callable[[], Trajectory],
-                score: Callable[[Trajectory], Scored],
+def staged_step(run: RunContext, produce: Callable[[], Drawn],
+                score: Callable[[Drawn], Scored],
                 consume: Callable[[Scored], dict[str, Any]], scoring: str = "reward"
                 ) -> tuple[Scored, dict[str, Any], dict[str, float]]:
     """A rollout step's three stages in a row, then the new weights to the engine: the scored
