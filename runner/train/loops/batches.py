@@ -140,11 +140,13 @@ def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,
     """``train_minibatch`` whose loss also returns a value per micro-batch: returns the metrics
     and, in micro-batch order, (the rows ``loss_fn`` was called with, its third value).
 
-    Sharded trainables (FSDP2) gather their parameters in every forward, a collective: there,
-    every rank runs ``accum`` micro-batches, a rank with fewer rows a zero-weighted loss on its
+    With several ranks every forward is a collective (sharded trainables, FSDP2, gather their
+    parameters; DDP broadcasts the model's buffers, e.g. rotary frequencies): there, every rank
+    runs ``accum`` micro-batches, a rank with fewer rows than that a zero-weighted loss on its
     first row for each missing one (neither kept nor counted in the metrics)."""
     pieces = [mb.rows[s] for s in split_even(len(mb.rows), max(1, accum))] or [[]]
-    pads = max(1, accum) - len(pieces) if any(t.sharded for t in trainables) else 0
+    together = world > 1 or any(t.sharded for t in trainables)
+    pads = max(1, accum) - len(pieces) if together else 0
     weights = dict(zip(mb.rows, mb.weights, strict=True))
     sums: dict[str, float] = {}
     kept: list[tuple[torch.Tensor, Any]] = []

@@ -23,6 +23,7 @@ uninterrupted one exactly, and the same global batch trains the same way on any 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import attrs
@@ -230,7 +231,11 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
                 gap = _engine_gap(scored.engine_BT, kept, gap)
                 if scored.own_old:  # kept for the later epochs
                     old_BT = _with_rows(old_BT, kept)
-    policy.scheduler.step()
+    with warnings.catch_warnings():
+        # a dynamic-sampling step that kept no group takes no optimizer step; the schedule
+        # follows the step count all the same
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        policy.scheduler.step()
     out = reduce_history(run.svc.comm, history)
     out["lr"] = policy.scheduler.get_last_lr()[0]
     out["adv_abs_mean"] = scored.adv_abs_mean
