@@ -48,6 +48,7 @@ ROWS: dict[str, list[tuple[str, str, int]]] = {
     "grpo-arith": [ACC],
     "dpo-arith": [("preference accuracy", "eval/preference_accuracy", 3),
                   ("greedy accuracy", "eval/reward", 3)],
+    "grpo-dapo-arith": [ACC],
     "ppo-arith": [ACC],
     "opd-arith": [ACC, ("exact reverse KL", "eval/reverse_kl_exact", 3)],
     "opd-cross-tokenizer": [ACC, ("reverse KL", "eval/reverse_kl", 3)],
