@@ -1,7 +1,7 @@
 """DAPO's dynamic sampling (``algo.dynamic_sampling = "filter"``): the items a step consumes and
 trains on against a hand-built list for a reward pattern fixed by the data alone, the cap (some
 groups kept: they train as a batch of that many; none kept: no update), the recipe's refusals,
-1 rank against 2, and a SIGKILLed run resumed bitwise.
+the dry run's plan, 1 rank against 2, and a SIGKILLed run resumed bitwise.
 
 The reward functions (``tests/extmods/patterned.py``) give a group all-equal rewards exactly
 when its item's answer matches a rule, whatever the model samples, so the expected lists follow
@@ -18,7 +18,7 @@ import torch
 
 from runner.data.order import epoch_order
 from runner.errors import RecipeError
-from runner.recipe import recipe_from_mapping
+from runner.recipe import make_plan, recipe_from_mapping
 from runner.train.loops import dynamic, grpo
 from runner.train.loops.trajectory import Trajectory
 from tests.multiproc import run_ranks
@@ -224,3 +224,12 @@ def test_sigkill_at_random_points_then_resume_bitwise(tmp_path):
     except AssertionError as exc:
         raise AssertionError(f"after kills at {where}: {exc}") from exc
     assert all(r["sampling/extra_batches"] == 1.0 for r in deterministic_rows(out) if "loss" in r)
+
+
+def test_the_plan_shows_the_most_items_a_step_may_draw():
+    rows = dict(make_plan(recipe_from_mapping({}, source="r.toml", overrides=(
+        *DYN, "algo.max_sample_batches=3"))).rows())
+    assert rows["items per step"] == ("4 (up to 12: groups with all-equal rewards are dropped "
+                                      "and more drawn)")
+    assert dict(make_plan(recipe_from_mapping({}, source="r.toml")).rows())[
+        "items per step"] == "8"

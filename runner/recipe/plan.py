@@ -63,6 +63,7 @@ class RunPlan:
     sharded: tuple[str, ...] = ()  # the roles sharded over the ranks (sharded_roles)
     samples_online: bool = True  # AlgoSpec.samples_online: the engine samples training batches
     ahead: int = 0  # steps whose batches a producer samples ahead (AlgoSpec.ahead; 0: synchronous)
+    most_items: int = 0  # the most items a step may draw (AlgoSpec.batches); 0: items_per_step
 
     def rows(self) -> list[tuple[str, str]]:
         """Rows for the dry-run table."""
@@ -74,7 +75,9 @@ class RunPlan:
             ("roles", ", ".join(self.roles)),
             ("rollout engine", self._engine_row()),
             ("steps", str(self.max_steps)),
-            ("items per step", str(self.items_per_step)),
+            ("items per step", str(self.items_per_step) + (
+                f" (up to {self.most_items}: groups with all-equal rewards are dropped and "
+                "more drawn)" if self.most_items > self.items_per_step else "")),
             ("sequences per step", f"{self.samples_per_step} ({self.samples_per_rank} per rank)"),
             ("optimizer steps per step", f"{self.optimizer_steps_per_step} "
                                          f"(minibatch {self.minibatch_size} per rank)"),
@@ -122,4 +125,5 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         sharded=sharded_roles(recipe) if recipe.train.sharding == "fsdp" else (),
         samples_online=spec.samples_online,
         ahead=spec.ahead(recipe.algo),
+        most_items=items * spec.batches(recipe.algo),
     )

@@ -112,8 +112,16 @@ def dynamic_sampling_checks(a: GRPOConfig) -> list[Problem]:
     return p
 
 
+# algo.dynamic_sampling -> the most batches of prompts_per_step prompts a step draws
+BATCHES = {"off": lambda a: 1, "filter": lambda a: a.max_sample_batches}
+
+
+def batches(a: GRPOConfig) -> int:
+    return BATCHES[a.dynamic_sampling](a)
+
+
 SPEC = AlgoSpec(
     title="GRPO", config=GRPOConfig, stream="prompts", batch_key="algo.prompts_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.grpo", ahead=sampled.ahead,
-    owned_keys=sampled.MEDIA_KEYS, trains_on_rewards=True,
+    owned_keys=sampled.MEDIA_KEYS, trains_on_rewards=True, batches=batches,
 )

@@ -62,6 +62,10 @@ def _none_ahead(algo: Any) -> int:
     return 0
 
 
+def _one_batch(algo: Any) -> int:
+    return 1
+
+
 def _trained_and_reference(algo: Any) -> tuple[str, ...]:
     return ("policy", "critic", "reference")
 
@@ -90,6 +94,8 @@ class AlgoSpec:
     - ``sharded(algo)``: the roles ``train.sharding = "fsdp"`` shards, of those it may have.
     - ``models(algo)``: model folders it loads besides the policy (``ModelRef``).
     - ``ahead(algo)``: the steps whose batches a producer samples ahead (0: synchronous).
+    - ``batches(algo)``: the most batches of its items one step may draw (GRPO's dynamic
+      sampling draws more when it drops groups; 1 otherwise).
     - ``head``: what the trained model is: ``"lm"`` a language model (its logits over the
       vocabulary), ``"score"`` a scalar score head on the same architecture (transformers'
       ``*ForSequenceClassification`` with ``num_labels = 1``: a reward model), which the
@@ -113,6 +119,7 @@ class AlgoSpec:
     sharded: Callable[[Any], tuple[str, ...]] = _trained_and_reference
     models: Callable[[Any], tuple[ModelRef, ...]] = _no_models
     ahead: Callable[[Any], int] = _none_ahead
+    batches: Callable[[Any], int] = _one_batch
     head: Literal["lm", "score"] = "lm"
 
     @property
