@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain-run",
-        description="Run a post-training recipe (GRPO, DPO, PPO, OPD) described by one TOML file.",
+        description="Run a post-training recipe (GRPO, PPO, OPD, DPO, SFT or a reward model) "
+        "described by one TOML file.",
         epilog="Overrides: KEY=VALUE with dotted keys, e.g. algo.group_size=4 "
         "data.factory_kwargs.count=1000. Values are TOML literals; anything else is a string. "
         "Other commands: " + "; ".join(f"posttrain-run {name} {usage}"

@@ -190,9 +190,9 @@ def test_a_reward_model_scores_as_its_training_loop_and_transformers_do(trained)
     scored its chosen answers (``Trainable.scores`` on a padded batch) and as transformers does
     on the checkpoint folder, one sequence at a time (float32, 1e-5); scores come per
     completion, in order, batched by ``BATCH``."""
+    from runner.recipe.schema import RewardConfig
     from runner.rewards import build_rewards
     from runner.rewards.model import BATCH
-    from runner.recipe.schema import RewardConfig
     from runner.types import ObsBundle
 
     rewards = build_rewards(RewardConfig(functions=[f"model:{trained}", "arithmetic_exact"],
