@@ -20,8 +20,9 @@ from runner.extensions import check_binds, load_callable
 from runner.recipe.algos import spec_of
 from runner.recipe.checks import BUILTIN_REWARDS, trackers_of
 from runner.recipe.plan import sharded_roles
+from runner.recipe.reward_names import is_model_reward, model_rewards
 from runner.recipe.schema import Recipe
-from runner.rewards.model import is_model_reward, model_rewards, reward_model_problems
+from runner.rewards.model import reward_model_problems
 
 
 def _calls(recipe: Recipe) -> list[tuple[str, str, tuple | None, dict[str, Any]]]:

@@ -82,7 +82,7 @@ def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None
     from runner.data.sources import build_prompt_sources
     from runner.models import load_tokenizer, read_model_type, resolve_model_path
     from runner.packers import build_packer
-    from runner.rewards.model import model_rewards
+    from runner.recipe.reward_names import model_rewards
     from runner.rollout.lengths import run_limit
     from runner.types import ObsBundle
 

@@ -104,17 +104,22 @@ def test_a_hanging_agent_is_cut_and_an_idle_one_trains_nothing(engine):
 
 
 def test_the_endpoint_listens_on_loopback_only(engine):
+    """The endpoint is one new listener, on 127.0.0.1, gone after stop (listeners this process
+    had before, of other tests in the same worker, are not the endpoint's)."""
     packer, eng = engine
     recipe = load_recipe(REPO / "recipes/grpo-openai-agent.toml")
     runner = AgentRunner(recipe.env, packer, A.one_call, "tiny")
+    before = set(listeners_of({os.getpid()}))
     try:
         url = runner._endpoint().url
         assert url.startswith("http://127.0.0.1:")
+        port = url.split(":")[2].split("/")[0]
         listening = listeners_of({os.getpid()})
-        assert listening and all(a.startswith("127.0.0.1:") for a in listening), listening
+        assert set(listening) - before == {f"127.0.0.1:{port}"}, (listening, before)
+        assert all(a.startswith("127.0.0.1:") for a in listening), listening
     finally:
         runner.server.stop()
-    assert not listeners_of({os.getpid()})
+    assert set(listeners_of({os.getpid()})) <= before
 
 
 def test_an_openai_sdk_agent_trains_exactly_as_the_built_in_tool_environment(tmp_path):

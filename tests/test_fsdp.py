@@ -543,10 +543,11 @@ def test_ppo_resume_on_one_sharded_rank(ppo_runs, tmp_path):
         assert _worst_rel(one, two) < 1e-10, name
 
 
-def test_sharded_ranks_run_equally_many_micro_batches(monkeypatch):
-    """FSDP2 gathers parameters in every forward (a collective), so a sharded rank holding fewer
-    rows of a minibatch than micro-batches runs zero-weighted ones on its first row until it has
-    run as many as every rank; they are neither kept nor counted. Unsharded ranks do not."""
+def test_ranks_together_run_equally_many_micro_batches(monkeypatch):
+    """Every forward of several ranks is a collective (FSDP2 gathers parameters, DDP broadcasts
+    buffers), and so is a sharded trainable's on one rank: a rank holding fewer rows of a
+    minibatch than micro-batches runs zero-weighted ones on its first row until it has run as
+    many as every rank; they are neither kept nor counted. One unsharded rank does not."""
     from runner.train.loops import batches
     from runner.train.loops.batches import Minibatch, train_minibatch_keeping
 
@@ -561,13 +562,16 @@ def test_sharded_ranks_run_equally_many_micro_batches(monkeypatch):
         return torch.tensor(2.0), {"m": torch.tensor(3.0)}, len(calls)
 
     mb = Minibatch(rows=[1], weights=[1.0], total=2.0)
-    for sharded, want in ((False, [[1]]), (True, [[1], [0], [0]])):
+    padded = [[1], [0], [0]]
+    for sharded, world, want in ((False, 1, [[1]]), (False, 2, padded), (True, 1, padded),
+                                 (True, 2, padded)):
         calls.clear()
         trainable = attrs.evolve(_FakeTrainable(), sharded=sharded)
-        metrics, kept = train_minibatch_keeping([trainable], mb, loss_fn, 3, 2, 1.0)
-        assert calls == want
+        metrics, kept = train_minibatch_keeping([trainable], mb, loss_fn, 3, world, 1.0)
+        assert calls == want, (sharded, world)
         assert [(i.tolist(), v) for i, v in kept] == [([1], 1)]
-        assert metrics == {"m": 1.5, "grad_norm": 1.0}  # 2 x share 1/2 x world 2, over world
+        # the fake step returns the summed loss, 2 x share 1/2 x world; grad_norm is that / world
+        assert metrics == {"m": 1.5, "grad_norm": 1.0}, (sharded, world)
 
 
 @attrs.define

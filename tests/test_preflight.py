@@ -14,7 +14,7 @@ GRPO, OPD, PPO = "recipes/grpo-arith.toml", "recipes/opd-arith.toml", "recipes/p
 
 @pytest.mark.parametrize("recipe, override, line", [
     (GRPO, "model.path=/no/such/folder", "model.path: model folder not found (got "
-     "'/no/such/folder'). Give a local Hugging Face model folder, or builtin:NAME."),
+     "'/no/such/folder'). Give a local Hugging Face model folder, a run folder, or builtin:NAME."),
     (OPD, "algo.teacher_path=/no/such/teacher", "algo.teacher_path: model folder not found (got "
      "'/no/such/teacher')."),
     (PPO, "algo.critic_path=/no/such/critic", "algo.critic_path: model folder not found (got "

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import Problem, RecipeError
 from runner.state.run_folder import pickled_weights
+
+if TYPE_CHECKING:
+    from runner.recipe.schema import Recipe
 
 PREFIX = "builtin:"
 # The generic tokenizer class under its transformers 4 and 5 names (5 writes the second on save).
@@ -316,3 +319,24 @@ def empty_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code:
         raise _known_failure(exc, folder, trust_remote_code) from exc
     model.tie_weights()  # as from_pretrained ties them (e.g. the LM head to the embeddings)
     return model.eval()
+
+
+def run_folder_models(recipe: Recipe) -> dict[str, str]:
+    """``{recipe key: model folder}`` for every model the recipe names by a run folder (its
+    newest complete checkpoint's model, as the run loads it); a folder that does not resolve is
+    left out (the run refuses it with its own error)."""
+    from runner.recipe.algos import spec_of
+    from runner.recipe.reward_names import model_rewards
+
+    named = [("model.path", recipe.model.path)]
+    named += [(m.key, m.path) for m in spec_of(recipe).models(recipe.algo)]
+    named += model_rewards(recipe.reward.functions)
+    found = {}
+    for key, path in named:
+        folder = Path(path).expanduser()
+        if (folder / "checkpoints").is_dir() and not (folder / "config.json").is_file():
+            try:
+                found[key] = str(run_model_folder(folder, key))
+            except RecipeError:
+                continue
+    return found

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -41,33 +41,11 @@ def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str]:
     return versions
 
 
-def run_folder_models(recipe: Recipe) -> dict[str, str]:
-    """``{recipe key: model folder}`` for every model the recipe names by a run folder (its
-    newest complete checkpoint's model, as the run loads it); a folder that does not resolve is
-    left out (the run refuses it with its own error)."""
-    from runner.errors import RecipeError
-    from runner.models.loading import run_model_folder
-    from runner.recipe.algos import spec_of
-    from runner.rewards.model import model_rewards
-
-    named = [("model.path", recipe.model.path)]
-    named += [(m.key, m.path) for m in spec_of(recipe).models(recipe.algo)]
-    named += model_rewards(recipe.reward.functions)
-    found = {}
-    for key, path in named:
-        folder = Path(path).expanduser()
-        if (folder / "checkpoints").is_dir() and not (folder / "config.json").is_file():
-            try:
-                found[key] = str(run_model_folder(folder, key))
-            except RecipeError:
-                continue
-    return found
-
-
-def resolved_document(recipe: Recipe, overrides: Sequence[str] = (),
-                      source: str = "") -> dict[str, Any]:
+def resolved_document(recipe: Recipe, overrides: Sequence[str] = (), source: str = "",
+                      models: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The recipe's tables and the ``[resolved]`` table: source, overrides, hash, package
-    versions and, for models named by a run folder, the checkpoint folder each one means."""
+    versions and ``models``, for models named by a run folder the checkpoint folder each one
+    means (``runner.models.loading.run_folder_models``)."""
     doc = unstructure_recipe(recipe)
     doc[RESOLVED_TABLE] = {
         "source": source,
@@ -75,17 +53,16 @@ def resolved_document(recipe: Recipe, overrides: Sequence[str] = (),
         "recipe_hash": recipe_hash(recipe),
         "versions": package_versions(),
     }
-    models = run_folder_models(recipe)
     if models:
-        doc[RESOLVED_TABLE]["models"] = models
+        doc[RESOLVED_TABLE]["models"] = dict(models)
     return doc
 
 
-def write_resolved(recipe: Recipe, path: Path, overrides: Sequence[str] = (),
-                   source: str = "") -> Path:
+def write_resolved(recipe: Recipe, path: Path, overrides: Sequence[str] = (), source: str = "",
+                   models: Mapping[str, str] | None = None) -> Path:
     """Write the resolved recipe to ``path`` (through a temporary file beside it); a failed write
     (a full disk) is a ``RuntimeFailure`` naming ``path``."""
-    text = tomli_w.dumps(resolved_document(recipe, overrides, source))
+    text = tomli_w.dumps(resolved_document(recipe, overrides, source, models))
     tmp = path.with_suffix(".tmp")
     with writing("the resolved recipe", path):
         path.parent.mkdir(parents=True, exist_ok=True)

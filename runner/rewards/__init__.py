@@ -19,6 +19,8 @@ import attrs
 
 from runner.errors import Problem, RecipeError, RewardFailure
 from runner.extensions import load_callable
+from runner.recipe.reward_names import PREFIX as MODEL_PREFIX
+from runner.recipe.reward_names import is_model_reward
 from runner.recipe.schema import RewardConfig
 from runner.rewards.builtin import (
     BUILTIN_REWARDS,
@@ -28,8 +30,7 @@ from runner.rewards.builtin import (
 )
 from runner.rewards.calls import MAX_REWARD, RewardFn, call_all
 from runner.rewards.code_tests import code_rewards
-from runner.rewards.model import PREFIX as MODEL_PREFIX
-from runner.rewards.model import ModelReward, is_model_reward
+from runner.rewards.model import ModelReward
 from runner.rewards.sandbox import Limits
 from runner.types import ObsBundle
 

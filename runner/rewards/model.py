@@ -23,20 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import Problem, RecipeError
+from runner.recipe.reward_names import PREFIX
 from runner.types import ObsBundle
 
-PREFIX = "model:"
 BATCH = 32  # completions per forward
-
-
-def is_model_reward(name: str) -> bool:
-    return name.startswith(PREFIX)
-
-
-def model_rewards(functions: Sequence[str]) -> list[tuple[str, str]]:
-    """(recipe key, path) of each reward model among ``reward.functions``."""
-    return [(f"reward.functions[{i}]", name[len(PREFIX):]) for i, name in enumerate(functions)
-            if is_model_reward(name)]
 
 
 def reward_model_problems(path: str, key: str) -> list[Problem]:

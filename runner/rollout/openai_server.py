@@ -128,6 +128,10 @@ class Background:
             threading.Event().wait(0.01)
 
     def stop(self) -> None:
+        """Stop serving: requests in progress get 10 s to finish, then connections are cut."""
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(timeout=5)
         self.sock.close()

@@ -19,6 +19,7 @@ import attrs
 
 from runner.data.cursor import DataCursor, check_resume
 from runner.errors import Problem, RecipeError, RunnerError
+from runner.models.loading import run_folder_models
 from runner.precision import Precision, resolve
 from runner.ranks.collective import Collective
 from runner.ranks.context import RankContext
@@ -144,7 +145,8 @@ def open_start(recipe: Recipe, plan: RunPlan, ctx: RankContext, reporter: Report
     streamed = step("data", lambda: opened.stream(recipe, ctx, cursor))
     if ctx.is_main and step.failed is None:
         step("output", lambda: (plan.output_dir.mkdir(parents=True, exist_ok=True),
-                                write_resolved(recipe, plan.resolved_path, overrides, source)))
+                                write_resolved(recipe, plan.resolved_path, overrides, source,
+                                               run_folder_models(recipe))))
     start_step = 0
     if ckpt is not None and step.failed is None:
         restore_rng(ckpt.rng_of_rank(ctx.rank), ckpt.rng_tensors_of_rank(ctx.rank))
@@ -279,7 +281,8 @@ def start_trackers(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint | None,
     if not names:
         return None
     setup = TrackerSetup(plan.output_dir, recipe.run.name, recipe.logging.project,
-                         resolved_document(recipe, overrides, source))
+                         resolved_document(recipe, overrides, source,
+                                           run_folder_models(recipe)))
     return Trackers(names, setup, resume=ckpt.state.trackers if ckpt else None,
                     rows=ckpt.metrics_rows if ckpt else [], say=reporter.message)
 
