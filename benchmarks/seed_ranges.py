@@ -49,6 +49,9 @@ ROWS: dict[str, list[tuple[str, str, int]]] = {
     "dpo-arith": [("preference accuracy", "eval/preference_accuracy", 3),
                   ("greedy accuracy", "eval/reward", 3)],
     "grpo-dapo-arith": [ACC],
+    "grpo-gspo-arith": [ACC],
+    "grpo-cispo-arith": [ACC],
+    "rloo-arith": [ACC],
     "ppo-arith": [ACC],
     "opd-arith": [ACC, ("exact reverse KL", "eval/reverse_kl_exact", 3)],
     "opd-cross-tokenizer": [ACC, ("reverse KL", "eval/reverse_kl", 3)],
@@ -154,6 +157,25 @@ def table(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def holding(files: list[dict], recipes: list[str]) -> str:
+    """Markdown: per recipe, file and seed, the first metric's start, best (and its step), end,
+    and end - best (whether a run holds what it learned; higher is better)."""
+    lines = ["| recipe | results | seed | start | best (step) | end | end - best |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for recipe in recipes:
+        key = ROWS[recipe][0][1]
+        for f in files:
+            for seed, run in sorted(f.get("runs", {}).get(recipe, {}).items()):
+                curve = [v for v in run["curve"][key] if v is not None]
+                best = max(curve)
+                step = run["start_step"] + curve.index(best) * (
+                    (run["end_step"] - run["start_step"]) // max(1, len(curve) - 1))
+                end = run["end"][key]
+                lines.append(f"| `{recipe}` | {f['kind']} | {seed} | {run['start'][key]:.3f} | "
+                             f"{best:.3f} ({step}) | {end:.3f} | {end - best:+.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", nargs="+", choices=sorted(ROWS),
@@ -167,9 +189,12 @@ def main() -> None:
                         "benchmarks/results/seed_ranges-<kind>.json)")
     parser.add_argument("--table", nargs="+", type=Path, metavar="FILE",
                         help="print the table of saved results files and exit")
+    parser.add_argument("--holding", action="store_true", help="with --table: per seed, the "
+                        "best evaluation and how far below it the run ends, of --recipes")
     args = parser.parse_args()
     if args.table:
-        print(table([json.loads(p.read_text()) for p in args.table]))
+        files = [json.loads(p.read_text()) for p in args.table]
+        print(holding(files, args.recipes) if args.holding else table(files))
         return
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -4,7 +4,8 @@ change of the math shows as a change of these numbers, on any CPU (up to its flo
 bits: ``tests/test_pinned_steps.py``).
 
 When the math changes on purpose, or the shipped models are rebuilt, regenerate the file and say
-why in the commit: ``.venv/bin/python -m tests.pinned_steps --write``.
+why in the commit: ``.venv/bin/python -m tests.pinned_steps --write`` (``--recipes NAME ...``
+reruns only those and keeps the others' pinned numbers).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def first_steps(name: str) -> list[dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=sorted(RECIPES))
     args = parser.parse_args()
-    values = {name: first_steps(name) for name in RECIPES}
+    values = json.loads(PINNED.read_text()) if PINNED.exists() else {}
+    values.update({name: first_steps(name) for name in args.recipes})
     text = json.dumps(values, indent=1, sort_keys=True) + "\n"
     if args.write:
         PINNED.write_text(text)

@@ -127,7 +127,7 @@ ROWS_B = [{"step": s, "loss": NAN if s == 3 else 2 / s, "reward/mean": 0.05 * s,
 
 @pytest.fixture
 def runs(tmp_path):
-    a = make_run(tmp_path / "a", ROWS_A, "run.name=alpha",
+    a = make_run(tmp_path / "a", ROWS_A, "run.name=alpha", "train.lr=3e-4",
                  extra_lines="not json\n{\"step\": \"x\"}\n{\"step\": 7, \"loss\": 0.1")
     b = make_run(tmp_path / "b", ROWS_B, "run.name=beta", "train.lr=1e-3", "algo.group_size=4")
     return a, b
