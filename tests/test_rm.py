@@ -167,7 +167,7 @@ def test_eval_of_a_reward_model_is_refused_in_one_line(trained, run_cli):
 
 def test_a_run_folder_means_its_newest_complete_checkpoints_model(trained, tmp_path):
     from runner.models import read_model_type
-    from runner.recipe.resolved import run_folder_models
+    from runner.models.loading import run_folder_models
 
     model = trained / "checkpoints" / "step-000002" / MODEL_DIR
     assert resolve_model_path(str(trained)) == model
@@ -251,3 +251,28 @@ def test_grpo_trains_on_a_reward_model_named_by_its_run_folder(trained, tmp_path
     assert 0 <= last["eval/reward/arithmetic_exact"] <= 1
     resolved = (tmp_path / "run" / "recipe.resolved.toml").read_text()
     assert str(trained / "checkpoints" / "step-000002" / MODEL_DIR) in resolved
+
+
+def test_near_miss_pairs_have_no_order_shortcut():
+    """``data.synthetic_rejected = "near_miss"``: each rejected answer is the right one moved by
+    -3..-1 or 1..3, the same for a problem in every build, both sides about equally often (so
+    "the smaller number wins" orders about half the pairs), and the pair stream's identity says
+    which rule made it; the default keeps the answer + 1 of DPO's recipes."""
+    from runner.data.pairs import near_miss_offset
+    from runner.data.preference import build_pair_source
+
+    near = load_recipe(REPO / RECIPE, ["data.synthetic_rejected=near_miss"])
+    plus = load_recipe(REPO / RECIPE, [])
+    a, b = build_pair_source(near.data), build_pair_source(near.data)
+    pairs = [a.pair(i) for i in range(400)]
+    offsets = [int(p.rejected) - int(p.chosen) for p in pairs]
+    assert set(offsets) == {-3, -2, -1, 1, 2, 3}
+    assert 0.4 < sum(o < 0 for o in offsets) / len(offsets) < 0.6
+    assert [b.pair(i) for i in range(400)] == pairs
+    assert all(near_miss_offset(str(k)) in (-3, -2, -1, 1, 2, 3) for k in range(1000))
+    one = build_pair_source(plus.data)
+    assert all(int(one.pair(i).rejected) - int(one.pair(i).chosen) == 1 for i in range(50))
+    assert a.fingerprint() != one.fingerprint()
+    with pytest.raises(RecipeError) as info:
+        load_recipe(REPO / "recipes/grpo-arith.toml", ["data.synthetic_rejected=near_miss"])
+    assert "data.synthetic_rejected" in str(info.value)

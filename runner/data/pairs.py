@@ -21,6 +21,7 @@ keys (values compared the same way), or both lists of the same length.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -260,26 +261,38 @@ def _json_kind(value: Any) -> str:
     return "a list" if isinstance(value, list) else f"a {type(value).__name__}"
 
 
-def synthetic_pairs(count: int, split: str, *, lo: int, hi: int, ops: tuple[str, ...],
-                    shuffle: bool, key: str) -> PairSource:
-    """Arithmetic pairs: the right answer preferred to the answer one too high.
+def near_miss_offset(problem_key: str) -> int:
+    """The rejected answer's offset from the right one for ``near_miss`` pairs: one of -3, -2,
+    -1, 1, 2, 3, a function of the problem alone (so every run, rank and resume agrees)."""
+    return (-3, -2, -1, 1, 2, 3)[zlib.crc32(problem_key.encode()) % 6]
 
-    One too high is the near miss that ``builtin:tiny-arith`` habitually writes (its warm-up
-    slip), so the pairs teach a model that knows roughly where the answer is which of two close
-    candidates is right: a preference that generalises to unseen problems.
+
+def synthetic_pairs(count: int, split: str, *, lo: int, hi: int, ops: tuple[str, ...],
+                    shuffle: bool, key: str, rejected: str = "one_too_high") -> PairSource:
+    """Arithmetic pairs: the right answer preferred to a wrong one.
+
+    ``rejected = "one_too_high"``: the answer one too high, the near miss that
+    ``builtin:tiny-arith`` habitually writes (its warm-up slip), so DPO teaches a model that
+    knows roughly where the answer is which of two close candidates is right. Every rejected
+    answer is then larger than its chosen one, so "the smaller number wins" orders every pair:
+    a reward model trained on them learns that rule and prefers a too-low answer to the right
+    one. ``"near_miss"``: the right answer plus an offset in -3..-1, 1..3, fixed per problem
+    (``near_miss_offset``), so no order of the numbers alone separates the pairs.
     """
     try:
         problems = arithmetic.problems(split, count, lo, hi, ops, seed=0)
     except ValueError as exc:
         raise RecipeError([Problem("data.operators" if "operator" in str(exc)
                                    else "data.min_operand", str(exc))]) from exc
+    near = rejected == "near_miss"
 
     def fetch(i: int) -> Triple:
         p = problems[i]
-        return p.question, str(p.answer), str(p.answer + 1)
+        offset = near_miss_offset(p.key) if near else 1
+        return p.question, str(p.answer), str(p.answer + offset)
 
-    spec = (f"arithmetic-pairs rejected=answer+1 split={split} operands={lo}..{hi} "
-            f"operators={''.join(ops)} seed=0")
+    spec = (f"arithmetic-pairs rejected={'near-miss' if near else 'answer+1'} split={split} "
+            f"operands={lo}..{hi} operators={''.join(ops)} seed=0")
     return PairSource(fetch, len(problems), kind="builtin", label=f"built-in arithmetic pairs "
                       f"({split})", identity={"source": "builtin", "builtin": spec},
                       shuffle=shuffle, split=split, key=key, checked=True,

@@ -52,7 +52,8 @@ def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSour
     """
     keys = PairKeys(data.prompt_column, data.chosen_key, data.rejected_key)
     common = {"shuffle": data.shuffle}
-    builtin = {"lo": data.min_operand, "hi": data.max_operand, "ops": tuple(data.operators)}
+    builtin = {"lo": data.min_operand, "hi": data.max_operand, "ops": tuple(data.operators),
+               "rejected": data.synthetic_rejected}
     need_ids = data.validation.enabled
     if not validation:
         if data.factory:

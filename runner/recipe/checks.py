@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
+
 from runner.errors import Problem
 from runner.recipe.algos import ALGORITHMS, spec_of, titles
 from runner.recipe.algos.spec import OWNED_KEY_HINTS
@@ -87,7 +89,7 @@ def check_algorithm_keys(r: Recipe) -> list[Problem]:
     owned = dict.fromkeys(k for s in ALGORITHMS.values() for k in s.owned_keys)
     for key in owned:
         value = _lookup(r, key)
-        if spec.reads(key) or not _set(value):
+        if spec.reads(key) or not _set(value) or value == _default(r, key):
             continue
         problems.append(Problem(key, f"only used by {titles(lambda s, k=key: s.reads(k))}, but "
                                 f"algo.kind is {r.algo.kind!r}", got=value,
@@ -399,6 +401,14 @@ _PER_STEP_KEYS = ("train.grad_accum_steps", "rollout.max_new_tokens", "rollout.m
                   "algo.minibatches")
 _TIMEOUT_KEYS = ("reward.timeout_s", "env.tool_timeout_s", "env.step_timeout_s",
                  "launch.collective_timeout_s")
+
+
+def _default(r: Recipe, dotted: str) -> object:
+    """The schema's default of a key (a key whose default is a value, such as
+    data.synthetic_rejected, is set only when it differs from it)."""
+    table, _, name = dotted.rpartition(".")
+    default = attrs.fields_dict(type(_lookup(r, table)))[name].default
+    return None if isinstance(default, attrs.Factory) else default  # type: ignore[arg-type]
 
 
 def _lookup(r: Recipe, dotted: str) -> object:

@@ -140,6 +140,12 @@ class DataConfig:
         "refused as soon as it passes this, however small it is compressed."
     )
     synthetic_pairs: int = key(0, "DPO only: number of built-in arithmetic preference pairs.")
+    synthetic_rejected: Literal["one_too_high", "near_miss"] = key(
+        "one_too_high", "Built-in preference pairs: the rejected answer. one_too_high: the right "
+        "answer + 1 (the slip builtin:tiny-arith makes); near_miss: the right answer -3..+3, "
+        "never 0, the offset fixed per problem (no 'smaller is better' shortcut: a reward model "
+        "must check the answer)."
+    )
     chosen_key: str = key("", "DPO: key of the preferred answer; empty accepts chosen or winner.")
     rejected_key: str = key("", "DPO: key of the rejected answer; empty accepts rejected or loser.")
     validation: ValidationConfig = table(ValidationConfig, "The held-out set.")

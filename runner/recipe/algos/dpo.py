@@ -9,8 +9,8 @@ from runner.recipe.rules import in_range
 from runner.recipe.schema import DPOConfig, Recipe
 
 # The [data] keys of the preference-pair stream (DPO's, and the reward model's)
-PAIR_KEYS = ("data.jsonl_path", "data.tar_path", "data.synthetic_pairs", "data.chosen_key",
-             "data.rejected_key", "data.validation.jsonl_path")
+PAIR_KEYS = ("data.jsonl_path", "data.tar_path", "data.synthetic_pairs", "data.synthetic_rejected",
+             "data.chosen_key", "data.rejected_key", "data.validation.jsonl_path")
 
 
 def shape(a: DPOConfig) -> Shape:
