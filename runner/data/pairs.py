@@ -16,11 +16,17 @@ Sources (``DatasetPreferenceEnv`` picks one):
 File answers must be text or tables (a number, null or a list is refused with the file and
 line); chosen and rejected must have the same payload shape: both text, both mappings with the same
 keys (values compared the same way), or both lists of the same length.
+
+With ``data.margin_column`` (reward models), every file sample also carries that field, a finite
+number (int or float, not a boolean): the pair's margin, 0 without the column. A factory's items
+are then mappings with the keys of a file sample instead of triples. The built-in arithmetic
+pairs carry no margin.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -36,37 +42,43 @@ from runner.data.tar_samples import read_tar_samples
 from runner.errors import ExtensionError, Problem, RecipeError
 
 Triple = tuple[Any, Any, Any]
+Quad = tuple[Any, Any, Any, float]  # a triple and its margin
 TAR_MEMBER_MAX_BYTES = 64 * 2**20  # the default of data.tar_member_max_bytes
 TAR_MAX_BYTES = 2 * 2**30  # the default of data.tar_max_bytes
 
 
 @attrs.frozen
 class PreferencePair:
-    """One DPO item: ``chosen`` is preferred to ``rejected`` as an answer to ``prompt``."""
+    """One DPO item: ``chosen`` is preferred to ``rejected`` as an answer to ``prompt``;
+    ``margin`` (reward models, ``data.margin_column``; else 0) is by how much."""
 
     prompt: Any
     chosen: Any
     rejected: Any
     id: str
+    margin: float = 0.0
 
 
 @attrs.frozen
 class PairKeys:
-    """Field names of a file sample; empty answer keys accept the two usual spellings."""
+    """Field names of a file sample; empty answer keys accept the two usual spellings; an empty
+    ``margin`` reads no margin."""
 
     prompt: str = "prompt"
     chosen: str = ""
     rejected: str = ""
+    margin: str = ""
 
     def describe(self) -> str:
+        margin = f" margin={self.margin}" if self.margin else ""  # unchanged without one
         return (f"prompt={self.prompt} chosen={self.chosen or 'chosen|winner'} "
-                f"rejected={self.rejected or 'rejected|loser'}")
+                f"rejected={self.rejected or 'rejected|loser'}{margin}")
 
 
 class PairSource:
     """A map-style source of preference pairs with its identity and membership ids."""
 
-    def __init__(self, fetch: Callable[[int], Triple], length: int, *, kind: str, label: str,
+    def __init__(self, fetch: Callable[[int], Quad], length: int, *, kind: str, label: str,
                  identity: dict[str, str], shuffle: bool, split: str, key: str,
                  membership: Callable[[], tuple[str, ...]], checked: bool = False) -> None:
         self._fetch, self._length = fetch, length
@@ -80,12 +92,12 @@ class PairSource:
     def pair(self, i: int) -> PreferencePair:
         if not 0 <= i < self._length:
             raise IndexError(f"index {i} is outside 0..{self._length - 1} of {self.label}")
-        prompt, chosen, rejected = self._fetch(i)
+        prompt, chosen, rejected, margin = self._fetch(i)
         if not self._checked:
             mismatch = shape_mismatch(chosen, rejected)
             if mismatch:
                 raise _shape_error(self.key, self.label, f"item {i}", mismatch)
-        return PreferencePair(prompt, chosen, rejected, id=f"{self.split}-{i}")
+        return PreferencePair(prompt, chosen, rejected, id=f"{self.split}-{i}", margin=margin)
 
     def fingerprint_parts(self) -> dict[str, str]:
         return {**self.identity, "shuffle": str(self.shuffle).lower(),
@@ -136,7 +148,10 @@ def _shape_error(key: str, label: str, where: str, mismatch: str) -> RecipeError
 
 
 def factory_pairs(dotted: str, kwargs: Mapping[str, Any], *, key: str, shuffle: bool,
-                  split: str, need_ids: bool, limit: int | None = None) -> PairSource:
+                  split: str, need_ids: bool, limit: int | None = None,
+                  keys: PairKeys | None = None) -> PairSource:
+    """Pairs of a factory: items ``(prompt, winner, loser)``, or, when ``keys.margin`` is set,
+    mappings read like a file sample (``keys``' fields, the margin's among them)."""
     from runner.extensions import call_factory
 
     obj = call_factory(dotted, key=key, kwargs=kwargs)
@@ -147,18 +162,28 @@ def factory_pairs(dotted: str, kwargs: Mapping[str, Any], *, key: str, shuffle: 
     own = contract.cursor_fingerprint(obj, dotted=dotted, key=key, required=False)
     if own is not None:
         identity["cursor_fingerprint"] = own
+    margin = keys.margin if keys is not None else ""
+    if margin:
+        identity["keys"] = keys.describe()
     if need_ids:
         contract.require_membership_hook(obj, dotted=dotted, key=key)
+    call = f"{dotted}({', '.join(f'{k}={v!r}' for k, v in sorted(kwargs.items()))})"
 
-    def fetch(i: int) -> Triple:
+    def fetch(i: int) -> Quad:
         item = contract.get_item(obj, i, dotted=dotted, key=key)
+        if margin:
+            if not isinstance(item, Mapping):
+                raise contract.extension_error(
+                    key, dotted, f"item {i} is a {type(item).__name__}, not a mapping with the "
+                    f"margin field {margin!r} (data.margin_column)",
+                    hint="return each pair as a dict with the keys of a jsonl sample")
+            return _quad(item, keys, key, call, f"item {i}", joiner=": ")
         if isinstance(item, str | bytes | Mapping) or not (
                 isinstance(item, tuple | list) and len(item) == 3):
             raise contract.extension_error(key, dotted, f"item {i} is a {type(item).__name__}, "
                                            "not a (prompt, winner, loser) triple")
-        return tuple(item)
+        return (*item, 0.0)
 
-    call = f"{dotted}({', '.join(f'{k}={v!r}' for k, v in sorted(kwargs.items()))})"
     return PairSource(fetch, length, kind="factory", label=call, identity=identity,
                       shuffle=shuffle, split=split, key=key,
                       membership=lambda: contract.membership_ids(obj, dotted=dotted, key=key))
@@ -179,7 +204,7 @@ def file_pairs(path: str, keys: PairKeys, *, kind: str, key: str, shuffle: bool,
     if not samples:
         empty = "is empty" if file.stat().st_size == 0 else "holds no preference pairs"
         raise RecipeError([Problem(key, f"{path} {empty}")])
-    triples = [_triple(sample, keys, key, path, where) for where, sample in samples]
+    triples = [_quad(sample, keys, key, path, where) for where, sample in samples]
     triples = triples if limit is None else triples[:limit]
     size, sha = digest_files(path, [file])
     identity = {"source": kind, "path": path, "file_size": str(size), "content_sha256": sha,
@@ -220,40 +245,65 @@ def _read_jsonl(file: Path, key: str) -> list[tuple[str, Any]]:
     return samples
 
 
-def _triple(sample: Any, keys: PairKeys, key: str, path: str, where: str) -> Triple:
-    if not isinstance(sample, dict):
-        raise RecipeError([Problem(key, f"{path} {where}: expected a JSON object, got a "
-                                   f"{type(sample).__name__}")])
+def _quad(sample: Any, keys: PairKeys, key: str, label: str, where: str, *, joiner: str = " "
+          ) -> Quad:
+    """``(prompt, chosen, rejected, margin)`` of one sample; errors name it as ``label`` (the
+    file, or the factory call) and ``where`` (the line or member, or the item)."""
+    at = f"{label}{joiner}{where}"
+    error = ExtensionError if key.endswith("factory") else RecipeError
+    if not isinstance(sample, Mapping):
+        raise error([Problem(key, f"{at}: expected a JSON object, got a "
+                             f"{type(sample).__name__}")])
 
     def pick(names: tuple[str, ...], setting: str) -> Any:
         for name in names:
             if name in sample:
                 return sample[name]
-        raise RecipeError([Problem(key, f"{path} {where}: no {' or '.join(map(repr, names))} "
-                                   f"key (its keys: {', '.join(map(repr, sample))})",
-                                   hint=f"set {setting} to the right key")])
+        raise error([Problem(key, f"{at}: no {' or '.join(map(repr, names))} "
+                             f"key (its keys: {', '.join(map(repr, sample))})",
+                             hint=f"set {setting} to the right key")])
 
     prompt = pick((keys.prompt,), "data.prompt_column")
     chosen = pick((keys.chosen,) if keys.chosen else ("chosen", "winner"), "data.chosen_key")
     rejected = pick((keys.rejected,) if keys.rejected else ("rejected", "loser"),
                     "data.rejected_key")
     if isinstance(prompt, Mapping):
-        raise RecipeError([Problem(key, f"{path} {where}: the prompt is a mapping, not text",
-                                   got=prompt, hint="write the prompt as a JSON string")])
+        raise error([Problem(key, f"{at}: the prompt is a mapping, not text",
+                             got=prompt, hint="write the prompt as a JSON string")])
     for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         if not isinstance(value, str | Mapping):
-            raise RecipeError([Problem(key, f"{path} {where}: the {name} is "
-                                       f"{_json_kind(value)}, not text", got=value,
-                                       hint=f"write the {name} as a JSON string")])
+            raise error([Problem(key, f"{at}: the {name} is "
+                                 f"{_json_kind(value)}, not text", got=value,
+                                 hint=f"write the {name} as a JSON string")])
     mismatch = shape_mismatch(chosen, rejected)
     if mismatch:
-        raise _shape_error(key, path, where, mismatch)
-    return prompt, chosen, rejected
+        raise _shape_error(key, label, where, mismatch)
+    margin = (_margin(pick((keys.margin,), "data.margin_column"), keys.margin, key, at)
+              if keys.margin else 0.0)
+    return prompt, chosen, rejected, margin
+
+
+def _margin(value: Any, name: str, key: str, at: str) -> float:
+    """A sample's margin field ``name``: a finite int or float (not a boolean), as a float."""
+    error = ExtensionError if key.endswith("factory") else RecipeError
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise error([Problem(key, f"{at}: the margin {name!r} is {_json_kind(value)}, not a "
+                             "number", got=value, hint="write the margin as a JSON number")])
+    try:
+        margin = float(value)
+    except OverflowError:  # an integer beyond any float
+        margin = math.inf
+    if not math.isfinite(margin):
+        raise error([Problem(key, f"{at}: the margin {name!r} is not a finite number",
+                             got=value, hint="give every pair a finite margin")])
+    return margin
 
 
 def _json_kind(value: Any) -> str:
     if value is None:
         return "null"
+    if isinstance(value, str):
+        return "text"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int | float):
@@ -286,10 +336,10 @@ def synthetic_pairs(count: int, split: str, *, lo: int, hi: int, ops: tuple[str,
                                    else "data.min_operand", str(exc))]) from exc
     near = rejected == "near_miss"
 
-    def fetch(i: int) -> Triple:
+    def fetch(i: int) -> Quad:
         p = problems[i]
         offset = near_miss_offset(p.key) if near else 1
-        return p.question, str(p.answer), str(p.answer + offset)
+        return p.question, str(p.answer), str(p.answer + offset), 0.0
 
     spec = (f"arithmetic-pairs rejected={'near-miss' if near else 'answer+1'} split={split} "
             f"operands={lo}..{hi} operators={''.join(ops)} seed=0")

@@ -30,6 +30,7 @@ from runner.data.pairs import (
     synthetic_pairs,
 )
 from runner.errors import Problem, RecipeError
+from runner.recipe.algos.rm import margin_problem
 from runner.recipe.schema import DataConfig, Recipe
 
 __all__ = ["DatasetPreferenceEnv", "PreferenceData", "PreferencePair", "build_pair_source"]
@@ -50,7 +51,7 @@ def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSour
     Which keys may be combined is checked once, with the recipe (``runner.recipe.checks``):
     this takes a checked ``[data]`` table.
     """
-    keys = PairKeys(data.prompt_column, data.chosen_key, data.rejected_key)
+    keys = PairKeys(data.prompt_column, data.chosen_key, data.rejected_key, data.margin_column)
     common = {"shuffle": data.shuffle}
     builtin = {"lo": data.min_operand, "hi": data.max_operand, "ops": tuple(data.operators),
                "rejected": data.synthetic_rejected}
@@ -58,23 +59,26 @@ def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSour
     if not validation:
         if data.factory:
             return factory_pairs(data.factory, data.factory_kwargs, key="data.factory",
-                                 split="train", need_ids=need_ids, **common)
+                                 split="train", need_ids=need_ids, keys=keys, **common)
         if data.jsonl_path or data.tar_path:
             kind = "jsonl" if data.jsonl_path else "tar"
             return file_pairs(data.jsonl_path or data.tar_path, keys, kind=kind,
                               key=f"data.{kind}_path", split="train", **common,
                               max_member_bytes=data.tar_member_max_bytes,
                               max_total_bytes=data.tar_max_bytes)
+        _no_margins(data)
         return synthetic_pairs(data.synthetic_pairs or data.count, "train", **builtin,
                                key="data.synthetic_pairs", **common)
     v = data.validation
     if v.factory:
         return factory_pairs(v.factory, v.factory_kwargs, key="data.validation.factory",
-                             split="held_out", need_ids=need_ids, limit=v.size, **common)
+                             split="held_out", need_ids=need_ids, limit=v.size, keys=keys,
+                             **common)
     if v.jsonl_path:
         return file_pairs(v.jsonl_path, keys, kind="jsonl", key="data.validation.jsonl_path",
                           split="held_out", limit=v.size, **common)
     if not (data.factory or data.jsonl_path or data.tar_path):  # built-in training pairs
+        _no_margins(data)
         return synthetic_pairs(v.size, "held_out", **builtin, key="data.validation.size",
                                **common)
     train_key = ("data.factory" if data.factory else
@@ -83,6 +87,12 @@ def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSour
         "data.validation", f"validation is on but no held-out set is given for the {train_key} "
         "training source", hint="set data.validation.jsonl_path or data.validation.factory, or "
         "data.validation.enabled=false")])
+
+
+def _no_margins(data: DataConfig) -> None:
+    problem = margin_problem(data)
+    if problem is not None:
+        raise RecipeError([problem])
 
 
 class DatasetPreferenceEnv:

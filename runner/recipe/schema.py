@@ -148,6 +148,11 @@ class DataConfig:
     )
     chosen_key: str = key("", "DPO: key of the preferred answer; empty accepts chosen or winner.")
     rejected_key: str = key("", "DPO: key of the rejected answer; empty accepts rejected or loser.")
+    margin_column: str = key(
+        "", "RM only: key of each pair's margin m, a finite number every pair of a jsonl, tar or "
+        "factory source (training and held-out) must carry; the loss becomes "
+        "-log sigma(r_chosen - r_rejected - m). Empty: no margin (m = 0)."
+    )
     validation: ValidationConfig = table(ValidationConfig, "The held-out set.")
 
 

@@ -5,9 +5,10 @@ The trained model is the policy's architecture with a scalar score head (``AlgoS
 each prompt + answer at its last token. Each step takes this rank's share of
 ``pairs_per_step`` pairs from the DatasetPreferenceEnv cursor (DPO's stream: the same sources,
 shuffling, sharding and cursor), scores chosen and rejected answers in one concatenated forward
-and minimises ``runner.algorithms.rm.rm_loss`` (a mean over the global batch of pairs).
-Held-out: pair accuracy (ties count half), loss and mean margin over the full set, each rank
-its shard.
+and minimises ``runner.algorithms.rm.rm_loss`` (a mean over the global batch of pairs; each
+pair's given margin, ``data.margin_column``, travels with it: 0 without one). Held-out: pair
+accuracy (ties count half), loss (with the given margins) and mean score margin over the full
+set, each rank its shard.
 
 One step is three plain functions, each with explicit inputs and outputs:
 
@@ -65,6 +66,15 @@ class PackedPairs:
         n, picked = len(self.pairs), idx.tolist()
         return [self.inputs[i] for i in picked] + [self.inputs[n + i] for i in picked]
 
+    def margins(self, idx: torch.Tensor) -> torch.Tensor:
+        """The given margins of pairs ``idx`` ([len(idx)], float64; 0 without a margin column)."""
+        return given_margins([self.pairs[i] for i in idx.tolist()])
+
+
+def given_margins(pairs: Sequence[PreferencePair]) -> torch.Tensor:
+    """Each pair's given margin (``data.margin_column``; 0 without one), float64."""
+    return torch.tensor([p.margin for p in pairs], dtype=torch.float64)
+
 
 def pair_scores(model: Trainable, run: RMRun, inputs: Sequence[RLPolicyInput]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,9 +98,9 @@ def score(run: RMRun, pairs: Sequence[PreferencePair]) -> PackedPairs:
 
 def minibatch_loss(run: RMRun, packed: PackedPairs, idx: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The Bradley-Terry loss of pairs ``idx`` and its metrics."""
+    """The Bradley-Terry loss of pairs ``idx`` (with their given margins) and its metrics."""
     chosen, rejected = pair_scores(run.run.policy, run, packed.rows(idx))
-    return rm_loss(chosen, rejected, run.algo.center_coef)
+    return rm_loss(chosen, rejected, run.algo.center_coef, packed.margins(idx))
 
 
 def consume(run: RMRun, packed: PackedPairs) -> dict[str, float]:
@@ -126,7 +136,7 @@ def held_out(run: RMRun) -> dict[str, float]:
         for chunk in chunks:
             part = pairs[chunk]
             chosen, rejected = pair_scores(ctx.policy, run, pack_pairs(ctx.policy_packer, part))
-            _, m = rm_loss(chosen, rejected, run.algo.center_coef)
+            _, m = rm_loss(chosen, rejected, run.algo.center_coef, given_margins(part))
             correct += float(m["accuracy"]) * len(part)
             loss_sum += float(m["loss"]) * len(part)
             margin_sum += float(m["margin"]) * len(part)
