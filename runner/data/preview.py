@@ -61,8 +61,11 @@ def _shown(value: Any) -> Any:
 
 
 def canonical(item: Any) -> str:
-    """An item as compact JSON of its non-empty fields, cut to ITEM_CHARS characters."""
+    """An item as compact JSON of its non-empty fields (a field at its default, such as a pair's
+    margin of 0 without a margin column, is left out), cut to ITEM_CHARS characters."""
+    defaults = {f.name: f.default for f in attrs.fields(type(item))}
     fields = {k: _shown(v) for k, v in attrs.asdict(item, recurse=False).items()
-              if v not in ("", (), {}, None) and k != "origin"}
+              if v not in ("", (), {}, None) and k != "origin" and not (
+                  isinstance(v, float) and v == defaults.get(k))}
     text = json.dumps(fields, ensure_ascii=False, default=repr)
     return text if len(text) <= ITEM_CHARS else text[:ITEM_CHARS - 3] + "..."

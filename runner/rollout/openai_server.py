@@ -10,6 +10,7 @@ field, an unknown path 404, anything else 500 with one line, and the server goes
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -106,7 +107,13 @@ def run_server(app: FastAPI, sock: socket.socket) -> None:
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=10)
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    # uvicorn re-raises the signal it stopped on through the handler it found, which under
+    # asyncio.run is asyncio's own: that one only cancels the main task, which may have finished
+    # by then, and Ctrl-C would exit 0. A SIGINT that stopped the server is a KeyboardInterrupt.
+    if signal.SIGINT in getattr(server, "_captured_signals", ()):
+        raise KeyboardInterrupt
 
 
 class Background:
