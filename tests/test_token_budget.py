@@ -8,6 +8,7 @@ round differently for rows packed with different neighbours."""
 
 from __future__ import annotations
 
+import doctest
 import json
 from types import SimpleNamespace
 
@@ -35,6 +36,15 @@ from tests.resume_helpers import final_weights, rows
 ])
 def test_pack_by_tokens_by_hand(lengths, budget, want):
     assert pack_by_tokens(lengths, budget) == want
+
+
+def test_pack_by_tokens_docstring_examples():
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner()
+    for test in finder.find(pack_by_tokens, "pack_by_tokens"):
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+    assert runner.summarize(verbose=False).attempted == 3
 
 
 def test_pack_by_tokens_keeps_the_budget_covers_every_row_and_is_deterministic():
