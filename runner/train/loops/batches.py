@@ -181,6 +181,8 @@ def whole_batch_step(policy: Trainable, comm: Collective, train: TrainConfig,
                                    train.max_grad_norm)]
         policy.scheduler.step()
         return {**reduce_history(comm, history), "lr": policy.scheduler.get_last_lr()[0]}
+    if len(lengths) != len(weights):
+        raise ValueError(f"{len(weights)} rows but {len(lengths)} token counts")
     pieces = micro_pieces(train, lengths)
     sizes = [sum(lengths[i] for i in p) for p in pieces]
     per_rank = comm.gather([len(pieces), sum(sizes), sum(max(budget, n) for n in sizes)])
