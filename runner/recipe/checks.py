@@ -265,6 +265,8 @@ def check_ranges(r: Recipe) -> list[Problem]:
     p += _range("train.warmup_steps", r.train.warmup_steps, r.train.warmup_steps >= 0, ">= 0")
     p += _range("train.grad_accum_steps", r.train.grad_accum_steps,
                 r.train.grad_accum_steps >= 1, ">= 1")
+    p += _range("train.max_tokens_per_microbatch", r.train.max_tokens_per_microbatch,
+                r.train.max_tokens_per_microbatch >= 0, ">= 0 (0: off)")
     p += _range("train.max_grad_norm", r.train.max_grad_norm, r.train.max_grad_norm >= 0, ">= 0")
     p += _range("train.eval_every", r.train.eval_every, r.train.eval_every >= 0, ">= 0")
     for name in ("adam_beta1", "adam_beta2"):
@@ -362,6 +364,25 @@ def check_sharding(r: Recipe) -> list[Problem]:
     return problems
 
 
+def check_token_budget(r: Recipe) -> list[Problem]:
+    """``train.max_tokens_per_microbatch`` replaces ``train.grad_accum_steps``' split, for the
+    kinds that train on a whole batch of given rows (``AlgoSpec.token_budget``)."""
+    budget = r.train.max_tokens_per_microbatch
+    if budget <= 0:
+        return []
+    if not spec_of(r).token_budget:
+        return [Problem("train.max_tokens_per_microbatch",
+                        f"not supported yet for algo.kind = {r.algo.kind!r}", got=budget,
+                        hint="remove the key (only " + titles(lambda s: s.token_budget)
+                        + " pack micro-batches by tokens)")]
+    if r.train.grad_accum_steps > 1:
+        return [Problem("train.max_tokens_per_microbatch", "train.max_tokens_per_microbatch and "
+                        "train.grad_accum_steps > 1 are mutually exclusive", got=budget,
+                        hint="set train.grad_accum_steps = 1 (the budget decides the "
+                        "micro-batches), or remove train.max_tokens_per_microbatch")]
+    return []
+
+
 RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
     check_prompt_source,
     check_pair_source,
@@ -373,6 +394,7 @@ RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
     check_env,
     check_ranges,
     check_reward_shaping,
+    check_token_budget,
     check_logging,
 )
 
@@ -395,8 +417,9 @@ MAX_TIMEOUT_S = 604_800  # every *_timeout_s key: a week (beyond it, thread join
 _ITEM_KEYS = ("data.count", "data.validation.size", "data.synthetic_pairs")
 _STEP_KEYS = ("run.max_steps", "train.warmup_steps", "train.eval_every", "checkpoint.every_steps",
               "checkpoint.keep_last", "logging.every_steps", "logging.sample_every")
-_PER_STEP_KEYS = ("train.grad_accum_steps", "rollout.max_new_tokens", "rollout.max_model_len",
-                  "rollout.top_k", "rollout.batch_size", "algo.prompts_per_step", "algo.group_size",
+_PER_STEP_KEYS = ("train.grad_accum_steps", "train.max_tokens_per_microbatch",
+                  "rollout.max_new_tokens", "rollout.max_model_len", "rollout.top_k",
+                  "rollout.batch_size", "algo.prompts_per_step", "algo.group_size",
                   "algo.samples_per_prompt", "algo.pairs_per_step", "algo.ppo_epochs",
                   "algo.minibatches")
 _TIMEOUT_KEYS = ("reward.timeout_s", "env.tool_timeout_s", "env.step_timeout_s",

@@ -64,6 +64,7 @@ class RunPlan:
     samples_online: bool = True  # AlgoSpec.samples_online: the engine samples training batches
     ahead: int = 0  # steps whose batches a producer samples ahead (AlgoSpec.ahead; 0: synchronous)
     most_items: int = 0  # the most items a step may draw (AlgoSpec.batches); 0: items_per_step
+    max_tokens_per_microbatch: int = 0  # train.max_tokens_per_microbatch (0: off)
 
     def rows(self) -> list[tuple[str, str]]:
         """Rows for the dry-run table."""
@@ -81,8 +82,15 @@ class RunPlan:
             ("sequences per step", f"{self.samples_per_step} ({self.samples_per_rank} per rank)"),
             ("optimizer steps per step", f"{self.optimizer_steps_per_step} "
                                          f"(minibatch {self.minibatch_size} per rank)"),
+            *self._micro_batch_rows(),
             ("output", str(self.output_dir)),
         ]
+
+    def _micro_batch_rows(self) -> list[tuple[str, str]]:
+        if not self.max_tokens_per_microbatch:
+            return []
+        return [("micro-batches", f"up to {self.max_tokens_per_microbatch} tokens each, packed "
+                 "best-fit (a longer row alone); as many on every rank as on the busiest")]
 
     def _engine_row(self) -> str:
         if "rollout" not in self.roles:
@@ -126,4 +134,5 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         samples_online=spec.samples_online,
         ahead=spec.ahead(recipe.algo),
         most_items=items * spec.batches(recipe.algo),
+        max_tokens_per_microbatch=recipe.train.max_tokens_per_microbatch,
     )

@@ -100,6 +100,9 @@ class AlgoSpec:
       vocabulary), ``"score"`` a scalar score head on the same architecture (transformers'
       ``*ForSequenceClassification`` with ``num_labels = 1``: a reward model), which the
       assembly loads, checkpoints and exports instead.
+    - ``token_budget``: it trains each step on a whole batch of given rows
+      (``runner.train.loops.batches.whole_batch_step``), whose micro-batches
+      ``train.max_tokens_per_microbatch`` may pack by tokens.
     - ``loop``: the module of its training loop (its ``run(RunContext)``), imported when a run
       starts, so that the recipe layer stays free of torch.
     """
@@ -121,6 +124,7 @@ class AlgoSpec:
     ahead: Callable[[Any], int] = _none_ahead
     batches: Callable[[Any], int] = _one_batch
     head: Literal["lm", "score"] = "lm"
+    token_budget: bool = False
 
     @property
     def kind(self) -> str:

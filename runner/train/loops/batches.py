@@ -75,6 +75,44 @@ def split_even(n: int, parts: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
+def pack_by_tokens(lengths: Sequence[float], budget: int) -> list[list[int]]:
+    """Rows ``0 .. len(lengths) - 1`` packed into micro-batches of at most ``budget`` tokens by
+    best-fit decreasing: rows in order of decreasing length (ties: the lower index first), each
+    into the open micro-batch it leaves the least room in (ties: the earlier one), else a new
+    one. A row longer than ``budget`` is a micro-batch of its own (rows are never cut).
+    Micro-batches in the order they were opened, each row list ascending.
+
+    >>> pack_by_tokens([5, 3, 8, 2, 4], 8)
+    [[2], [0, 1], [3, 4]]
+    >>> pack_by_tokens([3, 12, 3, 3], 8)
+    [[1], [0, 2], [3]]
+    >>> pack_by_tokens([], 8)
+    []
+    """
+    bins: list[list[int]] = []
+    room: list[float] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [b for b in range(len(bins)) if room[b] >= lengths[i]]
+        if fits:
+            best = min(fits, key=lambda b: (room[b], b))
+            bins[best].append(i)
+            room[best] -= lengths[i]
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def micro_pieces(train: TrainConfig, lengths: Sequence[float]) -> list[list[int]]:
+    """The micro-batches an offline step splits its ``len(lengths)`` rows into: packed by
+    tokens within ``train.max_tokens_per_microbatch`` when it is set, else ``grad_accum_steps``
+    contiguous pieces of (nearly) equal row counts."""
+    if train.max_tokens_per_microbatch > 0:
+        return pack_by_tokens(lengths, train.max_tokens_per_microbatch)
+    return [list(range(len(lengths))[s])
+            for s in split_even(len(lengths), max(1, train.grad_accum_steps))]
+
+
 @attrs.frozen
 class Minibatch:
     rows: list[int]  # this rank's local rows
@@ -106,8 +144,12 @@ KeepingLossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any], Any
 
 
 def train_minibatch(trainables: Sequence[Trainable], mb: Minibatch, loss_fn: LossFn, accum: int,
-                    world: int, max_grad_norm: float) -> dict[str, float]:
-    """One optimizer step over this rank's part of ``mb``, in up to ``accum`` micro-batches.
+                    world: int, max_grad_norm: float,
+                    pieces: Sequence[Sequence[int]] | None = None) -> dict[str, float]:
+    """One optimizer step over this rank's part of ``mb``, in up to ``accum`` micro-batches:
+    ``mb.rows`` split into ``accum`` pieces of (nearly) equal row counts or, given ``pieces``
+    (lists of ``mb``'s rows), those; ``accum`` is then the number every rank runs (the most
+    pieces of any rank) when the ranks run together.
 
     ``loss_fn(rows)`` returns the loss normalised within those rows (a mean over their tokens
     or sequences) and its metrics; each is weighted by the rows' share of the global
@@ -118,33 +160,61 @@ def train_minibatch(trainables: Sequence[Trainable], mb: Minibatch, loss_fn: Los
     def keeping(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any], None]:
         return (*loss_fn(rows), None)
 
-    return train_minibatch_keeping(trainables, mb, keeping, accum, world, max_grad_norm)[0]
+    return train_minibatch_keeping(trainables, mb, keeping, accum, world, max_grad_norm,
+                                   pieces)[0]
 
 
 def whole_batch_step(policy: Trainable, comm: Collective, train: TrainConfig,
-                     weights: Sequence[float], denominator: float, loss_fn: LossFn
-                     ) -> dict[str, float]:
+                     weights: Sequence[float], denominator: float, loss_fn: LossFn,
+                     lengths: Sequence[float] = ()) -> dict[str, float]:
     """One optimizer step of ``policy`` over this rank's rows of the global batch (the offline
     kinds: DPO, RM, SFT): row ``i`` weighs ``weights[i]`` in a global mean over
-    ``denominator``. The metrics reduced over ranks, and the learning rate."""
+    ``denominator``. The metrics reduced over ranks, and the learning rate.
+
+    With ``train.max_tokens_per_microbatch`` set, the rows are packed into micro-batches by
+    their token counts ``lengths`` (``micro_pieces``); every rank runs as many as the rank with
+    the most (the others zero-weighted pads), which the metrics report (``batch/*``)."""
     whole = Minibatch(list(range(len(weights))), list(weights), denominator)
-    history = [train_minibatch([policy], whole, loss_fn, train.grad_accum_steps, comm.world,
-                               train.max_grad_norm)]
+    budget = train.max_tokens_per_microbatch
+    if budget <= 0:
+        history = [train_minibatch([policy], whole, loss_fn, train.grad_accum_steps, comm.world,
+                                   train.max_grad_norm)]
+        policy.scheduler.step()
+        return {**reduce_history(comm, history), "lr": policy.scheduler.get_last_lr()[0]}
+    if len(lengths) != len(weights):
+        raise ValueError(f"{len(weights)} rows but {len(lengths)} token counts")
+    pieces = micro_pieces(train, lengths)
+    sizes = [sum(lengths[i] for i in p) for p in pieces]
+    per_rank = comm.gather([len(pieces), sum(sizes), sum(max(budget, n) for n in sizes)])
+    count = max(1, max(n for n, _, _ in per_rank))
+    # a rank's slots: each of its micro-batches holds the budget (an oversize row: its own
+    # tokens), and each pad micro-batch an empty budget
+    slots = sum(cap + (count - n) * budget for n, _, cap in per_rank)
+    real = sum(tokens for _, tokens, _ in per_rank)
+    history = [train_minibatch([policy], whole, loss_fn, count, comm.world, train.max_grad_norm,
+                               pieces)]
     policy.scheduler.step()
-    return {**reduce_history(comm, history), "lr": policy.scheduler.get_last_lr()[0]}
+    return {**reduce_history(comm, history), "lr": policy.scheduler.get_last_lr()[0],
+            "batch/micro_batches": float(count),
+            "batch/tokens_per_rank_max": float(max(t for _, t, _ in per_rank)),
+            "batch/pad_frac": 1.0 - real / slots if slots else 0.0}
 
 
 def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,
-                            loss_fn: KeepingLossFn, accum: int, world: int, max_grad_norm: float
+                            loss_fn: KeepingLossFn, accum: int, world: int, max_grad_norm: float,
+                            pieces: Sequence[Sequence[int]] | None = None
                             ) -> tuple[dict[str, float], list[tuple[torch.Tensor, Any]]]:
     """``train_minibatch`` whose loss also returns a value per micro-batch: returns the metrics
     and, in micro-batch order, (the rows ``loss_fn`` was called with, its third value).
 
     With several ranks every forward is a collective (sharded trainables, FSDP2, gather their
     parameters; DDP broadcasts the model's buffers, e.g. rotary frequencies): there, every rank
-    runs ``accum`` micro-batches, a rank with fewer rows than that a zero-weighted loss on its
-    first row for each missing one (neither kept nor counted in the metrics)."""
-    pieces = [mb.rows[s] for s in split_even(len(mb.rows), max(1, accum))] or [[]]
+    runs ``accum`` micro-batches, a rank with fewer pieces than that a zero-weighted loss on its
+    first row for each missing one (neither kept nor counted in the metrics). ``pieces``: as
+    in ``train_minibatch``."""
+    if pieces is None:
+        pieces = [mb.rows[s] for s in split_even(len(mb.rows), max(1, accum))]
+    pieces = [list(p) for p in pieces if p] or [[]]
     together = world > 1 or any(t.sharded for t in trainables)
     pads = max(1, accum) - len(pieces) if together else 0
     weights = dict(zip(mb.rows, mb.weights, strict=True))

@@ -37,6 +37,7 @@ from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
 from runner.train.loops.batches import (
     lockstep,
+    micro_pieces,
     split_even,
     whole_batch_step,
 )
@@ -157,24 +158,36 @@ def produce(run: DPORun) -> list[PreferencePair]:
     return ctx.state.data.next_batch(run.algo.pairs_per_step // ctx.svc.rank.world_size)
 
 
-def micro_batches(run: DPORun, n: int) -> list[slice]:
-    """The pieces ``consume``'s optimizer step splits ``n`` pairs into (``grad_accum_steps``)."""
-    return split_even(n, max(1, run.run.svc.recipe.train.grad_accum_steps))
+def pair_tokens(inputs: Sequence[RLPolicyInput]) -> list[float]:
+    """Each pair's tokens, chosen and rejected sequences together (prompt included in both),
+    of packed pairs ``inputs`` ([chosen_0 .. chosen_n, rejected_0 .. rejected_n])."""
+    n = len(inputs) // 2
+    return [float(len(inputs[i].input_ids) + len(inputs[n + i].input_ids)) for i in range(n)]
+
+
+def micro_batches(run: DPORun, inputs: Sequence[RLPolicyInput]) -> list[list[int]]:
+    """The pairs of each micro-batch ``consume``'s optimizer step splits packed pairs
+    ``inputs`` into (``grad_accum_steps``, or packed by ``max_tokens_per_microbatch``)."""
+    return micro_pieces(run.run.svc.recipe.train, pair_tokens(inputs))
 
 
 def score(run: DPORun, pairs: Sequence[PreferencePair]) -> ScoredPairs:
     """The pairs packed once and the reference's logprobs of their answers. The reference
     scores the same micro-batches the policy trains on, so both read batches padded alike."""
     inputs = pack_pairs(run.packer, pairs)
-    n, chosen, rejected = len(pairs), [], []
-    for piece in micro_batches(run, n):
-        ref = cached_reference(run, pairs[piece])
+    n, chosen, rejected, order = len(pairs), [], [], []
+    for piece in micro_batches(run, inputs):
+        part_pairs = [pairs[i] for i in piece]
+        ref = cached_reference(run, part_pairs)
         if ref is None:
-            part = inputs[piece] + inputs[n + piece.start:n + piece.stop]
-            ref = reference_logprobs(run, pairs[piece], run.packer.collate(part).to(run.device))
+            part = [inputs[i] for i in piece] + [inputs[n + i] for i in piece]
+            ref = reference_logprobs(run, part_pairs, run.packer.collate(part).to(run.device))
         chosen.append(ref[0])
         rejected.append(ref[1])
-    return ScoredPairs(tuple(pairs), tuple(inputs), torch.cat(chosen), torch.cat(rejected))
+        order += piece
+    back = torch.argsort(torch.tensor(order, dtype=torch.long))  # micro-batch order -> pairs'
+    return ScoredPairs(tuple(pairs), tuple(inputs), torch.cat(chosen)[back.to(chosen[0].device)],
+                       torch.cat(rejected)[back.to(rejected[0].device)])
 
 
 def minibatch_loss(run: DPORun, scored: ScoredPairs, idx: torch.Tensor
@@ -196,7 +209,7 @@ def consume(run: DPORun, scored: ScoredPairs) -> dict[str, float]:
     ctx = run.run
     return whole_batch_step(ctx.policy, ctx.svc.comm, ctx.svc.recipe.train,
                             [1.0] * len(scored.pairs), float(run.algo.pairs_per_step),
-                            partial(minibatch_loss, run, scored))
+                            partial(minibatch_loss, run, scored), pair_tokens(scored.inputs))
 
 
 def one_step(run: DPORun, step: int) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from runner.train.loops.batches import (
     split_even,
     whole_batch_step,
 )
-from runner.train.loops.dpo import pack_pairs
+from runner.train.loops.dpo import pack_pairs, pair_tokens
 from runner.train.loops.loop import run_loop
 from runner.train.roles import Trainable
 
@@ -105,11 +105,12 @@ def minibatch_loss(run: RMRun, packed: PackedPairs, idx: torch.Tensor
 
 def consume(run: RMRun, packed: PackedPairs) -> dict[str, float]:
     """One optimizer step over the global batch of pairs (a mean over all of them); the
-    reduced metrics and the learning rate."""
+    reduced metrics and the learning rate. A pair counts its chosen and rejected sequences'
+    tokens towards ``train.max_tokens_per_microbatch``."""
     ctx = run.run
     return whole_batch_step(ctx.policy, ctx.svc.comm, ctx.svc.recipe.train,
                             [1.0] * len(packed.pairs), float(run.algo.pairs_per_step),
-                            partial(minibatch_loss, run, packed))
+                            partial(minibatch_loss, run, packed), pair_tokens(packed.inputs))
 
 
 def one_step(run: RMRun, step: int) -> dict[str, Any]:

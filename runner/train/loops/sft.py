@@ -152,7 +152,8 @@ def rows_loss(run: SFTRun, inputs: Sequence[RLPolicyInput], idx: torch.Tensor
 
 def consume(run: SFTRun, ex: Examples) -> dict[str, float]:
     """One optimizer step over the global batch: each micro-batch's mean weighted by its share
-    of every rank's trained tokens. A rank whose conversations were all dropped takes part with
+    of every rank's trained tokens (``train.max_tokens_per_microbatch`` packs the micro-batches
+    by each conversation's tokens). A rank whose conversations were all dropped takes part with
     one zero-weighted row."""
     ctx = run.run
     train = ctx.svc.recipe.train
@@ -162,7 +163,8 @@ def consume(run: SFTRun, ex: Examples) -> dict[str, float]:
         pad = run.packer.pad_token_id
         inputs, tokens = [RLPolicyInput((pad, pad), (0, 0), 2)], [0.0]
     stepped = whole_batch_step(ctx.policy, ctx.svc.comm, train, tokens, max(total, 1.0),
-                               partial(rows_loss, run, inputs))
+                               partial(rows_loss, run, inputs),
+                               [float(len(x.input_ids)) for x in inputs])
     return {**stepped, "sft/tokens": total, "sft/examples": kept, "sft/dropped": dropped}
 
 
