@@ -1,0 +1,91 @@
+"""SFT on conversations of long-tailed length: equal-count micro-batches against a token budget.
+
+Writes 2,000 arithmetic conversations whose number of turns is long-tailed (1 + an exponential
+draw of mean 2, at most 12; seeded) to a scratch jsonl, then trains
+``recipes/sft-arith.toml`` on them with ``builtin:tiny-arith-tools`` (a chat template with
+turns), 64 conversations a step, two ways, alternated A B A B ...:
+
+- A: ``train.grad_accum_steps = 4`` (four micro-batches of 16 conversations);
+- B: ``train.max_tokens_per_microbatch = BUDGET`` (packed best-fit by tokens).
+
+Reports per side the median and range over runs of the median ``time/step`` (steps after the
+first), the loss of the last step (both sides must agree: the same update) and, for B, the
+micro-batches a step and ``batch/pad_frac``. One torch thread a run.
+
+Run: ``.venv/bin/python benchmarks/bench_token_budget.py [--runs 3] [--steps 40] [--budget 1024]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_chats(path: Path, n: int = 2000, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            turns = min(12, 1 + int(rng.expovariate(0.5)))
+            messages = []
+            for _ in range(turns):
+                a, b = rng.randint(0, 20), rng.randint(0, 20)
+                messages += [{"role": "user", "content": f"What is {a} + {b}?"},
+                             {"role": "assistant", "content": str(a + b)}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+
+
+def run(out: Path, chats: Path, steps: int, side: tuple[str, ...]) -> list[dict]:
+    cmd = [sys.executable, "-m", "runner.cli", "--plain", "recipes/sft-arith.toml",
+           "model.path=builtin:tiny-arith-tools", f"data.path={chats}",
+           "data.messages_column=messages", "data.validation.enabled=false",
+           f"run.max_steps={steps}", "checkpoint.every_steps=100000", "logging.sample_every=0",
+           "algo.examples_per_step=64", f"run.output_dir={out}", *side]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(done.stdout[-3000:] + done.stderr[-3000:])
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--budget", type=int, default=1024)
+    args = parser.parse_args()
+    sides = {"grad_accum_steps=4": ("train.grad_accum_steps=4",),
+             f"max_tokens_per_microbatch={args.budget}":
+                 (f"train.max_tokens_per_microbatch={args.budget}",)}
+    per_side: dict[str, list[list[dict]]] = {name: [] for name in sides}
+    with tempfile.TemporaryDirectory(prefix="bench_token_budget-") as tmp:
+        chats = Path(tmp) / "chats.jsonl"
+        write_chats(chats)
+        for i in range(args.runs):
+            for name, side in sides.items():
+                rows = run(Path(tmp) / f"{i}-{len(per_side[name])}-{name}", chats, args.steps,
+                           side)
+                per_side[name].append([r for r in rows if "loss" in r])
+    print("| micro-batches | s/step, median (range over runs) | last loss | micro-batches a "
+          "step | pad_frac |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, runs in per_side.items():
+        medians = [statistics.median(r["time/step"] for r in rows[1:]) for rows in runs]
+        last = runs[0][-1]
+        mbs = statistics.median(r.get("batch/micro_batches", 4.0) for r in runs[0])
+        pad = (f"{statistics.mean(r['batch/pad_frac'] for r in runs[0]):.3f}"
+               if "batch/pad_frac" in last else "-")
+        print(f"| `{name}` | {statistics.median(medians):.3f} ({min(medians):.3f}-"
+              f"{max(medians):.3f}) | {last['loss']:.6f} | {mbs:g} | {pad} |")
+
+
+if __name__ == "__main__":
+    main()
