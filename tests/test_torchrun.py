@@ -211,8 +211,11 @@ ALGOS = {
         "algo.kl_beta=0.05", "algo.gspo_clip_low=0.2", "algo.gspo_clip_high=0.2",
         "algo.mask_truncated=true")),
     "sft": ("recipes/sft-arith.toml", ("algo.examples_per_step=8", "train.grad_accum_steps=2")),
-    "rm": ("recipes/rm-arith.toml", ("algo.pairs_per_step=8", "train.grad_accum_steps=2",
-                                     "data.validation.size=7")),  # unequal held-out shards
+    # the token budget: two pairs a micro-batch, the ranks' counts gathered every step (pads
+    # for a rank with fewer: tests/test_token_budget.py); unequal held-out shards
+    "rm": ("recipes/rm-arith.toml", ("algo.pairs_per_step=8",
+                                     "train.max_tokens_per_microbatch=58",
+                                     "data.validation.size=7")),
 }
 COMMON = ("run.max_steps=3", "data.validation.size=8", "train.eval_every=3",
           "logging.item_ids=true",
