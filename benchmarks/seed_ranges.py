@@ -9,8 +9,9 @@ the numbers do not depend on how loaded the machine was.
 Run:
 ``.venv/bin/python benchmarks/seed_ranges.py [--recipes grpo-arith dpo-arith ...] [--seeds 0 1 2]
 [--avx2] [--threads N] [--skip-done]``.
-Default: every tiny recipe of the README's table (``grpo-smollm2-arith``, 15 minutes a run, is
-left out unless named), seeds 0, 1 and 2, this machine's own kernels. ``--avx2`` holds torch,
+Default: every tiny recipe of the README's table (``grpo-smollm2-arith``, 15 minutes a run, and
+``grpo-rm-arith``, which needs ``runs/rm-arith``, are left out unless named), seeds 0, 1 and
+2, this machine's own kernels. ``--avx2`` holds torch,
 MKL and oneDNN to their AVX2 kernels in the child runs (``ATEN_CPU_CAPABILITY=avx2
 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2``), which reproduces an AVX2-only CPU's
 numbers on an AVX-512 machine. ``--threads N`` sets ``OMP_NUM_THREADS`` in the child runs
@@ -62,9 +63,12 @@ ROWS: dict[str, list[tuple[str, str, int]]] = {
     "grpo-tools": [ACC],
     "grpo-guess": [("env reward", "eval/reward", 3)],
     "rm-arith": [("pair accuracy", "eval/pair_accuracy", 3)],
+    "grpo-rm-arith": [("exact-answer accuracy", "eval/reward/arithmetic_exact", 3)],
     "sft-arith": [ACC, ("NLL per trained token", "eval/nll", 3)],
 }
 SLOW = {"grpo-smollm2-arith"}  # 15 minutes a run on two cores: only when named
+# recipes that name an earlier run's folder: only when named, after that run
+CHAINED = {"grpo-rm-arith": "runs/rm-arith"}
 
 
 def cpu_flags() -> list[str]:
@@ -179,7 +183,7 @@ def holding(files: list[dict], recipes: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", nargs="+", choices=sorted(ROWS),
-                        default=[r for r in ROWS if r not in SLOW])
+                        default=[r for r in ROWS if r not in SLOW and r not in CHAINED])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--avx2", action="store_true", help="hold the children to AVX2 kernels")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the children")
@@ -213,6 +217,9 @@ def main() -> None:
                     "omp_num_threads": env.get("OMP_NUM_THREADS", "")})
     out.parent.mkdir(parents=True, exist_ok=True)
     for recipe in args.recipes:
+        if recipe in CHAINED and not (ROOT / CHAINED[recipe]).is_dir():
+            sys.exit(f"{recipe} needs {CHAINED[recipe]}: run its recipe first "
+                     f"(posttrain-run recipes/{Path(CHAINED[recipe]).name}.toml)")
         for seed in args.seeds:
             if args.skip_done and str(seed) in results["runs"].get(recipe, {}):
                 continue

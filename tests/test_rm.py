@@ -31,19 +31,21 @@ CHOSEN = [0.3, -1.2, 2.0, 0.5]
 REJECTED = [0.1, 0.4, -0.7, 0.5]  # the last pair a tie
 
 
-def by_hand(center: float) -> tuple[float, list[float], list[float]]:
-    """The loss and its gradients in the scores, written out per pair:
-    loss = 1/B sum_b [log(1 + exp(-m_b)) + k (c_b + r_b)^2], m_b = c_b - r_b;
-    dloss/dc_b = (-(1 - sigma(m_b)) + 2k (c_b + r_b)) / B,
-    dloss/dr_b = ((1 - sigma(m_b)) + 2k (c_b + r_b)) / B."""
-    B = len(CHOSEN)
+def by_hand(center: float, chosen: list[float] = CHOSEN, rejected: list[float] = REJECTED,
+            given: list[float] | None = None) -> tuple[float, list[float], list[float]]:
+    """The loss and its gradients in the scores, written out per pair (``given``: the pairs'
+    margins, 0 without):
+    loss = 1/B sum_b [log(1 + exp(-x_b)) + k (c_b + r_b)^2], x_b = c_b - r_b - m_b;
+    d/dx log(1 + exp(-x)) = -sigma(-x), so dloss/dc_b = (-sigma(-x_b) + 2k (c_b + r_b)) / B
+    and dloss/dr_b = (sigma(-x_b) + 2k (c_b + r_b)) / B."""
+    B = len(chosen)
     loss, d_c, d_r = 0.0, [], []
-    for c, r in zip(CHOSEN, REJECTED, strict=True):
-        m, s = c - r, c + r
-        loss += (math.log1p(math.exp(-m)) + center * s * s) / B
-        miss = 1 - 1 / (1 + math.exp(-m))
-        d_c.append((-miss + 2 * center * s) / B)
-        d_r.append((miss + 2 * center * s) / B)
+    for c, r, m in zip(chosen, rejected, given or [0.0] * B, strict=True):
+        x, s = c - r - m, c + r
+        loss += (math.log1p(math.exp(-x)) + center * s * s) / B
+        pull = 1 / (1 + math.exp(x))  # sigma(-x)
+        d_c.append((-pull + 2 * center * s) / B)
+        d_r.append((pull + 2 * center * s) / B)
     return loss, d_c, d_r
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import tarfile
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from runner.recipe.schema import DataConfig, ValidationConfig
 from runner.train.loops.rm import PackedPairs
 from tests.conftest import REPO
 from tests.resume_helpers import rows
+from tests.test_rm import by_hand as bt_by_hand
 
 HERE = __name__
 OFF = ValidationConfig(enabled=False)
@@ -32,18 +32,9 @@ GIVEN = [0.5, -1.0, 3.25]  # the third pair ranked right but by less than its ma
 
 
 def by_hand(center: float) -> tuple[float, list[float], list[float]]:
-    """loss = 1/B sum_b [log(1 + exp(-x_b)) + k (c_b + r_b)^2], x_b = c_b - r_b - m_b;
-    d/dx log(1 + exp(-x)) = -sigmoid(-x), so dloss/dc_b = (-sigmoid(-x_b) + 2k (c_b + r_b)) / B
-    and dloss/dr_b = (sigmoid(-x_b) + 2k (c_b + r_b)) / B."""
-    B = len(CHOSEN)
-    loss, d_c, d_r = 0.0, [], []
-    for c, r, m in zip(CHOSEN, REJECTED, GIVEN, strict=True):
-        x, s = c - r - m, c + r
-        loss += (math.log(1 + math.exp(-x)) + center * s * s) / B
-        pull = 1 / (1 + math.exp(x))  # sigmoid(-x)
-        d_c.append((-pull + 2 * center * s) / B)
-        d_r.append((pull + 2 * center * s) / B)
-    return loss, d_c, d_r
+    """The Bradley-Terry loss and its gradients written out per pair (``tests.test_rm``), with
+    these pairs' given margins."""
+    return bt_by_hand(center, CHOSEN, REJECTED, GIVEN)
 
 
 @pytest.mark.parametrize("center", [0.0, 0.25])

@@ -146,6 +146,18 @@ def _budgets_used(spied):
             for lengths, budget, pieces in spied]
 
 
+def _packed_like(run_cli, tmp_path, spied, recipe, whole, keys, budgets):
+    """For each budget: a run packed by it, which must update as ``whole`` does (``keys``);
+    yields (budget, its rows, the micro-batch row counts, whether a row was over the budget)."""
+    for budget in budgets:
+        spied.clear()
+        packed = _run(run_cli, tmp_path / f"b{budget}", *recipe,
+                      f"train.max_tokens_per_microbatch={budget}")
+        _same_update(packed, whole, keys)
+        [(counts, oversize)] = _budgets_used(spied)
+        yield budget, packed, counts, oversize
+
+
 def test_sft_packed_by_tokens_updates_as_the_accumulated_step(run_cli, tmp_path, spied):
     """Conversations of unequal lengths (one long, five short): the update of budgets 60 (rows
     packed unevenly) and 40 (the long one over it, alone) is that of one micro-batch and of
@@ -159,12 +171,8 @@ def test_sft_packed_by_tokens_updates_as_the_accumulated_step(run_cli, tmp_path,
     accum = _run(run_cli, tmp_path / "accum", *sft, "train.grad_accum_steps=3")
     keys = ("loss", "grad_norm", "sft/tokens")
     _same_update(whole, accum, keys)
-    for budget in (60, 40):
-        spied.clear()
-        packed = _run(run_cli, tmp_path / f"b{budget}", *sft,
-                      f"train.max_tokens_per_microbatch={budget}")
-        _same_update(packed, whole, keys)
-        [(counts, oversize)] = _budgets_used(spied)
+    for budget, packed, counts, oversize in _packed_like(run_cli, tmp_path, spied, sft, whole,
+                                                         keys, (60, 40)):
         assert len(counts) > 1 and len(set(counts)) > 1, counts
         assert oversize == (budget == 40)
         assert packed[0]["batch/micro_batches"] == len(counts)
@@ -180,12 +188,8 @@ def test_rm_packed_by_tokens_updates_as_the_accumulated_step(run_cli, tmp_path, 
     accum = _run(run_cli, tmp_path / "accum", *rm, "train.grad_accum_steps=2")
     keys = ("loss", "grad_norm", "accuracy", "margin")
     _same_update(whole, accum, keys)
-    for budget in (100, 29):
-        spied.clear()
-        packed = _run(run_cli, tmp_path / f"b{budget}", *rm,
-                      f"train.max_tokens_per_microbatch={budget}")
-        _same_update(packed, whole, keys)
-        [(counts, oversize)] = _budgets_used(spied)
+    for budget, packed, counts, oversize in _packed_like(run_cli, tmp_path, spied, rm, whole,
+                                                         keys, (100, 29)):
         assert len(counts) > 1 and (len(set(counts)) > 1 or oversize), counts
         assert oversize == (budget == 29)
         assert packed[0]["batch/micro_batches"] == len(counts)

@@ -204,14 +204,14 @@ def file_pairs(path: str, keys: PairKeys, *, kind: str, key: str, shuffle: bool,
     if not samples:
         empty = "is empty" if file.stat().st_size == 0 else "holds no preference pairs"
         raise RecipeError([Problem(key, f"{path} {empty}")])
-    triples = [_quad(sample, keys, key, path, where) for where, sample in samples]
-    triples = triples if limit is None else triples[:limit]
+    quads = [_quad(sample, keys, key, path, where) for where, sample in samples]
+    quads = quads if limit is None else quads[:limit]
     size, sha = digest_files(path, [file])
     identity = {"source": kind, "path": path, "file_size": str(size), "content_sha256": sha,
                 "keys": keys.describe()}
-    return PairSource(triples.__getitem__, len(triples), kind=kind, label=path,
+    return PairSource(quads.__getitem__, len(quads), kind=kind, label=path,
                       identity=identity, shuffle=shuffle, split=split, key=key, checked=True,
-                      membership=lambda: tuple(text_id(t[0]) for t in triples))
+                      membership=lambda: tuple(text_id(t[0]) for t in quads))
 
 
 def _read_jsonl(file: Path, key: str) -> list[tuple[str, Any]]:
@@ -250,7 +250,7 @@ def _quad(sample: Any, keys: PairKeys, key: str, label: str, where: str, *, join
     """``(prompt, chosen, rejected, margin)`` of one sample; errors name it as ``label`` (the
     file, or the factory call) and ``where`` (the line or member, or the item)."""
     at = f"{label}{joiner}{where}"
-    error = ExtensionError if key.endswith("factory") else RecipeError
+    error = _error_class(key)
     if not isinstance(sample, Mapping):
         raise error([Problem(key, f"{at}: expected a JSON object, got a "
                              f"{type(sample).__name__}")])
@@ -278,14 +278,18 @@ def _quad(sample: Any, keys: PairKeys, key: str, label: str, where: str, *, join
     mismatch = shape_mismatch(chosen, rejected)
     if mismatch:
         raise _shape_error(key, label, where, mismatch)
-    margin = (_margin(pick((keys.margin,), "data.margin_column"), keys.margin, key, at)
+    margin = (_margin(pick((keys.margin,), "data.margin_column"), keys.margin, key, at, error)
               if keys.margin else 0.0)
     return prompt, chosen, rejected, margin
 
 
-def _margin(value: Any, name: str, key: str, at: str) -> float:
+def _error_class(key: str) -> type[RecipeError]:
+    """A factory's bad item is the extension's error; a file's, the recipe's."""
+    return ExtensionError if key.endswith("factory") else RecipeError
+
+
+def _margin(value: Any, name: str, key: str, at: str, error: type[RecipeError]) -> float:
     """A sample's margin field ``name``: a finite int or float (not a boolean), as a float."""
-    error = ExtensionError if key.endswith("factory") else RecipeError
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise error([Problem(key, f"{at}: the margin {name!r} is {_json_kind(value)}, not a "
                              "number", got=value, hint="write the margin as a JSON number")])

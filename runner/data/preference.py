@@ -30,7 +30,6 @@ from runner.data.pairs import (
     synthetic_pairs,
 )
 from runner.errors import Problem, RecipeError
-from runner.recipe.algos.rm import margin_problem
 from runner.recipe.schema import DataConfig, Recipe
 
 __all__ = ["DatasetPreferenceEnv", "PreferenceData", "PreferencePair", "build_pair_source"]
@@ -66,7 +65,6 @@ def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSour
                               key=f"data.{kind}_path", split="train", **common,
                               max_member_bytes=data.tar_member_max_bytes,
                               max_total_bytes=data.tar_max_bytes)
-        _no_margins(data)
         return synthetic_pairs(data.synthetic_pairs or data.count, "train", **builtin,
                                key="data.synthetic_pairs", **common)
     v = data.validation
@@ -78,7 +76,6 @@ def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSour
         return file_pairs(v.jsonl_path, keys, kind="jsonl", key="data.validation.jsonl_path",
                           split="held_out", limit=v.size, **common)
     if not (data.factory or data.jsonl_path or data.tar_path):  # built-in training pairs
-        _no_margins(data)
         return synthetic_pairs(v.size, "held_out", **builtin, key="data.validation.size",
                                **common)
     train_key = ("data.factory" if data.factory else
@@ -87,12 +84,6 @@ def build_pair_source(data: DataConfig, *, validation: bool = False) -> PairSour
         "data.validation", f"validation is on but no held-out set is given for the {train_key} "
         "training source", hint="set data.validation.jsonl_path or data.validation.factory, or "
         "data.validation.enabled=false")])
-
-
-def _no_margins(data: DataConfig) -> None:
-    problem = margin_problem(data)
-    if problem is not None:
-        raise RecipeError([problem])
 
 
 class DatasetPreferenceEnv:

@@ -175,14 +175,22 @@ def whole_batch_step(policy: Trainable, comm: Collective, train: TrainConfig,
     their token counts ``lengths`` (``micro_pieces``); every rank runs as many as the rank with
     the most (the others zero-weighted pads), which the metrics report (``batch/*``)."""
     whole = Minibatch(list(range(len(weights))), list(weights), denominator)
+    pieces, accum, packing = None, train.grad_accum_steps, {}
+    if train.max_tokens_per_microbatch > 0:
+        pieces, accum, packing = _packed_by_tokens(comm, train, len(weights), lengths)
+    history = [train_minibatch([policy], whole, loss_fn, accum, comm.world, train.max_grad_norm,
+                               pieces)]
+    policy.scheduler.step()
+    return {**reduce_history(comm, history), "lr": policy.scheduler.get_last_lr()[0], **packing}
+
+
+def _packed_by_tokens(comm: Collective, train: TrainConfig, rows: int, lengths: Sequence[float]
+                      ) -> tuple[list[list[int]], int, dict[str, float]]:
+    """This rank's micro-batches packed within the token budget, how many every rank runs (the
+    most of any rank) and the ``batch/*`` metrics of the step."""
+    if len(lengths) != rows:
+        raise ValueError(f"{rows} rows but {len(lengths)} token counts")
     budget = train.max_tokens_per_microbatch
-    if budget <= 0:
-        history = [train_minibatch([policy], whole, loss_fn, train.grad_accum_steps, comm.world,
-                                   train.max_grad_norm)]
-        policy.scheduler.step()
-        return {**reduce_history(comm, history), "lr": policy.scheduler.get_last_lr()[0]}
-    if len(lengths) != len(weights):
-        raise ValueError(f"{len(weights)} rows but {len(lengths)} token counts")
     pieces = micro_pieces(train, lengths)
     sizes = [sum(lengths[i] for i in p) for p in pieces]
     per_rank = comm.gather([len(pieces), sum(sizes), sum(max(budget, n) for n in sizes)])
@@ -191,13 +199,9 @@ def whole_batch_step(policy: Trainable, comm: Collective, train: TrainConfig,
     # tokens), and each pad micro-batch an empty budget
     slots = sum(cap + (count - n) * budget for n, _, cap in per_rank)
     real = sum(tokens for _, tokens, _ in per_rank)
-    history = [train_minibatch([policy], whole, loss_fn, count, comm.world, train.max_grad_norm,
-                               pieces)]
-    policy.scheduler.step()
-    return {**reduce_history(comm, history), "lr": policy.scheduler.get_last_lr()[0],
-            "batch/micro_batches": float(count),
-            "batch/tokens_per_rank_max": float(max(t for _, t, _ in per_rank)),
-            "batch/pad_frac": 1.0 - real / slots if slots else 0.0}
+    return pieces, count, {"batch/micro_batches": float(count),
+                           "batch/tokens_per_rank_max": float(max(t for _, t, _ in per_rank)),
+                           "batch/pad_frac": 1.0 - real / slots if slots else 0.0}
 
 
 def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,
