@@ -65,6 +65,7 @@ ROWS: dict[str, list[tuple[str, str, int]]] = {
     "rm-arith": [("pair accuracy", "eval/pair_accuracy", 3)],
     "grpo-rm-arith": [("exact-answer accuracy", "eval/reward/arithmetic_exact", 3)],
     "sft-arith": [ACC, ("NLL per trained token", "eval/nll", 3)],
+    "grpo-code": [("held-out pass@1", "eval/pass@1", 3)],
 }
 SLOW = {"grpo-smollm2-arith"}  # 15 minutes a run on two cores: only when named
 # recipes that name an earlier run's folder: only when named, after that run

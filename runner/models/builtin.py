@@ -44,6 +44,13 @@ def _tiny(name: str) -> Builder:
     return build
 
 
+def _tiny_code(folder: Path) -> dict[str, object]:
+    from runner.models.specs import CODE_SPECS
+    from runner.models.tiny_code import build_tiny_code
+
+    return build_tiny_code(folder, "tiny-code", CODE_SPECS["tiny-code"])
+
+
 def _tiny_tools(folder: Path) -> dict[str, object]:
     from runner.models.tiny_tools import build_tiny_tools
 
@@ -67,11 +74,12 @@ BUILTINS: dict[str, Builder] = {
     "tiny-arith-char": _tiny("tiny-arith-char"),
     "tiny-arith-teacher": _tiny("tiny-arith-teacher"),
     "tiny-arith-tools": _tiny_tools,
+    "tiny-code": _tiny_code,
     "tiny-qwen3-vl": _tiny_vl,
     "smollm2-135m-instruct": _smollm2,
 }
 SHIPPED = ("tiny-arith", "tiny-arith-char", "tiny-arith-teacher", "tiny-arith-tools",
-           "tiny-qwen3-vl")
+           "tiny-code", "tiny-qwen3-vl")
 
 # config.json's model_type of each built-in, known without loading it (checked by a test).
 BUILTIN_MODEL_TYPES: dict[str, str] = {
@@ -79,6 +87,7 @@ BUILTIN_MODEL_TYPES: dict[str, str] = {
     "tiny-arith-char": "qwen2",
     "tiny-arith-teacher": "qwen2",
     "tiny-arith-tools": "qwen2",
+    "tiny-code": "qwen2",
     "tiny-qwen3-vl": "qwen3_vl",
     "smollm2-135m-instruct": "llama",
 }

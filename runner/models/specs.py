@@ -82,3 +82,28 @@ TOOLS_SPECS: dict[str, ToolsSpec] = {
         steps=1900, lr=3e-3, num_layers=4, arithmetic=0.75, direct=0.65, call=0.27
     ),
 }
+
+
+@attrs.frozen
+class CodeSpec:
+    """Shape and warm-up of the tiny code model (see ``runner.models.tiny_code``): programs of
+    the built-in code task, a share of each kind written with the loop one short (its *slip*)."""
+
+    steps: int  # supervised warm-up steps
+    lr: float  # peak warm-up learning rate (linear warm-up, then linear decay to 0)
+    slips: tuple[tuple[str, float], ...]  # (kind, share of its programs written one short)
+    hidden_size: int = 128
+    num_layers: int = 3
+    batch_size: int = 32
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    seed: int = 0
+    tokenizer: str = "code"  # runner.models.tokenizer_build.SPECS
+
+
+CODE_SPECS: dict[str, CodeSpec] = {
+    "tiny-code": CodeSpec(
+        steps=800, lr=3e-3,
+        slips=(("times", 0.65), ("square", 0.65), ("plus", 0.35), ("count", 0.35)),
+    ),
+}

@@ -97,7 +97,14 @@ def sft_batch(
 ) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 off the answer),
     [B, T]."""
-    rows = [(prompt_ids(tokenizer, q), answer_ids(tokenizer, a)) for q, a in batch]
+    return padded_batch(tokenizer, [(prompt_ids(tokenizer, q), answer_ids(tokenizer, a))
+                                    for q, a in batch])
+
+
+def padded_batch(tokenizer: PreTrainedTokenizerBase, rows: Sequence[tuple[list[int], list[int]]]
+                 ) -> dict[str, torch.Tensor]:
+    """(prompt ids, answer ids) rows right-padded into ``input_ids``, ``attention_mask`` and
+    ``labels`` (-100 off the answer), [B, T]."""
     width = max(len(q) + len(a) for q, a in rows)
     pad = tokenizer.pad_token_id
     input_ids, mask, labels = [], [], []

@@ -158,6 +158,14 @@ SPECS: dict[str, TokenizerSpec] = {
         unk="<unk>",
         chat_template=_CHAR_TEMPLATE,
     ),
+    "code": TokenizerSpec(
+        pad="<|pad|>",
+        bos="<|bos|>",
+        eos="<|eos|>",
+        roles=("<|system|>", "<|user|>", "<|assistant|>"),
+        unk="<|unk|>",
+        chat_template=_BPE_TEMPLATE,
+    ),
     "tools": TokenizerSpec(
         pad="<|pad|>",
         bos="<|bos|>",
@@ -236,6 +244,29 @@ def train_tools_bpe() -> Tokenizer:
     return tok
 
 
+def code_corpus() -> list[str]:
+    """Questions and programs (right and one short) of the built-in code task's training split."""
+    from runner.data.code_task import problems as code_problems
+
+    pool = code_problems("train", 400)
+    return [text for p in pool for text in (p.question, p.program(), p.program(slip=True))]
+
+
+def train_code_bpe() -> Tokenizer:
+    """A byte-level BPE trained on :func:`code_corpus`, plus the whole numbers 10..99."""
+    tok = _qwen2_pipeline(Tokenizer(models.BPE()))
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECS["code"].specials,
+        initial_alphabet=byte_symbols(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(code_corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(n, normalized=False) for n in NUMBER_TOKENS])
+    return tok
+
+
 def char_tokenizer() -> Tokenizer:
     """One token per byte (so per character of ASCII text): a byte-level BPE with no merges."""
     spec = SPECS["char"]
@@ -246,8 +277,10 @@ def char_tokenizer() -> Tokenizer:
 
 
 def build_tokenizer(kind: str) -> Tokenizer:
-    """The tokenizer of ``kind`` ("bpe", "char" or "tools") with its special tokens at ids 0..6."""
-    builders = {"bpe": train_bpe, "char": char_tokenizer, "tools": train_tools_bpe}
+    """The tokenizer of ``kind`` ("bpe", "char", "tools" or "code") with its special tokens at
+    ids 0..6."""
+    builders = {"bpe": train_bpe, "char": char_tokenizer, "tools": train_tools_bpe,
+                "code": train_code_bpe}
     tok = builders[kind]()
     tok.add_special_tokens(SPECS[kind].specials)
     for i, token in enumerate(SPECS[kind].specials):

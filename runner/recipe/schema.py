@@ -60,7 +60,8 @@ class ModelConfig:
     path: str = key(
         "builtin:tiny-arith",
         "A local Hugging Face model folder, or builtin:tiny-arith, builtin:tiny-arith-char, "
-        "builtin:tiny-arith-teacher, builtin:tiny-arith-tools, builtin:smollm2-135m-instruct.",
+        "builtin:tiny-arith-teacher, builtin:tiny-arith-tools, builtin:tiny-code, "
+        "builtin:smollm2-135m-instruct.",
     )
     model_type: str = key(
         "", "Overrides config.json's model_type when picking the built-in DataPacker."

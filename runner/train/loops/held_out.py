@@ -71,12 +71,15 @@ def generate_held_out(rollout: Rollout, recipe: Recipe, items: Sequence[ObsBundl
 
 def pass_names(recipe: Recipe) -> list[str]:
     """The pass metrics of ``[eval]`` (pass@k for every k, maj@n where the pass function has
-    answers to vote on), in order; none with one completion per prompt or no pass function."""
+    answers to vote on), in order; with one completion per prompt (greedy) pass@1 alone; none
+    without a pass function."""
     cfg = recipe.eval
     fn = pass_function(recipe.reward, cfg)
     n = 1 if cfg.temperature == 0 else cfg.num_samples
-    if n < 2 or not fn:
+    if not fn:
         return []
+    if n < 2:
+        return ["pass@1"]
     return [f"pass@{k}" for k in pass_ks(cfg)] + ([f"maj@{n}"] if fn in ANSWER_OF else [])
 
 
@@ -97,7 +100,8 @@ def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
     """Held-out completions (``[eval]``: greedy by default) scored by the recipe's own reward
     functions, each rank its shard, sums over ranks: ``eval/reward`` (the weighted total) and
     ``eval/reward/NAME`` per function, means over every completion; with several completions
-    per prompt also ``eval/pass@k`` and ``eval/maj@n``, means over the prompts."""
+    per prompt also ``eval/pass@k`` and ``eval/maj@n`` (greedy: ``eval/pass@1``), means over the
+    prompts."""
     recipe, items = run.svc.recipe, run.state.val_items
     total, parts = [], {f"reward/{n}": 0.0 for n in rewards.names}
     playing = run.rollout is not None and run.rollout.env is not None
@@ -113,7 +117,8 @@ def evaluate(run: RunContext, rewards: RewardSet) -> dict[str, float]:
                  for k, v in held.values_of.items()}
         for i in range(len(items) if passing else 0):
             for name, value in prompt_passes(recipe, held, i)[1].items():
-                passing[name] += value
+                if name in passing:  # greedy: pass@1 alone (maj@1 says nothing more)
+                    passing[name] += value
     names, pass_keys = sorted(parts), list(passing)
     sums = run.svc.comm.sum([float(sum(total)), float(len(total)), float(len(items)),
                              *(parts[k] for k in names), *(passing[k] for k in pass_keys)])
