@@ -5,10 +5,11 @@ of the machine's speed hits every setting alike).
     python benchmarks/bench_overlap.py [RECIPE] [--steps 20] [--rounds 2] [KEY=VALUE ...]
 
 A step's seconds are read from its metrics row: synchronous, rollout + reward + update + sync;
-overlapped, the wait for the batch + reward + update + the wait for the producer + sync (the
-producer's own sampling runs beside them). The hidden share is 1 - (both waits) / (the
-producer's sampling seconds). The first step (nothing to overlap yet) and held-out evaluations
-are left out.
+overlapped, the wait for the batch + the reward's part on the training thread (time/reward less
+time/reward_ahead) + update + the wait for the producer + sync (the producer's own sampling and,
+for GRPO and PPO, rewarding run beside them). The hidden share is 1 - (both waits) / (the
+producer's seconds: sampling and rewarding). The first step (nothing to overlap yet) and
+held-out evaluations are left out.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def one_run(recipe: str, k: int, steps: int, overrides: list[str]) -> tuple[floa
             per_step.append(t["rollout"] + t["reward"] + t["update"] + t["sync"])
         else:
             wait = t["rollout_wait"] + t["producer_wait"]
-            per_step.append(wait + t["reward"] + t["update"] + t["sync"])
+            ahead = t.get("reward_ahead", 0.0)  # the producer's rewarding, beside the step
+            per_step.append(wait + t["reward"] - ahead + t["update"] + t["sync"])
             waits += wait
-            sampling += t["rollout"]
+            sampling += t["rollout"] + ahead
     hidden = 1.0 - waits / sampling if sampling else 0.0
     return statistics.median(per_step), hidden
 

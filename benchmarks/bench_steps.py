@@ -8,7 +8,9 @@ Run:
 ``.venv/bin/python benchmarks/bench_steps.py recipes/grpo-arith.toml [--steps 6] [KEY=VALUE ...]``.
 Prints a markdown table row: recipe, s/step, shares of rollout / reward / update / sync (with
 ``algo.max_off_policy_steps >= 1``: the waits for the batch and for the producer instead of the
-rollout, whose own seconds ran beside the step and are given apart), the share of padded
+rollout, and the reward's part on the training thread, ``time/reward`` less
+``time/reward_ahead``; the producer's sampling and rewarding ran beside the step and are given
+apart), the share of padded
 positions in the training batches (padded -> as computed, i.e. after packing when
 ``train.padding_free``) with the positions computed as a share of the padded batch's (fewer when
 prompts are shared), peak RSS.
@@ -27,9 +29,17 @@ from pathlib import Path
 
 SPLIT = ("time/rollout", "time/reward", "time/teacher", "time/update", "time/sync")
 # an overlapped run (algo.max_off_policy_steps >= 1): the producer's sampling (time/rollout)
-# runs beside the step; the step itself waits for its batch and, at its end, for the next one
+# and, for GRPO and PPO, its rewarding (time/reward_ahead, a part of time/reward) run beside
+# the step; the step itself waits for its batch and, at its end, for the next one
 SPLIT_AHEAD = ("time/rollout_wait", "time/reward", "time/update", "time/producer_wait",
                "time/sync")
+
+
+def on_thread(row: dict, key: str) -> float:
+    """The training thread's seconds of ``key`` in ``row``: time/reward less the producer's
+    part (time/reward_ahead), any other key as it is (0 when absent)."""
+    seconds = row.get(key, 0.0)
+    return seconds - row.get("time/reward_ahead", 0.0) if key == "time/reward" else seconds
 
 
 def recipe_rows(recipe: str, steps: int, overrides: list[str], env: dict[str, str] | None = None
@@ -56,15 +66,19 @@ def main() -> None:
     rows = [r for r in recipe_rows(args.recipe, args.steps, args.overrides) if r["step"] > 1]
     ahead = all("time/rollout_wait" in r for r in rows)
     keys = SPLIT_AHEAD if ahead else SPLIT
-    per_step = [sum(r.get(k, 0.0) for k in keys) for r in rows]
+    per_step = [sum(on_thread(r, k) for k in keys) for r in rows]
     total = sum(per_step)
-    shares = {k.split("/")[1]: sum(r.get(k, 0.0) for r in rows) / total for k in keys
+    shares = {k.split("/")[1]: sum(on_thread(r, k) for r in rows) / total for k in keys
               if any(k in r for r in rows)}
     rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     split = ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items())
-    if ahead:  # the producer's own sampling seconds, as a share of the step it ran beside
+    if ahead:  # the producer's own seconds, as a share of the step it ran beside
         split += (f" (beside them, the producer sampled for "
-                  f"{100 * sum(r['time/rollout'] for r in rows) / total:.0f}%)")
+                  f"{100 * sum(r['time/rollout'] for r in rows) / total:.0f}%")
+        if any("time/reward_ahead" in r for r in rows):
+            rewarded = sum(r.get("time/reward_ahead", 0.0) for r in rows)
+            split += f" and rewarded for {100 * rewarded / total:.0f}%"
+        split += ")"
     padding = "-"
     if all("batch/padding_share" in r for r in rows):
         before = statistics.mean(r["batch/padding_share"] for r in rows)

@@ -95,7 +95,7 @@ def trajectory_of(groups: Sequence[Group], item: Callable[[int], ObsBundle]) -> 
         tuple(c for g in groups for c in g.completions),
         rewards=tuple(r for g in groups for r in g.rewards),
         loss_masks=tuple(m for g in groups for m in g.loss_masks),
-        env_rewards=tuple(e for g in groups for e in g.env_rewards))
+        env_rewards=tuple(e for g in groups for e in g.env_rewards), rewarded=True)
 
 
 def joined(batches: Sequence[Trajectory]) -> Trajectory:
@@ -112,7 +112,8 @@ def joined(batches: Sequence[Trajectory]) -> Trajectory:
         reward_parts=mean([t.reward_parts for t in batches]),
         loss_masks=tuple(m for t in batches for m in t.loss_masks),
         env_rewards=tuple(e for t in batches for e in t.env_rewards),
-        env_stats=mean([t.env_stats for t in batches]))
+        env_stats=mean([t.env_stats for t in batches]),
+        rewarded=all(t.rewarded for t in batches))
 
 
 @attrs.frozen(eq=False)

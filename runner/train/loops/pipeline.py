@@ -8,11 +8,22 @@ the new weights reach the engine only after that batch is complete, so no batch 
 two versions. The producer draws from the same data cursor, in the same order, as the
 synchronous loop, and each item's sampling seed comes from its step and position, as there.
 
+A loop may give the producer its reward stage (``Producer.reward_with``: GRPO and PPO do): each
+batch is then rewarded right after it is sampled, by the same call with the same step as the
+loop's ``score`` would make, so slow rewards (programs run in worker processes) overlap the
+training too, and the results are the same bit for bit. The reward stage never runs on two
+threads at once: the producer rewards on its thread only the batch it sampled there, and the
+training thread rewards only before it starts the producer (the first batches, sampled in
+``take``, and those a checkpoint held). A reward stage that fails keeps its failure with the
+batch, and the step that takes the batch raises it: the run fails at that step, as it would have
+synchronously.
+
 A checkpoint after step ``t`` holds the batches of steps ``t + 1 .. t + k`` (each rank's: token
-ids, the engine's logprobs, the item indices, the version) and the cursor where the producer
-stands, so a resumed run trains exactly the batches the uninterrupted run trains. The producer
-makes no collective call: whatever needs every rank (the item ids of the log) is gathered when
-the batch is trained.
+ids, the engine's logprobs, the item indices, the version; not their rewards) and the cursor
+where the producer stands, so a resumed run trains exactly the batches the uninterrupted run
+trains (it rewards those it reads back again, on the training thread, with the same result).
+The producer makes no collective call: whatever needs every rank (the item ids of the log) is
+gathered when the batch is trained.
 """
 
 from __future__ import annotations
@@ -35,13 +46,17 @@ from runner.types import ObsBundle
 
 @attrs.frozen
 class Produced:
-    """One rank's batch of one step, sampled ahead by the engine of policy ``version``."""
+    """One rank's batch of one step, sampled ahead by the engine of policy ``version`` and,
+    with a reward stage, rewarded (``traj.rewarded``) or holding the stage's ``failure``."""
 
     step: int
     version: int
     traj: Trajectory
     indices: tuple[int, ...]  # the source index of each completion's item
     seconds: float  # the producer's time sampling it (0 once read back from a checkpoint)
+    reward_seconds: float = 0.0  # the producer's time rewarding it (0: not rewarded by it)
+    # what the reward stage raised (the batch stays unrewarded); ``take`` raises it
+    failure: RunnerError | None = attrs.field(default=None, eq=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         t = self.traj
@@ -73,6 +88,8 @@ class Produced:
 
 # what a producer samples: step -> (the trajectory, its items' source indices)
 Sampler = Callable[[int], tuple[Trajectory, list[int]]]
+# a loop's reward stage: (a step's trajectory, that step) -> the trajectory rewarded
+Rewarder = Callable[[Trajectory, int], Trajectory]
 
 
 class Producer:
@@ -81,22 +98,58 @@ class Producer:
     ``take(t)`` returns step ``t``'s batch (sampling it here when none is ahead: the first
     steps, or after a resume without batches in flight); ``start(t)`` samples step ``t``'s batch
     on the producer thread with the engine's current weights (version ``version``); ``wait()``
-    returns once that batch is complete, raising what the producer raised. No batch is ever
-    sampled for a step past ``last_step`` (the run's last; 0: no last step).
+    returns once that batch is complete, raising what the producer's sampling raised. No batch
+    is ever sampled for a step past ``last_step`` (the run's last; 0: no last step).
+
+    With a reward stage (``reward``, or ``reward_with`` before the first ``take``) every batch
+    is rewarded right after it is sampled, on the thread that sampled it; ``take`` rewards the
+    batches a checkpoint held (on the calling thread, in step order) and raises a batch's
+    reward failure when its step takes it.
     """
 
     def __init__(self, sample: Sampler, k: int, in_flight: list[Produced] | None = None,
-                 threads: int = 0, last_step: int = 0) -> None:
+                 threads: int = 0, last_step: int = 0, reward: Rewarder | None = None) -> None:
         self.sample, self.k, self.threads = sample, k, threads
         self.last_step = last_step
+        self.reward = reward
         self.ahead: deque[Produced] = deque(in_flight or [])
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
 
+    def reward_with(self, reward: Rewarder) -> None:
+        """Reward every batch with ``reward`` from now on (the loop's reward stage; given before
+        the first ``take``, while no batch is being sampled)."""
+        if self._thread is not None:
+            raise RunnerError("the producer's reward stage is set while it samples")
+        self.reward = reward
+
     def _produce(self, step: int, version: int) -> Produced:
         started = time.perf_counter()
         traj, indices = self.sample(step)
-        return Produced(step, version, traj, tuple(indices), time.perf_counter() - started)
+        return self._rewarded(Produced(step, version, traj, tuple(indices),
+                                       time.perf_counter() - started))
+
+    def _rewarded(self, produced: Produced) -> Produced:
+        """``produced`` rewarded by the reward stage (as it is without one, or once rewarded);
+        a failure is kept on it, the batch unrewarded (a checkpoint may still hold it)."""
+        if self.reward is None or produced.traj.rewarded or produced.failure is not None:
+            return produced
+        import torch
+
+        started = time.perf_counter()
+        try:
+            with torch.no_grad():  # (never differentiated; the grad mode is the thread's own)
+                traj = self.reward(produced.traj, produced.step)
+        except RunnerError as exc:  # RewardFailure: names the function and the item
+            return attrs.evolve(produced, failure=exc)
+        except Exception as exc:  # noqa: BLE001 - named, as a sampling failure is
+            failure = RuntimeFailure("producer", produced.step, f"rewarding failed: "
+                                     f"{type(exc).__name__}: {exc}")
+            failure.__cause__ = exc
+            return attrs.evolve(produced, failure=failure)
+        if not traj.rewarded:
+            raise RunnerError(f"the reward stage left step {produced.step}'s batch unrewarded")
+        return attrs.evolve(produced, traj=traj, reward_seconds=time.perf_counter() - started)
 
     def _last(self) -> int:
         return self.ahead[-1].step if self.ahead else 0
@@ -104,14 +157,18 @@ class Producer:
     def take(self, step: int) -> Produced:
         """Step ``step``'s batch; the batches up to ``step + k - 1`` (and at most the last
         step's) are ahead afterwards (those missing are sampled here, by the engine of version
-        ``step - 1``)."""
+        ``step - 1``), rewarded when there is a reward stage (those a checkpoint held are
+        rewarded here). Raises the batch's reward failure, if it has one."""
         self.wait()
         end = min(step + self.k, self.last_step + 1) if self.last_step else step + self.k
         for missing in range(max(step, self._last() + 1), max(end, step + 1)):
             self.ahead.append(self._produce(missing, step - 1))
+        self.ahead = deque(self._rewarded(p) for p in self.ahead)
         got = self.ahead.popleft()
         if got.step != step:
             raise RunnerError(f"the producer's next batch is of step {got.step}, not {step}")
+        if got.failure is not None:
+            raise got.failure
         return got
 
     def start(self, step: int, version: int) -> None:
@@ -152,7 +209,8 @@ class Producer:
             raise failed
 
     def to_json(self) -> list[dict[str, Any]]:
-        """The batches ahead (the producer is idle: called between steps)."""
+        """The batches ahead (the producer is idle: called between steps), without their
+        rewards: a resumed run rewards them again."""
         return [p.to_json() for p in self.ahead]
 
 

@@ -156,11 +156,16 @@ def staged_step_ahead(run: RunContext, step: int, n_samples: int,
                       consume: Callable[[Scored], dict[str, Any]], scoring: str = "reward"
                       ) -> tuple[Scored, dict[str, Any], dict[str, float]]:
     """``staged_step`` with the batch sampled ahead (``algo.max_off_policy_steps = k``): the
-    producer (``run.producer``) samples step ``step + k``'s batch while this one is scored and
-    trained; the new weights go to the engine once that batch is complete. The metrics include
-    the batch's staleness; the seconds: the producer's sampling of this batch ("rollout"), the
-    wait for it ("rollout_wait"), score, update, the wait for the next ("producer_wait"),
-    sync."""
+    producer (``run.producer``) samples step ``step + k``'s batch (and, with a reward stage,
+    rewards it) while this one is scored and trained; the new weights go to the engine once
+    that batch is complete. The metrics include the batch's staleness; the seconds: the
+    producer's sampling of this batch ("rollout"), the wait for it ("rollout_wait"), the
+    scoring stage (``scoring``: the producer's rewarding of this batch, if it rewarded it,
+    plus ``score`` here), update, the wait for the next ("producer_wait"), sync; with a reward
+    stage also "reward_ahead", the producer's part of the scoring stage: spent beside the
+    training when the producer thread sampled the batch, else by ``take`` on this thread (the
+    first batches, those a checkpoint held: part of a "rollout_wait"). This thread's own
+    seconds are "rollout_wait" + scoring - "reward_ahead" + update + "producer_wait" + sync."""
     from runner.train.loops.pipeline import staleness_metrics
 
     producer, k = run.producer, run.svc.recipe.algo.max_off_policy_steps
@@ -177,9 +182,10 @@ def staged_step_ahead(run: RunContext, step: int, n_samples: int,
     t4 = time.perf_counter()
     run.sync_weights()
     t5 = time.perf_counter()
+    ahead = {"reward_ahead": produced.reward_seconds} if producer.reward is not None else {}
     return scored, metrics, {"rollout": produced.seconds, "rollout_wait": t1 - t0,
-                             scoring: t2 - t1, "update": t3 - t2, "producer_wait": t4 - t3,
-                             "sync": t5 - t4}
+                             scoring: produced.reward_seconds + t2 - t1, **ahead,
+                             "update": t3 - t2, "producer_wait": t4 - t3, "sync": t5 - t4}
 
 
 def stages(run: RunContext, step: int, n_samples: int, produce: Callable[[], Trajectory],
@@ -249,7 +255,9 @@ def reward_trajectory(traj: Trajectory, rewards: RewardSet, step: int,
     """Rewards of ``traj``: the recipe's functions on each completion's text (an episode's last
     reply) plus, for episodes, the environment's reward (also logged as ``reward/env``), plus
     with ``overlong`` each completion's overlong penalty (its mean logged as
-    ``reward/overlong_penalty``)."""
+    ``reward/overlong_penalty``); the result is marked ``rewarded``. GRPO and PPO call it in
+    their ``score``, or, sampling ahead, the producer right after sampling (with the same
+    arguments: ``step`` is the batch's own)."""
     values, parts = rewards.score(traj.texts, traj.items, step=step)
     if traj.env_rewards:
         parts = {**parts, "reward/env": sum(traj.env_rewards) / len(traj.env_rewards)}
@@ -258,7 +266,7 @@ def reward_trajectory(traj: Trajectory, rewards: RewardSet, step: int,
         shaping = overlong.penalties([len(c.token_ids) for c in traj.completions])
         total = [t + s for t, s in zip(total, shaping, strict=True)]
         parts = {**parts, "reward/overlong_penalty": sum(shaping) / max(1, len(shaping))}
-    return attrs.evolve(traj, rewards=tuple(total), reward_parts=parts)
+    return attrs.evolve(traj, rewards=tuple(total), reward_parts=parts, rewarded=True)
 
 
 def overlong_of(recipe: Recipe) -> Overlong | None:

@@ -1,5 +1,6 @@
 """A trajectory: the prompts of a step, the completions the engine sampled for them (tokens
-and logprobs) and, once scored, their rewards. What ``produce`` hands to ``score``."""
+and logprobs) and, once rewarded, their rewards. What ``produce`` hands to ``score`` (already
+rewarded when a producer sampled it ahead: ``rewarded``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ class Trajectory:
     loss_masks: tuple[tuple[int, ...], ...] = ()
     env_rewards: tuple[float, ...] = ()
     env_stats: dict[str, float] = attrs.field(factory=dict)
+    # The reward stage ran on it (``rollouts.reward_trajectory``): ``rewards`` and
+    # ``reward_parts`` are final, and a loop's ``score`` does not reward it again. A producer
+    # that samples ahead rewards its batches itself; a batch read back from a checkpoint comes
+    # without rewards (False) and is rewarded on the training thread (``Producer.take``).
+    rewarded: bool = False
 
     @property
     def texts(self) -> list[str]:
