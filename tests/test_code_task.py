@@ -6,12 +6,17 @@ the recipe end to end."""
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
+
+import pytest
 
 from runner.data.code_task import CodeProblem, all_problems, held_out, problems, train
 from runner.models.builtin import SHIPPED_ROOT
 from runner.rewards.code_tests import fraction_passed
 from runner.types import ObsBundle
-from tests.resume_helpers import rows, run_cli
+from tests.multiproc import descendants, wait_gone
+from tests.resume_helpers import assert_same_run, rows, run_cli, start_cli, wait_for_checkpoint
 
 
 def test_a_problem_its_program_and_its_tests_by_hand():
@@ -81,3 +86,47 @@ def test_the_code_recipe_runs_with_its_rewards_in_worker_processes(tmp_path):
     assert len(steps) == 2 and all(r["reward/failed/code_tests"] == 0 for r in steps)
     assert all(0.0 <= r["reward/code_tests"] <= 1.0 for r in steps)
     assert "held-out pass@1:" in done.stdout
+
+
+def _programs_running(pids: set[int]) -> list[int]:
+    """The processes of ``pids`` that are a code_tests child running a program."""
+    found = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"def _watch(parent)" in cmdline:
+            found.append(pid)
+    return found
+
+
+@pytest.mark.slow
+def test_a_run_killed_while_its_programs_run_resumes_bitwise(tmp_path):
+    """With the batch sampled ahead (the producer rewards it), the trainer is SIGKILLed while
+    programs run in its reward workers: nothing it started is left, and the rerun ends bitwise
+    like an uninterrupted run."""
+    n = 4
+    small = ("algo.prompts_per_step=4", "algo.group_size=4", "data.validation.size=4",
+             "train.eval_every=2", "checkpoint.every_steps=1", "reward.workers=2",
+             "algo.max_off_policy_steps=1", "data.items_fn=tests.extmods.slow_code.slow_first_test",
+             f"run.max_steps={n}")
+    straight = tmp_path / "straight"
+    done = run_cli("recipes/grpo-code.toml", straight, *small)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "killed"
+    proc = start_cli("recipes/grpo-code.toml", out, *small)
+    wait_for_checkpoint(proc, out, 2)
+    deadline = time.monotonic() + 120
+    while not _programs_running(descendants(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    family = descendants(proc.pid) - {proc.pid}
+    running = _programs_running(family)
+    assert proc.poll() is None and running, "the run ended before a program ran after step 2"
+    proc.kill()
+    proc.communicate()
+    assert wait_gone(sorted(family), timeout_s=10) == []
+    done = run_cli("recipes/grpo-code.toml", out, *small)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resuming" in done.stdout
+    assert_same_run(out, straight, n, ("model/model.safetensors", "optimizer.safetensors"))
