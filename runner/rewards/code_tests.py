@@ -23,9 +23,11 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -146,15 +148,16 @@ def passed(program: str, asserts: list[str] | None, io: list[tuple[str, str]] | 
                                 pass_fds=(write,))
         os.close(write)
         write = -1
+        deadline = time.monotonic() + limits.timeout_s
         try:
-            proc.communicate((json.dumps(spec) + "\n").encode(), timeout=limits.timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
+            assert proc.stdin is not None
+            proc.stdin.write((json.dumps(spec) + "\n").encode())
+            proc.stdin.close()
         except BrokenPipeError:
             pass
+        report = _read_report(read, proc, deadline)
         kill_group(proc.pid)
         proc.wait()
-        report = _read_all(read)
     finally:
         if write >= 0:
             os.close(write)
@@ -168,20 +171,43 @@ def passed(program: str, asserts: list[str] | None, io: list[tuple[str, str]] | 
     return results
 
 
-def _read_all(fd: int, cap: int = 1 << 20) -> str:
-    """What is in the report pipe (every writer has exited), at most ``cap`` bytes."""
+def _read_report(fd: int, proc: subprocess.Popen, deadline: float, cap: int = 1 << 20) -> str:
+    """What the child writes to its report pipe until the pipe closes (the child and whatever it
+    started have exited: at once, no polling), the child has exited (a process it left behind
+    may hold the pipe open; what is there is read), or ``deadline``; at most ``cap`` bytes."""
     os.set_blocking(fd, False)
     chunks, size = [], 0
     while size < cap:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ready, _, _ = select.select([fd], [], [], min(left, 0.1))
+        if not ready:
+            if proc.poll() is not None:  # exited; a process it left holds the pipe
+                chunks += _drain(fd)
+                break
+            continue
         try:
             chunk = os.read(fd, 65536)
         except BlockingIOError:
-            break
+            continue
         if not chunk:
             break
         chunks.append(chunk)
         size += len(chunk)
-    return b"".join(chunks).decode("utf-8", "replace")
+    return b"".join(chunks)[:cap].decode("utf-8", "replace")
+
+
+def _drain(fd: int) -> list[bytes]:
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return chunks
+        if not chunk:
+            return chunks
+        chunks.append(chunk)
 
 
 def fraction_passed(completions: Sequence[str], items: Sequence[ObsBundle], *,
