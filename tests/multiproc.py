@@ -74,6 +74,23 @@ def listeners_of(pids: set[int]) -> list[str]:
     return found
 
 
+def self_served(pids: set[int]) -> dict[int, set[str]]:
+    """For each of ``pids``, the local addresses on which it listens that it is itself connected
+    to (a server it runs for its own clients, e.g. the agents' endpoint), from ``ss``."""
+    out = subprocess.run(["ss", "-tanpH"], capture_output=True, text=True).stdout
+    listening: dict[int, set[str]] = {}
+    peers: dict[int, set[str]] = {}
+    for line in out.splitlines():
+        fields = line.split()
+        owners = {int(p.split(",")[0]) for p in line.split("pid=")[1:]} & pids
+        for pid in owners:
+            if fields[0] == "LISTEN":
+                listening.setdefault(pid, set()).add(fields[3])
+            elif fields[0] == "ESTAB":
+                peers.setdefault(pid, set()).add(fields[4])
+    return {pid: listening.get(pid, set()) & peers.get(pid, set()) for pid in pids}
+
+
 def descendants(pid: int) -> set[int]:
     """``pid`` and every process below it."""
     parent_of = {}

@@ -4,11 +4,14 @@ user's agent on 127.0.0.1 and trains the tokens the engine sampled, in lockstep.
 The end-to-end check: the openai-SDK agent of ``examples/openai_agent.py``, which does what the
 built-in tool environment does, trains exactly the run of ``recipes/grpo-tools.toml`` (the same
 losses and weights, bitwise): the prompts it sends render to the same tokens, its tool results
-append the same tokens, every turn is seeded the same."""
+append the same tokens, every turn is seeded the same. Sampling one step ahead, the run SIGKILLed
+while its agents play resumes bitwise, and two torchrun ranks, each serving its own agents,
+play the one-rank run's episodes."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -21,8 +24,16 @@ from runner.rollout.base import SamplingConfig
 from runner.types import ObsBundle
 from tests.conftest import REPO
 from tests.extmods import agents as A
-from tests.multiproc import listeners_of
-from tests.resume_helpers import deterministic_rows, final_weights, run_cli
+from tests.multiproc import descendants, listeners_of, self_served, start_ranks, wait_gone
+from tests.resume_helpers import (
+    assert_same_run,
+    deterministic_rows,
+    final_weights,
+    run_cli,
+    start_cli,
+    wait_for_checkpoint,
+)
+from tests.test_torchrun import FLOAT32_LAYOUT_REL
 
 pytestmark = pytest.mark.slow
 ITEM = ObsBundle("What is 21 + 77?", reference="98", id="q")
@@ -122,6 +133,18 @@ def test_the_endpoint_listens_on_loopback_only(engine):
     assert set(listeners_of({os.getpid()})) <= before
 
 
+def test_a_proxy_in_the_environment_does_not_get_the_agents_calls(engine, monkeypatch):
+    """The agents' client calls the runner's own endpoint on 127.0.0.1 directly, whatever
+    proxy the environment names (before, every call went to it and failed)."""
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    results, _ = play(engine, "tests.extmods.agents.one_call", "env.agent_kwargs={reward = 1.0}",
+                      n=1)
+    assert results[0].env_reward == 1.0 and results[0].stats["turns"] == 1.0
+
+
 def test_an_openai_sdk_agent_trains_exactly_as_the_built_in_tool_environment(tmp_path):
     common = ("run.max_steps=2", "algo.prompts_per_step=4", "algo.group_size=4",
               "data.validation.size=8", "train.eval_every=2", "logging.sample_every=0")
@@ -133,3 +156,98 @@ def test_an_openai_sdk_agent_trains_exactly_as_the_built_in_tool_environment(tmp
     assert [[r.get(k) for k in keys] for r in tools] == [[r.get(k) for k in keys] for r in agent]
     a, b = (final_weights(tmp_path / n, 2) for n in ("grpo-tools", "grpo-openai-agent"))
     assert all((a[k] == b[k]).all() for k in a)
+
+
+# --- sampling ahead, SIGKILL and resume, torchrun ranks ---------------------------------------
+
+AGENT = "recipes/grpo-openai-agent.toml"
+STEPS = 4
+# one step ahead: the producer thread plays the next step's episodes (and rewards them) while
+# the current step trains
+AHEAD = ("algo.prompts_per_step=4", "algo.group_size=4", "data.validation.size=8",
+         "train.eval_every=2", "logging.sample_every=0", "logging.item_ids=true",
+         "checkpoint.every_steps=1", "checkpoint.keep_last=10", "algo.max_off_policy_steps=1")
+FILES = ("model/model.safetensors", "optimizer.safetensors")
+
+
+@pytest.fixture(scope="module")
+def ahead(tmp_path_factory):
+    """The recipe's agent sampling one step ahead, uninterrupted, on one rank."""
+    out = tmp_path_factory.mktemp("ahead")
+    done = run_cli(AGENT, out, f"run.max_steps={STEPS}", *AHEAD)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def _trained(out) -> list[dict]:
+    return [r for r in deterministic_rows(out) if "loss" in r]
+
+
+def _agents_playing(pid: int) -> bool:
+    """Whether the run's episodes are being played: each of a batch's 16 episodes (8 held-out
+    ones) runs its agent on a thread of its own; between batches the run has a few threads."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) >= 12
+    except OSError:
+        return False
+
+
+def test_killed_while_its_agents_play_then_resumed_equals_the_uninterrupted_run(ahead, tmp_path):
+    """With the producer playing the next step's episodes, the run is SIGKILLed after checkpoint
+    1 while agents are calling its endpoint: nothing of it is left (no process, no listener),
+    and the rerun, resuming with the batch the checkpoint held, ends bitwise like the
+    uninterrupted run."""
+    rows = _trained(ahead)
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0] + [1.0] * (STEPS - 1)
+    assert all(r["env/turns"] >= 1.0 for r in rows)
+    proc = start_cli(AGENT, tmp_path, f"run.max_steps={STEPS}", *AHEAD)
+    wait_for_checkpoint(proc, tmp_path, 1)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not _agents_playing(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    family = descendants(proc.pid)
+    addresses = listeners_of(family)
+    assert proc.poll() is None, "the run ended before its agents played after checkpoint 1"
+    assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses
+    proc.kill()
+    proc.communicate()
+    assert wait_gone(sorted(family), timeout_s=10) == []
+    assert listeners_of(family) == []
+    done = run_cli(AGENT, tmp_path, f"run.max_steps={STEPS}", *AHEAD)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resuming" in done.stdout
+    assert_same_run(tmp_path, ahead, STEPS, FILES)
+
+
+@pytest.mark.multiproc
+def test_two_torchrun_ranks_each_serve_their_agents_and_play_the_one_rank_episodes(ahead,
+                                                                                  tmp_path):
+    """Two ranks, sampling ahead: each rank serves its own agents on a loopback port of its own,
+    and the episodes (items, turns, tool calls, rewards) of both steps equal the one-rank
+    run's. Both steps' batches were sampled by the initial weights (the second one ahead), so
+    they cannot differ by the float32 rounding of the world size; the losses and gradient norms
+    agree within it (``FLOAT32_LAYOUT_REL``, as for GRPO in test_torchrun.py)."""
+    proc = start_ranks(AGENT, tmp_path, 2, "run.max_steps=2", *AHEAD)
+    served: dict[int, set[str]] = {}
+    addresses: set[str] = set()
+    while proc.poll() is None:
+        ranks = descendants(proc.pid) - {proc.pid}
+        addresses |= set(listeners_of(ranks | {proc.pid}))
+        for pid, mine in self_served(ranks).items():
+            served.setdefault(pid, set()).update(mine)
+        time.sleep(0.1)
+    output = proc.communicate()[0]
+    assert proc.returncode == 0, output
+    assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses
+    endpoints = [mine for mine in served.values() if mine]
+    assert len(endpoints) == 2 and all(len(e) == 1 for e in endpoints), served
+    assert endpoints[0] != endpoints[1], served
+    one, two = _trained(ahead)[:2], _trained(tmp_path)
+    same = ("data/item_ids", "reward/mean", "env/turns", "env/tool_calls",
+            "rollout/staleness_max")
+    assert len(two) == 2
+    assert [[r[k] for k in same] for r in one] == [[r[k] for k in same] for r in two]
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= FLOAT32_LAYOUT_REL * abs(a["grad_norm"])
+        scale = max(abs(a["loss"]), a["adv_abs_mean"])
+        assert abs(a["loss"] - b["loss"]) <= FLOAT32_LAYOUT_REL * scale, (a, b)

@@ -206,11 +206,13 @@ class AgentRunner:
 
     def _http(self) -> Any:
         """One HTTP connection pool for every episode's client (making one per client costs
-        more than the calls it serves)."""
+        more than the calls it serves). It ignores the environment's proxy settings: the
+        endpoint is this process's own on 127.0.0.1, and an ``HTTP_PROXY`` (common on clusters)
+        would otherwise get every call, the episode's key with it."""
         if self.http is None:
             import httpx
 
-            self.http = httpx.Client(timeout=self.cfg.episode_timeout_s,
+            self.http = httpx.Client(timeout=self.cfg.episode_timeout_s, trust_env=False,
                                      limits=httpx.Limits(max_connections=None,
                                                          max_keepalive_connections=256))
         return self.http
