@@ -218,11 +218,11 @@ class AgentRunner:
         return self.http
 
     def _run_agent(self, s: _Session, url: str) -> None:
-        from openai import OpenAI
+        try:  # a node without the openai package: the episode's error, not a silent hang
+            from openai import OpenAI
 
-        client = OpenAI(base_url=url, api_key=s.key, max_retries=0,
-                        timeout=self.cfg.episode_timeout_s, http_client=self._http())
-        try:
+            client = OpenAI(base_url=url, api_key=s.key, max_retries=0,
+                            timeout=self.cfg.episode_timeout_s, http_client=self._http())
             s.value = self.agent(s.item, client=client, **self.cfg.agent_kwargs)
         except BaseException as exc:  # noqa: BLE001 - the agent's own failure, reported
             s.error = s.error or f"raised {type(exc).__name__}: {exc}"
