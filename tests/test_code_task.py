@@ -59,17 +59,25 @@ def test_code_tests_scores_the_right_and_the_one_short_programs():
 
 
 def test_the_shipped_model_reproduces_its_recorded_held_out_numbers():
+    """The build's text shares are reproduced here, and running the greedy programs against
+    their tests (the code_tests reward, all or nothing) passes exactly the right ones."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from runner.models.tiny_code import held_out_numbers
+    from runner.models.tiny_code import HELD_OUT_EVAL, held_out_numbers, write_programs
 
     folder = SHIPPED_ROOT / "tiny-code"
     info = json.loads((folder / "build_info.json").read_text())
     greedy = info["held_out_greedy"]
     # the habit the recipe trains away: the greedy program is often exactly the one-short one
-    assert 0.25 <= greedy["pass_at_1"] <= 0.55 and greedy["exact_one_short"] >= 0.4
+    assert 0.25 <= greedy["exact_right"] <= 0.55 and greedy["exact_one_short"] >= 0.4
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    assert held_out_numbers(model, AutoTokenizer.from_pretrained(folder)) == greedy
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert held_out_numbers(model, tokenizer) == greedy
+    items = problems("held_out", HELD_OUT_EVAL)
+    texts = write_programs(model, tokenizer, items)
+    passed = fraction_passed(texts, [ObsBundle(p.question, p.tests) for p in items],
+                             all_or_nothing=True)
+    assert passed == [float(t == p.program()) for t, p in zip(texts, items, strict=True)]
 
 
 def test_the_code_recipe_runs_with_its_rewards_in_worker_processes(tmp_path):

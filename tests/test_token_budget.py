@@ -206,6 +206,35 @@ def test_dpo_reference_scores_the_micro_batches_the_policy_trains_on(run_cli, tm
     assert packed[0]["batch/micro_batches"] == len(spied[0][2]) > 1
 
 
+def test_grpo_packed_by_tokens_updates_as_the_accumulated_steps(run_cli, tmp_path, spied):
+    """GRPO packs each of its optimizer steps' minibatches (two per step, two epochs: four)
+    by the rows' prompt and completion tokens. Budgets 40 (several rows a micro-batch, unevenly)
+    and 8 (every row over it, each alone) update as one micro-batch per minibatch and as
+    ``grad_accum_steps = 4``: loss, gradient norm and weights to 1e-12."""
+    grpo = ("recipes/grpo-arith.toml", "algo.prompts_per_step=4", "algo.group_size=4",
+            "algo.minibatches=2", "algo.ppo_epochs=2", "algo.old_logprobs=policy")
+    whole = _run(run_cli, tmp_path / "whole", *grpo)
+    accum = _run(run_cli, tmp_path / "accum", *grpo, "train.grad_accum_steps=4")
+    keys = ("loss", "grad_norm")
+    _same_update(whole, accum, keys)
+    for budget in (50, 8):
+        spied.clear()
+        packed = _run(run_cli, tmp_path / f"b{budget}", *grpo,
+                      f"train.max_tokens_per_microbatch={budget}")
+        _same_update(packed, whole, keys)
+        # a share of tokens, summed in float32 whatever the model's dtype
+        assert packed[0]["clip_frac"] == pytest.approx(whole[0]["clip_frac"], rel=1e-6)
+        used = _budgets_used(spied)
+        assert len(used) == 4  # one packing per optimizer step
+        counts = [c for c, _ in used]
+        assert all(sum(c) == 8 for c in counts)  # each minibatch: 8 of the 16 rows
+        if budget == 8:
+            assert all(c == [1] * 8 and oversize for c, oversize in used)
+        else:
+            assert any(len(set(c)) > 1 for c in counts) and not any(o for _, o in used), used
+        assert packed[0]["batch/micro_batches"] == sum(len(c) for c in counts) / 4
+
+
 # --- refusals and the dry run -----------------------------------------------------------------
 
 
@@ -213,8 +242,9 @@ def test_dpo_reference_scores_the_micro_batches_the_policy_trains_on(run_cli, tm
     ("recipes/sft-arith.toml", ["train.grad_accum_steps=2"],
      "train.max_tokens_per_microbatch: train.max_tokens_per_microbatch and "
      "train.grad_accum_steps > 1 are mutually exclusive (got 64)."),
-    ("recipes/grpo-arith.toml", [],
-     "train.max_tokens_per_microbatch: not supported yet for algo.kind = 'grpo' (got 64)."),
+    ("recipes/grpo-arith.toml", ["train.grad_accum_steps=2"],
+     "train.max_tokens_per_microbatch: train.max_tokens_per_microbatch and "
+     "train.grad_accum_steps > 1 are mutually exclusive (got 64)."),
     ("recipes/ppo-arith.toml", [],
      "train.max_tokens_per_microbatch: not supported yet for algo.kind = 'ppo' (got 64)."),
     ("recipes/opd-arith.toml", [],

@@ -6,8 +6,9 @@ As with ``tiny-arith``, the model is given a habit that a test-running reward ca
 a share of the warm-up programs of each kind (``CodeSpec.slips``) stop their loop one short
 (``range(s, n)`` for ``range(s, n + 1)``). Where that share is over a half the greedy program
 is mostly the wrong one, while sampling still writes the right one often enough for GRPO to
-find it. Held-out problems are never trained on. The build measures held-out pass@1 (greedy and
-sampled) by running each program against its tests, as the ``code_tests`` reward does.
+find it. Held-out problems are never trained on. The build records the shares of its held-out
+programs (greedy and sampled) that are exactly the right one and exactly the one-short one; it
+runs none of them.
 """
 
 from __future__ import annotations
@@ -71,18 +72,13 @@ def write_programs(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase,
 
 def held_out_numbers(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase,
                      temperature: float = 0.0) -> dict[str, float]:
-    """Held-out pass@1 (every test passed, programs run in the sandbox) and the shares of
-    programs that are exactly the right one and exactly the one-short one."""
-    from runner.rewards.code_tests import fraction_passed
-    from runner.types import ObsBundle
-
+    """The shares of held-out programs that are exactly the right one and exactly the one-short
+    one (compared as text: the build runs none of them; the tests of the shipped model run them
+    with the ``code_tests`` reward)."""
     items = problems("held_out", HELD_OUT_EVAL)
     texts = write_programs(model, tokenizer, items, temperature=temperature)
-    passed = fraction_passed(texts, [ObsBundle(p.question, p.tests) for p in items],
-                             all_or_nothing=True)
     n = len(items)
-    return {"pass_at_1": sum(passed) / n,
-            "exact_right": sum(t == p.program() for t, p in zip(texts, items, strict=True)) / n,
+    return {"exact_right": sum(t == p.program() for t, p in zip(texts, items, strict=True)) / n,
             "exact_one_short": sum(t == p.program(slip=True)
                                    for t, p in zip(texts, items, strict=True)) / n}
 
@@ -109,7 +105,8 @@ def build_tiny_code(folder: Path, name: str, spec: CodeSpec) -> dict[str, object
             max_new_tokens=MAX_PROGRAM_TOKENS)
         with quiet_transformers_progress():
             model.save_pretrained(folder)
-    console.print(f"built builtin:{name}: held-out greedy pass@1 {greedy['pass_at_1']:.3f}")
+    console.print(f"built builtin:{name}: held-out greedy programs right "
+                  f"{greedy['exact_right']:.3f}, one short {greedy['exact_one_short']:.3f}")
     return {
         "name": name,
         "spec": attrs.asdict(spec),

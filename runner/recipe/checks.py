@@ -366,7 +366,7 @@ def check_sharding(r: Recipe) -> list[Problem]:
 
 def check_token_budget(r: Recipe) -> list[Problem]:
     """``train.max_tokens_per_microbatch`` replaces ``train.grad_accum_steps``' split, for the
-    kinds that train on a whole batch of given rows (``AlgoSpec.token_budget``)."""
+    kinds whose optimizer steps it can pack (``AlgoSpec.token_budget``)."""
     budget = r.train.max_tokens_per_microbatch
     if budget <= 0:
         return []

@@ -291,8 +291,9 @@ class TrainConfig:
     warmup_steps: int = key(0, "Linear warm-up steps.")
     grad_accum_steps: int = key(1, "Micro-batches accumulated per optimizer step.")
     max_tokens_per_microbatch: int = key(
-        0, "SFT, DPO, RM: split each rank's rows of a step into micro-batches of at most this "
-        "many tokens (a conversation's tokens; a pair's chosen and rejected sequences together), "
+        0, "SFT, DPO, RM, GRPO: split each rank's rows of an optimizer step into micro-batches of "
+        "at most this many tokens (a conversation's tokens; a pair's chosen and rejected "
+        "sequences together; a prompt and its completion), "
         "packed best-fit decreasing; a longer row is a micro-batch of its own, never cut. The "
         "update is the same. 0: off (train.grad_accum_steps micro-batches of equal row counts)."
     )

@@ -219,7 +219,10 @@ class MlflowTracker:
 
 
 def mlflow_key(key: str, file_store: bool) -> str:
-    """The MLflow metric key of a metrics.jsonl key (see ``MlflowTracker``)."""
+    """The MLflow metric key of a metrics.jsonl key (see ``MlflowTracker``): MLflow allows
+    alphanumerics, ``_ - . : /`` and spaces, so ``@`` is written ``_at_`` (``eval/pass@1`` ->
+    ``eval/pass_at_1``)."""
+    key = key.replace("@", "_at_")
     return key.replace("/", ".") if file_store else key
 
 

@@ -100,9 +100,10 @@ class AlgoSpec:
       vocabulary), ``"score"`` a scalar score head on the same architecture (transformers'
       ``*ForSequenceClassification`` with ``num_labels = 1``: a reward model), which the
       assembly loads, checkpoints and exports instead.
-    - ``token_budget``: it trains each step on a whole batch of given rows
-      (``runner.train.loops.batches.whole_batch_step``), whose micro-batches
-      ``train.max_tokens_per_microbatch`` may pack by tokens.
+    - ``token_budget``: ``train.max_tokens_per_microbatch`` may pack the micro-batches of its
+      optimizer steps by tokens (``runner.train.loops.batches``: ``whole_batch_step`` for the
+      kinds that train on a whole batch of given rows, ``packed_minibatch`` for GRPO's
+      minibatches).
     - ``loop``: the module of its training loop (its ``run(RunContext)``), imported when a run
       starts, so that the recipe layer stays free of torch.
     """

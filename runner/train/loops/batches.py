@@ -204,6 +204,28 @@ def _packed_by_tokens(comm: Collective, train: TrainConfig, rows: int, lengths: 
                            "batch/pad_frac": 1.0 - real / slots if slots else 0.0}
 
 
+def packed_minibatch(comm: Collective, train: TrainConfig, mb: Minibatch,
+                     lengths: Sequence[float]) -> tuple[list[list[int]], int, dict[str, float]]:
+    """This rank's rows of minibatch ``mb`` packed by their token counts (``lengths``: one per
+    local row of the step, indexed by row) within ``train.max_tokens_per_microbatch``: the
+    micro-batches (lists of ``mb``'s rows), how many every rank runs and the ``batch/*``
+    metrics (``_packed_by_tokens``)."""
+    pieces, count, packing = _packed_by_tokens(comm, train, len(mb.rows),
+                                               [lengths[r] for r in mb.rows])
+    return [[mb.rows[i] for i in piece] for piece in pieces], count, packing
+
+
+def mean_packing(packings: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The ``batch/*`` metrics of a step of several optimizer steps: micro-batches and padding
+    per optimizer step (means), the most tokens any rank held in one."""
+    if not packings:
+        return {}
+    n = len(packings)
+    return {"batch/micro_batches": sum(p["batch/micro_batches"] for p in packings) / n,
+            "batch/tokens_per_rank_max": max(p["batch/tokens_per_rank_max"] for p in packings),
+            "batch/pad_frac": sum(p["batch/pad_frac"] for p in packings) / n}
+
+
 def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,
                             loss_fn: KeepingLossFn, accum: int, world: int, max_grad_norm: float,
                             pieces: Sequence[Sequence[int]] | None = None

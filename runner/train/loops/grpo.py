@@ -44,7 +44,9 @@ from runner.train.loops.batches import (
     Minibatch,
     gather_rows,
     global_whiten,
+    mean_packing,
     minibatches,
+    packed_minibatch,
     rank_mean,
     reduce_history,
     select_rows,
@@ -227,6 +229,10 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
     recipe, policy = run.svc.recipe, run.policy
     old_BT = scored.old_BT
     history: list[dict[str, float]] = []
+    packings: list[dict[str, float]] = []
+    budget = recipe.train.max_tokens_per_microbatch
+    # each local row's tokens (prompt and completion): what a token budget packs
+    lengths = scored.batch.attention_mask_BT.sum(-1).tolist() if budget else []
     gap = torch.zeros(())
     for epoch, mbs in enumerate(scored.epochs):
         for k, mb in enumerate(mbs):
@@ -236,9 +242,13 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
                         ) -> tuple[torch.Tensor, dict[str, Any], Kept]:
                 return minibatch_loss(run, algo, scored, old_BT, first, idx)
 
-            metrics, kept = train_minibatch_keeping([policy], mb, loss_fn,
-                                                    recipe.train.grad_accum_steps,
-                                                    scored.layout.world, recipe.train.max_grad_norm)
+            pieces, accum = None, recipe.train.grad_accum_steps
+            if budget:
+                pieces, accum, packing = packed_minibatch(run.svc.comm, recipe.train, mb, lengths)
+                packings.append(packing)
+            metrics, kept = train_minibatch_keeping([policy], mb, loss_fn, accum,
+                                                    scored.layout.world, recipe.train.max_grad_norm,
+                                                    pieces)
             history.append(metrics)
             if first:
                 gap = _engine_gap(scored.engine_BT, kept, gap)
@@ -253,6 +263,7 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
     out["lr"] = policy.scheduler.get_last_lr()[0]
     out["adv_abs_mean"] = scored.adv_abs_mean
     out.update(rank_mean(run.svc.comm, policy.padding_metrics(scored.batch)))
+    out.update(mean_packing(packings))
     out["rollout/logprob_gap"] = max(run.svc.comm.gather(float(gap)))
     return out
 
