@@ -11,20 +11,21 @@ divisible by ``k``). Its tests call ``f`` on four values of ``n`` (``assert f(9)
 classic mistake, ``range(s, n)``, stops one short: it fails every test whose last term is not 0.
 
 Problems are enumerated in a fixed order and split by a hash of their key into a training pool
-and a held-out pool (about a fifth), so the two never overlap. ``CodeTask`` is the map-style
-dataset a recipe names as ``data.factory = "runner.data.code_task.train"`` (``held_out`` for
+and a held-out pool (about a fifth, as the arithmetic task is: ``arithmetic.held_out_key``), so
+the two never overlap. ``CodeTask`` is the map-style dataset a recipe names as
+``data.factory = "runner.data.code_task.train"`` (``held_out`` for
 ``data.validation.factory``); its rows are ``{"prompt", "tests", "key"}``, the tests one assert
 per line, as the ``code_tests`` reward reads them (``data.response_column = "tests"``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import attrs
 
-HELD_OUT_SHARE = 0.2
+from runner.data.arithmetic import held_out_key
+
 STARTS = (0, 1, 2, 3)
 # kind -> the values of k it takes
 K_VALUES = {"times": range(2, 31), "plus": range(1, 31), "square": range(0, 31),
@@ -85,17 +86,12 @@ def all_problems() -> list[CodeProblem]:
     return [CodeProblem(kind, k, s) for kind, ks in K_VALUES.items() for k in ks for s in STARTS]
 
 
-def _is_held_out(problem: CodeProblem) -> bool:
-    digest = hashlib.sha256(problem.key.encode()).digest()
-    return int.from_bytes(digest[:4], "big") / 2**32 < HELD_OUT_SHARE
-
-
 def problems(split: str, count: int, seed: int = 0) -> list[CodeProblem]:
     """``count`` problems of ``split`` ("train" or "held_out") in a seeded order, cycled when
     ``count`` exceeds the pool."""
     if split not in ("train", "held_out"):
         raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
-    pool = [p for p in all_problems() if _is_held_out(p) == (split == "held_out")]
+    pool = [p for p in all_problems() if held_out_key(p.key) == (split == "held_out")]
     random.Random(f"code-{seed}-{split}").shuffle(pool)
     return [pool[i % len(pool)] for i in range(count)]
 

@@ -221,24 +221,38 @@ def build_tiny(folder: Path, name: str, spec: TinySpec) -> dict[str, object]:
         losses = warm_up(model, tokenizer, spec, name)
         greedy = held_out_accuracy(model, tokenizer)
         sampled = held_out_accuracy(model, tokenizer, temperature=1.0)
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            do_sample=False,
-            max_new_tokens=8,
-        )
-        with quiet_transformers_progress():
-            model.save_pretrained(folder)
+        save_greedy(model, tokenizer, folder, max_new_tokens=8)
     console.print(f"built builtin:{name}: held-out greedy accuracy {greedy:.3f}")
+    return {
+        **build_info(name, spec, model, losses),
+        "held_out_count": HELD_OUT_EVAL,
+        "held_out_greedy_accuracy": greedy,
+        "held_out_sampled_accuracy": sampled,  # temperature 1.0, seed 0
+    }
+
+
+def save_greedy(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, folder: Path,
+                max_new_tokens: int) -> None:
+    """Save ``model`` into ``folder`` with a greedy generation config of the tokenizer's ids."""
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+    )
+    with quiet_transformers_progress():
+        model.save_pretrained(folder)
+
+
+def build_info(name: str, spec: object, model: torch.nn.Module, losses: Sequence[float]
+               ) -> dict[str, object]:
+    """What every tiny build records: its name, spec, size, last loss, torch and CPU."""
     return {
         "name": name,
         "spec": attrs.asdict(spec),
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
-        "held_out_count": HELD_OUT_EVAL,
-        "held_out_greedy_accuracy": greedy,
-        "held_out_sampled_accuracy": sampled,  # temperature 1.0, seed 0
         "torch_version": torch.__version__,
         "cpu": cpu_description(),
     }

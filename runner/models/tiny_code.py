@@ -17,11 +17,9 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-import attrs
 import torch
 from rich.console import Console
 from transformers import (
-    GenerationConfig,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2ForCausalLM,
@@ -29,13 +27,18 @@ from transformers import (
 
 from runner.data.code_task import CodeProblem, problems
 from runner.models.build_env import (
-    cpu_description,
     deterministic_torch,
-    quiet_transformers_progress,
     warm_up_loop,
 )
 from runner.models.specs import CodeSpec
-from runner.models.tiny import generate_ids, model_config, padded_batch, prompt_ids
+from runner.models.tiny import (
+    build_info,
+    generate_ids,
+    model_config,
+    padded_batch,
+    prompt_ids,
+    save_greedy,
+)
 from runner.models.tokenizer_build import build_tokenizer, save_tokenizer
 
 MAX_PROGRAM_TOKENS = 40  # the longest program is 30 tokens, plus eos
@@ -99,22 +102,12 @@ def build_tiny_code(folder: Path, name: str, spec: CodeSpec) -> dict[str, object
             spec.steps, spec.lr, name)
         greedy = held_out_numbers(model, tokenizer)
         sampled = held_out_numbers(model, tokenizer, temperature=1.0)
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, do_sample=False,
-            max_new_tokens=MAX_PROGRAM_TOKENS)
-        with quiet_transformers_progress():
-            model.save_pretrained(folder)
+        save_greedy(model, tokenizer, folder, max_new_tokens=MAX_PROGRAM_TOKENS)
     console.print(f"built builtin:{name}: held-out greedy programs right "
                   f"{greedy['exact_right']:.3f}, one short {greedy['exact_one_short']:.3f}")
     return {
-        "name": name,
-        "spec": attrs.asdict(spec),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+        **build_info(name, spec, model, losses),
         "held_out_count": HELD_OUT_EVAL,
         "held_out_greedy": greedy,
         "held_out_sampled": sampled,  # temperature 1.0, seed 0
-        "torch_version": torch.__version__,
-        "cpu": cpu_description(),
     }

@@ -197,6 +197,21 @@ def _qwen2_pipeline(tok: Tokenizer) -> Tokenizer:
     return tok
 
 
+def _trained_bpe(kind: str, texts: list[str]) -> Tokenizer:
+    """A byte-level BPE of the Qwen2 pipeline trained on ``texts`` (at most ``BPE_VOCAB_SIZE``
+    tokens, merges seen twice or more), with ``kind``'s special tokens first."""
+    tok = _qwen2_pipeline(Tokenizer(models.BPE()))
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECS[kind].specials,
+        initial_alphabet=byte_symbols(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
 def arithmetic_corpus() -> list[str]:
     """Questions and answers of the built-in training split, in a fixed order."""
     pool = problems("train", 2000, 0, 20, ("+", "-", "*"), seed=0)
@@ -205,15 +220,7 @@ def arithmetic_corpus() -> list[str]:
 
 def train_bpe() -> Tokenizer:
     """A byte-level BPE trained on :func:`arithmetic_corpus`; identical on every call."""
-    tok = _qwen2_pipeline(Tokenizer(models.BPE()))
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
-        min_frequency=2,
-        special_tokens=SPECS["bpe"].specials,
-        initial_alphabet=byte_symbols(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(arithmetic_corpus(), trainer=trainer)
+    tok = _trained_bpe("bpe", arithmetic_corpus())
     tok.add_tokens([AddedToken(n, normalized=False) for n in NUMBER_TOKENS])
     return tok
 
@@ -231,15 +238,7 @@ def tools_corpus() -> list[str]:
 
 def train_tools_bpe() -> Tokenizer:
     """A byte-level BPE trained on :func:`tools_corpus`, plus the four non-special markers."""
-    tok = _qwen2_pipeline(Tokenizer(models.BPE()))
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
-        min_frequency=2,
-        special_tokens=SPECS["tools"].specials,
-        initial_alphabet=byte_symbols(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(tools_corpus(), trainer=trainer)
+    tok = _trained_bpe("tools", tools_corpus())
     tok.add_tokens([AddedToken(m, normalized=False, special=False) for m in TOOL_MARKERS])
     return tok
 
@@ -254,15 +253,7 @@ def code_corpus() -> list[str]:
 
 def train_code_bpe() -> Tokenizer:
     """A byte-level BPE trained on :func:`code_corpus`, plus the whole numbers 10..99."""
-    tok = _qwen2_pipeline(Tokenizer(models.BPE()))
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
-        min_frequency=2,
-        special_tokens=SPECS["code"].specials,
-        initial_alphabet=byte_symbols(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(code_corpus(), trainer=trainer)
+    tok = _trained_bpe("code", code_corpus())
     tok.add_tokens([AddedToken(n, normalized=False) for n in NUMBER_TOKENS])
     return tok
 

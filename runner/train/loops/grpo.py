@@ -15,7 +15,7 @@ One step is three plain functions, each with explicit inputs and outputs:
 
 ``one_step`` calls them in a row, then pushes the new weights to the engine. Sampling ahead
 (``algo.max_off_policy_steps >= 1``) the producer also runs ``score``'s first stage, the rewards
-(``reward``), right after it samples a batch, and ``score`` takes those rewards as they are.
+(``rewarded``), right after it samples a batch, and ``score`` takes those rewards as they are.
 With ``algo.dynamic_sampling = "filter"`` the step's ``produce`` is ``dynamic.draw`` (DAPO's
 dynamic sampling: batches drawn and rewarded until the step has its groups with unequal
 rewards), and ``score`` takes the kept groups as they are (``score_rewarded``). Everything random
@@ -55,8 +55,8 @@ from runner.train.loops.batches import (
 from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
 from runner.train.loops.rollouts import (
-    overlong_of,
-    reward_trajectory,
+    reward_ahead,
+    rewarded,
     sample,
     shared_prefixes,
     staged_step,
@@ -72,9 +72,9 @@ def run(run: RunContext) -> dict[str, Any]:
     assert isinstance(algo, GRPOConfig)
     rewards = run.roles.rewards
     assert rewards is not None
-    if run.producer is not None and algo.dynamic_sampling == "off":
+    if algo.dynamic_sampling == "off":
         # (dynamic sampling rewards as it draws, and never samples ahead: the recipe refuses it)
-        run.producer.reward_with(lambda traj, step: reward(run, rewards, traj, step))
+        reward_ahead(run, rewards)
     return run_loop(run, lambda step: one_step(run, algo, rewards, step),
                     (lambda: evaluate(run, rewards)) if run.state.has_held_out else None)
 
@@ -107,18 +107,11 @@ def produce(run: RunContext, algo: GRPOConfig, step: int) -> Trajectory:
     return sample(run, algo.prompts_per_step, algo.group_size, step)
 
 
-def reward(run: RunContext, rewards: RewardSet, traj: Trajectory, step: int) -> Trajectory:
-    """Step ``step``'s batch rewarded (with the overlong shaping): ``score``'s first stage, or
-    the producer's right after sampling when it samples ahead (the same call either way)."""
-    return reward_trajectory(traj, rewards, step, overlong_of(run.svc.recipe))
-
-
 def score(run: RunContext, algo: GRPOConfig, rewards: RewardSet, traj: Trajectory,
           step: int) -> ScoredBatch:
-    """Rewards (``reward``; kept as they are when the producer rewarded the batch), then
+    """Rewards (``rewarded``: kept as they are when the producer rewarded the batch), then
     ``score_rewarded`` of the step's full batch."""
-    if not traj.rewarded:
-        traj = reward(run, rewards, traj, step)
+    traj = rewarded(run, rewards, traj, step)
     return score_rewarded(run, algo, traj, step, algo.prompts_per_step)
 
 

@@ -16,7 +16,7 @@ One step is three plain functions, each with explicit inputs and outputs:
 - ``consume``: ``ppo_epochs`` x ``minibatches`` optimizer steps of the policy and the critic.
 
 ``one_step`` calls them in a row, then pushes the new weights to the engine. Sampling ahead
-(``algo.max_off_policy_steps >= 1``) the producer also computes the rewards (``reward``) right
+(``algo.max_off_policy_steps >= 1``) the producer also computes the rewards (``rewarded``) right
 after it samples a batch, and ``score`` takes them as they are.
 """
 
@@ -49,8 +49,8 @@ from runner.train.loops.batches import (
 from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
 from runner.train.loops.rollouts import (
-    overlong_of,
-    reward_trajectory,
+    reward_ahead,
+    rewarded,
     sample,
     stages,
     step_metrics,
@@ -66,8 +66,7 @@ def run(run: RunContext) -> dict[str, Any]:
     assert isinstance(algo, PPOConfig)
     rewards, critic = run.roles.rewards, run.roles.critic
     assert rewards is not None and critic is not None
-    if run.producer is not None:
-        run.producer.reward_with(lambda traj, step: reward(run, rewards, traj, step))
+    reward_ahead(run, rewards)
     return run_loop(run, lambda step: one_step(run, algo, rewards, critic, step),
                     (lambda: evaluate(run, rewards)) if run.state.has_held_out else None,
                     save=lambda step: run.save(step, {CRITIC: critic}))
@@ -99,22 +98,15 @@ def produce(run: RunContext, algo: PPOConfig, step: int) -> Trajectory:
     return sample(run, algo.prompts_per_step, algo.samples_per_prompt, step)
 
 
-def reward(run: RunContext, rewards: RewardSet, traj: Trajectory, step: int) -> Trajectory:
-    """Step ``step``'s batch rewarded (with the overlong shaping): ``score``'s first stage, or
-    the producer's right after sampling when it samples ahead (the same call either way)."""
-    return reward_trajectory(traj, rewards, step, overlong_of(run.svc.recipe))
-
-
 @torch.no_grad()
 def score(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainable,
           traj: Trajectory, step: int) -> ScoredPPOBatch:
-    """Rewards (``reward``; kept as they are when the producer rewarded the batch); the
+    """Rewards (``rewarded``: kept as they are when the producer rewarded the batch); the
     policy's, reference's and critic's values of the sampled tokens; GAE over each completion's
     run of the batch grid, whitened over every rank's batch; and the minibatches of every epoch
     (token-weighted)."""
     recipe, device = run.svc.recipe, run.svc.accelerator.device
-    if not traj.rewarded:
-        traj = reward(run, rewards, traj, step)
+    traj = rewarded(run, rewards, traj, step)
     # The rollout-side packer makes the inputs once; policy, reference and critic share them.
     inputs = traj.policy_inputs(run.rollout_packer)
     batch = run.rollout_packer.collate(inputs).to(device)

@@ -269,6 +269,22 @@ def reward_trajectory(traj: Trajectory, rewards: RewardSet, step: int,
     return attrs.evolve(traj, rewards=tuple(total), reward_parts=parts, rewarded=True)
 
 
+def rewarded(run: RunContext, rewards: RewardSet, traj: Trajectory, step: int) -> Trajectory:
+    """Step ``step``'s batch with its rewards (and the overlong shaping): as it is when the
+    reward stage already ran on it (the producer's, sampling ahead), else rewarded here. GRPO's
+    and PPO's first scoring stage, and their producer's (``reward_ahead``): the same call."""
+    if traj.rewarded:
+        return traj
+    return reward_trajectory(traj, rewards, step, overlong_of(run.svc.recipe))
+
+
+def reward_ahead(run: RunContext, rewards: RewardSet) -> None:
+    """With a producer (sampling ahead), give it the reward stage (``rewarded``): each batch is
+    rewarded right after it is sampled."""
+    if run.producer is not None:
+        run.producer.reward_with(lambda traj, step: rewarded(run, rewards, traj, step))
+
+
 def overlong_of(recipe: Recipe) -> Overlong | None:
     """The recipe's overlong reward shaping (``reward.overlong_buffer_len`` > 0), or None."""
     w = recipe.reward
