@@ -42,9 +42,7 @@ import attrs
 
 from runner.data.arithmetic import Problem, problems
 from runner.models.build_env import (
-    cpu_description,
     deterministic_torch,
-    quiet_transformers_progress,
     warm_up_loop,
 )
 from runner.models.specs import TOOLS_SPECS, ToolsSpec
@@ -287,9 +285,9 @@ def build_tiny_tools(folder: Path, name: str) -> dict[str, object]:
     build info with the evaluator's numbers."""
     import torch
     from rich.console import Console
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    from runner.models.tiny import model_config
+    from runner.models.tiny import build_info, model_config, save_greedy
     from runner.models.tokenizer_build import build_tokenizer, save_tokenizer
 
     spec = TOOLS_SPECS[name]
@@ -304,27 +302,14 @@ def build_tiny_tools(folder: Path, name: str) -> dict[str, object]:
         model = Qwen2ForCausalLM(model_config(spec, tokenizer))
         losses = warm_up(model, tokenizer, spec, name)
         measured = evaluate(model, tokenizer)
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            do_sample=False,
-            max_new_tokens=MAX_TURN_TOKENS,
-        )
-        with quiet_transformers_progress():
-            model.save_pretrained(folder)
+        save_greedy(model, tokenizer, folder, max_new_tokens=MAX_TURN_TOKENS)
     console.print(summary(name, measured))
     return {
-        "name": name,
-        "spec": attrs.asdict(spec),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+        **build_info(name, spec, model, losses),
         "held_out_count": EVAL_EPISODES,
         "guess_games": EVAL_EPISODES,
         **measured,  # sampled: temperature 1.0, seed 0
         **warm_up_policy_numbers(conversations),
-        "torch_version": torch.__version__,
-        "cpu": cpu_description(),
     }
 
 
