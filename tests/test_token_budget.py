@@ -196,14 +196,22 @@ def test_rm_packed_by_tokens_updates_as_the_accumulated_step(run_cli, tmp_path, 
 
 
 def test_dpo_reference_scores_the_micro_batches_the_policy_trains_on(run_cli, tmp_path, spied):
-    """DPO packs its step once for the reference and once for the policy, alike; the update
-    is the one micro-batch's."""
+    """DPO packs its step once for the reference and once for the policy, alike; with
+    ``logprob_max_tokens_per_microbatch`` the reference packs by that budget instead. The
+    update is the one micro-batch's."""
     dpo = ("recipes/dpo-arith.toml", "algo.pairs_per_step=8")
+    keys = ("loss", "grad_norm", "chosen_logprob", "rejected_logprob")
     whole = _run(run_cli, tmp_path / "whole", *dpo)
     packed = _run(run_cli, tmp_path / "packed", *dpo, "train.max_tokens_per_microbatch=100")
-    _same_update(packed, whole, ("loss", "grad_norm", "chosen_logprob", "rejected_logprob"))
+    _same_update(packed, whole, keys)
     assert len(spied) == 2 and spied[0] == spied[1]
     assert packed[0]["batch/micro_batches"] == len(spied[0][2]) > 1
+    spied.clear()
+    scored = _run(run_cli, tmp_path / "scored", *dpo, "train.max_tokens_per_microbatch=100",
+                  "train.logprob_max_tokens_per_microbatch=60")
+    _same_update(scored, whole, keys)
+    [(_, b1, ref), (_, b2, upd)] = spied
+    assert (b1, b2) == (60, 100) and len(ref) > len(upd) > 1
 
 
 def test_grpo_packed_by_tokens_updates_as_the_accumulated_steps(run_cli, tmp_path, spied):
@@ -235,6 +243,94 @@ def test_grpo_packed_by_tokens_updates_as_the_accumulated_steps(run_cli, tmp_pat
         assert packed[0]["batch/micro_batches"] == sum(len(c) for c in counts) / 4
 
 
+def _budget_runs(run_cli, tmp_path, spied, recipe, keys):
+    """A run packed by ``train.max_tokens_per_microbatch = 40`` and one whose scoring passes
+    are packed by ``train.logprob_max_tokens_per_microbatch = 30``, each updating as the run of
+    one micro-batch (``keys``, weights to 1e-12); returns the packings each made."""
+    whole = _run(run_cli, tmp_path / "whole", *recipe)
+    made = {}
+    for name, key in (("update", "train.max_tokens_per_microbatch=40"),
+                      ("scoring", "train.logprob_max_tokens_per_microbatch=30")):
+        spied.clear()
+        _same_update(_run(run_cli, tmp_path / name, *recipe, key), whole, keys)
+        made[name] = list(spied)
+    return made
+
+
+def _several_rows_and_one_alone(packings, budget, rows):
+    for lengths, b, pieces in packings:
+        assert b == budget and sorted(i for p in pieces for i in p) == list(range(rows))
+        assert 1 < len(pieces) < rows, pieces  # rows shared a micro-batch, and not all did
+        assert all(len(p) == 1 or sum(lengths[i] for i in p) <= budget for p in pieces)
+
+
+def test_ppo_packed_by_tokens_updates_as_the_whole_step(run_cli, tmp_path, spied):
+    """PPO packs each optimizer step's minibatch of the policy and critic update (two epochs of
+    two minibatches: four packings of 8 of the 16 rows), and its scoring passes (the policy's
+    behaviour logprobs, the reference's, the critic's values: three packings of all 16 rows):
+    the update is the one micro-batch's, losses and gradient norm to 1e-12 relative."""
+    ppo = ("recipes/ppo-arith.toml", "algo.prompts_per_step=8", "algo.samples_per_prompt=2")
+    made = _budget_runs(run_cli, tmp_path, spied, ppo, ("loss", "grad_norm", "value_loss"))
+    assert len(made["update"]) == 4
+    _several_rows_and_one_alone(made["update"], 40, 8)
+    assert len(made["scoring"]) == 3
+    _several_rows_and_one_alone(made["scoring"], 30, 16)
+
+
+def test_opd_packed_by_tokens_updates_as_the_whole_step(run_cli, tmp_path, spied):
+    """OPD packs the whole batch for each epoch's optimizer step, and its scoring passes (the
+    teacher's logprobs of the sampled tokens, the behaviour logprobs of the second epoch)."""
+    opd = ("recipes/opd-arith.toml", "algo.prompts_per_step=8", "algo.full_kl=false",
+           "algo.ppo_epochs=2")
+    made = _budget_runs(run_cli, tmp_path, spied, opd, ("loss", "grad_norm"))
+    assert len(made["update"]) == 2
+    _several_rows_and_one_alone(made["update"], 40, 16)
+    assert len(made["scoring"]) == 2
+    _several_rows_and_one_alone(made["scoring"], 30, 16)
+
+
+def test_grpo_scoring_passes_packed_by_tokens(run_cli, tmp_path, spied):
+    """GRPO's scoring passes: the reference (``kl_beta``) over all 16 rows and, with two
+    minibatches, the behaviour logprobs of the 8 rows the first optimizer step does not score
+    itself; the update is the unpacked run's."""
+    grpo = ("recipes/grpo-arith.toml", "algo.prompts_per_step=4", "algo.group_size=4",
+            "algo.minibatches=2", "algo.old_logprobs=policy", "algo.kl_beta=0.05")
+    whole = _run(run_cli, tmp_path / "whole", *grpo)
+    scored = _run(run_cli, tmp_path / "scored", *grpo, "train.logprob_max_tokens_per_microbatch=30")
+    _same_update(scored, whole, ("loss", "grad_norm", "kl"))
+    [(old_lengths, _, old), (_, _, ref)] = spied
+    assert len(old_lengths) == 8 and len(ref) > len(old) > 1
+
+
+class _Forwards:
+    """A scoring forward that records its rows and gives each row's value ``10 * row + column``
+    up to the piece's longest row (``width`` columns per row)."""
+
+    def __init__(self, width):
+        self.width, self.calls = width, []
+
+    def __call__(self, rows):
+        self.calls.append(list(rows))
+        w = max(self.width[r] for r in rows)
+        return torch.tensor([[10.0 * r + c for c in range(w)] for r in rows])
+
+
+def test_scoring_passes_land_on_the_grid_and_ranks_run_equally_many():
+    """Rows 0-3 of 5, 8, 3, 4 tokens within 8: three passes ([1], [0, 2], [3]) each written
+    at its rows, zeros past a piece's width and in row 4 (not scored); the other rank runs 5,
+    so this one runs two dropped fillers on row 0. One pass without a budget, no gather."""
+    forward = _Forwards({0: 2, 1: 3, 2: 1, 3: 2})
+    grid, count = batches.scored_by_tokens(_TwoRanks(5), 8, range(4), [5, 8, 3, 4, 9], (5, 3),
+                                           forward)
+    assert forward.calls == [[1], [0, 2], [3], [0], [0]] and count == 5
+    assert grid.tolist() == [[0, 1, 0], [10, 11, 12], [20, 21, 0], [30, 31, 0], [0, 0, 0]]
+    forward = _Forwards({0: 2, 1: 3, 2: 1, 3: 2})
+    grid, count = batches.scored_by_tokens(SimpleNamespace(world=2, gather=None), 0, [2, 0],
+                                           [5, 8, 3, 4], (4, 3), forward)
+    assert forward.calls == [[2, 0]] and count == 1
+    assert grid.tolist() == [[0, 1, 0], [0, 0, 0], [20, 21, 0], [0, 0, 0]]
+
+
 # --- refusals and the dry run -----------------------------------------------------------------
 
 
@@ -245,10 +341,12 @@ def test_grpo_packed_by_tokens_updates_as_the_accumulated_steps(run_cli, tmp_pat
     ("recipes/grpo-arith.toml", ["train.grad_accum_steps=2"],
      "train.max_tokens_per_microbatch: train.max_tokens_per_microbatch and "
      "train.grad_accum_steps > 1 are mutually exclusive (got 64)."),
-    ("recipes/ppo-arith.toml", [],
-     "train.max_tokens_per_microbatch: not supported yet for algo.kind = 'ppo' (got 64)."),
-    ("recipes/opd-arith.toml", [],
-     "train.max_tokens_per_microbatch: not supported yet for algo.kind = 'opd' (got 64)."),
+    ("recipes/sft-arith.toml", ["train.logprob_max_tokens_per_microbatch=32"],
+     "train.logprob_max_tokens_per_microbatch: algo.kind = 'sft' runs no scoring pass (got 32)."),
+    ("recipes/rm-arith.toml", ["train.logprob_max_tokens_per_microbatch=32"],
+     "train.logprob_max_tokens_per_microbatch: algo.kind = 'rm' runs no scoring pass (got 32)."),
+    ("recipes/ppo-arith.toml", ["train.logprob_max_tokens_per_microbatch=-2"],
+     "train.logprob_max_tokens_per_microbatch: must be >= 0 (0: off) (got -2)."),
     ("recipes/dpo-arith.toml", ["train.max_tokens_per_microbatch=-1"],
      "train.max_tokens_per_microbatch: must be >= 0 (0: off) (got -1)."),
 ])
@@ -265,6 +363,15 @@ def test_dry_run_shows_the_budget(run_cli):
                            "train.max_tokens_per_microbatch=256")
     assert rc == 0, err
     assert "up to 256 tokens each, packed best-fit" in out
+    assert "per optimizer step" not in out and "scoring passes" not in out
+    # 64 rows per rank of at most 40 tokens within 100: every micro-batch but the last holds
+    # more than 60, so at most 64 * 40 // 61 + 1 = 42
+    rc, out, err = run_cli("--plain", "--dry-run", "recipes/grpo-arith.toml",
+                           "train.max_tokens_per_microbatch=100", "rollout.max_model_len=40",
+                           "train.logprob_max_tokens_per_microbatch=512")
+    assert rc == 0, err
+    assert "at most 42 per optimizer step" in out, out
+    assert "up to 512 tokens each" in out
     rc, out, err = run_cli("--plain", "--dry-run", "recipes/rm-arith.toml")
     assert rc == 0, err
     assert "packed best-fit" not in out

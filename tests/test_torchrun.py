@@ -198,8 +198,12 @@ def test_external_launcher_gives_the_same_run(two_ranks, tmp_path):
 ALGOS = {
     "grpo": (GRPO, ("algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatches=2",
                     "train.grad_accum_steps=2", "rollout.max_new_tokens=4")),
+    # the token budgets of the updates and of the scoring passes (policy, reference, critic):
+    # micro-batch and pass counts that differ between the ranks
     "ppo": ("recipes/ppo-arith.toml", ("algo.prompts_per_step=4", "algo.minibatches=2",
-                                       "rollout.max_new_tokens=4")),
+                                       "rollout.max_new_tokens=4",
+                                       "train.max_tokens_per_microbatch=30",
+                                       "train.logprob_max_tokens_per_microbatch=40")),
     "opd": ("recipes/opd-arith.toml", ("algo.prompts_per_step=4", "train.grad_accum_steps=2",
                                        "rollout.max_new_tokens=4")),
     "dpo": ("recipes/dpo-arith.toml", ("algo.pairs_per_step=8", "train.grad_accum_steps=2")),

@@ -267,6 +267,9 @@ def check_ranges(r: Recipe) -> list[Problem]:
                 r.train.grad_accum_steps >= 1, ">= 1")
     p += _range("train.max_tokens_per_microbatch", r.train.max_tokens_per_microbatch,
                 r.train.max_tokens_per_microbatch >= 0, ">= 0 (0: off)")
+    p += _range("train.logprob_max_tokens_per_microbatch",
+                r.train.logprob_max_tokens_per_microbatch,
+                r.train.logprob_max_tokens_per_microbatch >= 0, ">= 0 (0: off)")
     p += _range("train.max_grad_norm", r.train.max_grad_norm, r.train.max_grad_norm >= 0, ">= 0")
     p += _range("train.eval_every", r.train.eval_every, r.train.eval_every >= 0, ">= 0")
     for name in ("adam_beta1", "adam_beta2"):
@@ -365,22 +368,24 @@ def check_sharding(r: Recipe) -> list[Problem]:
 
 
 def check_token_budget(r: Recipe) -> list[Problem]:
-    """``train.max_tokens_per_microbatch`` replaces ``train.grad_accum_steps``' split, for the
-    kinds whose optimizer steps it can pack (``AlgoSpec.token_budget``)."""
-    budget = r.train.max_tokens_per_microbatch
-    if budget <= 0:
-        return []
-    if not spec_of(r).token_budget:
-        return [Problem("train.max_tokens_per_microbatch",
-                        f"not supported yet for algo.kind = {r.algo.kind!r}", got=budget,
-                        hint="remove the key (only " + titles(lambda s: s.token_budget)
-                        + " pack micro-batches by tokens)")]
-    if r.train.grad_accum_steps > 1:
-        return [Problem("train.max_tokens_per_microbatch", "train.max_tokens_per_microbatch and "
-                        "train.grad_accum_steps > 1 are mutually exclusive", got=budget,
-                        hint="set train.grad_accum_steps = 1 (the budget decides the "
-                        "micro-batches), or remove train.max_tokens_per_microbatch")]
-    return []
+    """``train.max_tokens_per_microbatch`` replaces ``train.grad_accum_steps``' split;
+    ``train.logprob_max_tokens_per_microbatch`` packs the scoring passes of the kinds that run
+    them (``AlgoSpec.scoring_passes``)."""
+    p: list[Problem] = []
+    if r.train.logprob_max_tokens_per_microbatch > 0 and not spec_of(r).scoring_passes:
+        p.append(Problem("train.logprob_max_tokens_per_microbatch",
+                         f"algo.kind = {r.algo.kind!r} runs no scoring pass",
+                         got=r.train.logprob_max_tokens_per_microbatch,
+                         hint="remove the key (" + titles(lambda s: s.scoring_passes)
+                         + " run scoring passes); train.max_tokens_per_microbatch packs the "
+                         "updates"))
+    if r.train.max_tokens_per_microbatch > 0 and r.train.grad_accum_steps > 1:
+        p.append(Problem("train.max_tokens_per_microbatch", "train.max_tokens_per_microbatch "
+                         "and train.grad_accum_steps > 1 are mutually exclusive",
+                         got=r.train.max_tokens_per_microbatch,
+                         hint="set train.grad_accum_steps = 1 (the budget decides the "
+                         "micro-batches), or remove train.max_tokens_per_microbatch"))
+    return p
 
 
 RULES: tuple[Callable[[Recipe], list[Problem]], ...] = (
@@ -418,6 +423,7 @@ _ITEM_KEYS = ("data.count", "data.validation.size", "data.synthetic_pairs")
 _STEP_KEYS = ("run.max_steps", "train.warmup_steps", "train.eval_every", "checkpoint.every_steps",
               "checkpoint.keep_last", "logging.every_steps", "logging.sample_every")
 _PER_STEP_KEYS = ("train.grad_accum_steps", "train.max_tokens_per_microbatch",
+                  "train.logprob_max_tokens_per_microbatch",
                   "rollout.max_new_tokens", "rollout.max_model_len", "rollout.top_k",
                   "rollout.batch_size", "algo.prompts_per_step", "algo.group_size",
                   "algo.samples_per_prompt", "algo.pairs_per_step", "algo.ppo_epochs",

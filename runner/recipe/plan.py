@@ -65,6 +65,8 @@ class RunPlan:
     ahead: int = 0  # steps whose batches a producer samples ahead (AlgoSpec.ahead; 0: synchronous)
     most_items: int = 0  # the most items a step may draw (AlgoSpec.batches); 0: items_per_step
     max_tokens_per_microbatch: int = 0  # train.max_tokens_per_microbatch (0: off)
+    logprob_max_tokens_per_microbatch: int = 0  # train.logprob_max_tokens_per_microbatch
+    max_row_tokens: int = 0  # the longest a sampled row may be (rollout.max_model_len; 0: none)
 
     def rows(self) -> list[tuple[str, str]]:
         """Rows for the dry-run table."""
@@ -87,10 +89,17 @@ class RunPlan:
         ]
 
     def _micro_batch_rows(self) -> list[tuple[str, str]]:
-        if not self.max_tokens_per_microbatch:
-            return []
-        return [("micro-batches", f"up to {self.max_tokens_per_microbatch} tokens each, packed "
-                 "best-fit (a longer row alone); as many on every rank as on the busiest")]
+        out = []
+        if self.max_tokens_per_microbatch:
+            most = most_micro_batches(self.minibatch_size, self.max_row_tokens,
+                                      self.max_tokens_per_microbatch)
+            out.append(("micro-batches", f"up to {self.max_tokens_per_microbatch} tokens each, "
+                        "packed best-fit (a longer row alone); as many on every rank as on the "
+                        "busiest" + (f"; at most {most} per optimizer step" if most else "")))
+        if self.logprob_max_tokens_per_microbatch:
+            out.append(("scoring passes", f"up to {self.logprob_max_tokens_per_microbatch} "
+                        "tokens each, packed best-fit; as many on every rank as on the busiest"))
+        return out
 
     def _engine_row(self) -> str:
         if "rollout" not in self.roles:
@@ -135,4 +144,22 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         ahead=spec.ahead(recipe.algo),
         most_items=items * spec.batches(recipe.algo),
         max_tokens_per_microbatch=recipe.train.max_tokens_per_microbatch,
+        logprob_max_tokens_per_microbatch=recipe.train.logprob_max_tokens_per_microbatch,
+        max_row_tokens=recipe.rollout.max_model_len if spec.samples_online else 0,
     )
+
+
+def most_micro_batches(rows: int, longest: int, budget: int) -> int:
+    """The most micro-batches best-fit decreasing packs ``rows`` rows of at most ``longest``
+    tokens into within ``budget`` (0: unknown, no ``longest``). A micro-batch is opened only
+    when the row does not fit any open one, so every micro-batch but the last holds more than
+    ``budget - longest`` tokens.
+
+    >>> most_micro_batches(16, 40, 100), most_micro_batches(16, 40, 30), most_micro_batches(4, 0, 9)
+    (11, 16, 0)
+    """
+    if not longest:
+        return 0
+    if longest > budget:
+        return rows
+    return min(rows, rows * longest // (budget - longest + 1) + 1)

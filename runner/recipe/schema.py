@@ -291,11 +291,17 @@ class TrainConfig:
     warmup_steps: int = key(0, "Linear warm-up steps.")
     grad_accum_steps: int = key(1, "Micro-batches accumulated per optimizer step.")
     max_tokens_per_microbatch: int = key(
-        0, "SFT, DPO, RM, GRPO: split each rank's rows of an optimizer step into micro-batches of "
+        0, "Split each rank's rows of an optimizer step into micro-batches of "
         "at most this many tokens (a conversation's tokens; a pair's chosen and rejected "
         "sequences together; a prompt and its completion), "
         "packed best-fit decreasing; a longer row is a micro-batch of its own, never cut. The "
         "update is the same. 0: off (train.grad_accum_steps micro-batches of equal row counts)."
+    )
+    logprob_max_tokens_per_microbatch: int = key(
+        0, "GRPO, PPO, OPD, DPO: run the scoring passes (behaviour, reference and teacher "
+        "logprobs, critic values; no gradient) in micro-batches of at most this many tokens, "
+        "packed like train.max_tokens_per_microbatch; the values are the same. 0: one pass "
+        "over each rank's rows."
     )
     max_grad_norm: float = key(1.0, "Clip the gradient norm to this; 0 disables clipping.")
     precision: Literal["auto", "no", "bf16", "fp16"] = key(

@@ -123,5 +123,5 @@ def batches(a: GRPOConfig) -> int:
 SPEC = AlgoSpec(
     title="GRPO", config=GRPOConfig, stream="prompts", batch_key="algo.prompts_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.grpo", ahead=sampled.ahead,
-    owned_keys=sampled.MEDIA_KEYS, trains_on_rewards=True, batches=batches, token_budget=True,
+    owned_keys=sampled.MEDIA_KEYS, trains_on_rewards=True, batches=batches, scoring_passes=True,
 )

@@ -58,5 +58,4 @@ SPEC = AlgoSpec(
     title="RM", config=RMConfig, stream="pairs", batch_key="algo.pairs_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.rm",
     owned_keys=RM_KEYS, samples_online=False, sharded=sharded, head="score",
-    token_budget=True,
 )

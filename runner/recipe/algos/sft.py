@@ -53,5 +53,4 @@ SPEC = AlgoSpec(
     title="SFT", config=SFTConfig, stream="conversations", batch_key="algo.examples_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.sft",
     owned_keys=("data.messages_column",), samples_online=False, sharded=sharded,
-    token_budget=True,
 )

@@ -100,10 +100,10 @@ class AlgoSpec:
       vocabulary), ``"score"`` a scalar score head on the same architecture (transformers'
       ``*ForSequenceClassification`` with ``num_labels = 1``: a reward model), which the
       assembly loads, checkpoints and exports instead.
-    - ``token_budget``: ``train.max_tokens_per_microbatch`` may pack the micro-batches of its
-      optimizer steps by tokens (``runner.train.loops.batches``: ``whole_batch_step`` for the
-      kinds that train on a whole batch of given rows, ``packed_minibatch`` for GRPO's
-      minibatches).
+    - ``scoring_passes``: it runs forwards without gradient before its updates (behaviour,
+      reference or teacher logprobs, critic values), which
+      ``train.logprob_max_tokens_per_microbatch`` packs by tokens
+      (``runner.train.loops.batches.scored_by_tokens``).
     - ``loop``: the module of its training loop (its ``run(RunContext)``), imported when a run
       starts, so that the recipe layer stays free of torch.
     """
@@ -125,7 +125,7 @@ class AlgoSpec:
     ahead: Callable[[Any], int] = _none_ahead
     batches: Callable[[Any], int] = _one_batch
     head: Literal["lm", "score"] = "lm"
-    token_budget: bool = False
+    scoring_passes: bool = False
 
     @property
     def kind(self) -> str:

@@ -103,10 +103,14 @@ def pack_by_tokens(lengths: Sequence[float], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def micro_pieces(train: TrainConfig, lengths: Sequence[float]) -> list[list[int]]:
+def micro_pieces(train: TrainConfig, lengths: Sequence[float], scoring: bool = False
+                 ) -> list[list[int]]:
     """The micro-batches an offline step splits its ``len(lengths)`` rows into: packed by
     tokens within ``train.max_tokens_per_microbatch`` when it is set, else ``grad_accum_steps``
-    contiguous pieces of (nearly) equal row counts."""
+    contiguous pieces of (nearly) equal row counts. A ``scoring`` pass packs within
+    ``train.logprob_max_tokens_per_microbatch`` when that is set, else as the update does."""
+    if scoring and train.logprob_max_tokens_per_microbatch > 0:
+        return pack_by_tokens(lengths, train.logprob_max_tokens_per_microbatch)
     if train.max_tokens_per_microbatch > 0:
         return pack_by_tokens(lengths, train.max_tokens_per_microbatch)
     return [list(range(len(lengths))[s])
@@ -213,6 +217,70 @@ def packed_minibatch(comm: Collective, train: TrainConfig, mb: Minibatch,
     pieces, count, packing = _packed_by_tokens(comm, train, len(mb.rows),
                                                [lengths[r] for r in mb.rows])
     return [[mb.rows[i] for i in piece] for piece in pieces], count, packing
+
+
+def whole_or_rows(batch: Any, rows: Sequence[int]) -> Any:
+    """``batch`` itself when ``rows`` are all of its rows in order, else those rows
+    (``select_rows``): a scoring pass over the whole batch runs exactly as it always has."""
+    if list(rows) == list(range(batch.input_ids_BT.shape[0])):
+        return batch
+    return select_rows(batch, torch.tensor(list(rows)))
+
+
+def scored_by_tokens(comm: Collective, budget: int, rows: Sequence[int],
+                     lengths: Sequence[float], shape: tuple[int, int],
+                     score: Callable[[list[int]], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """A scoring pass (logprobs or values of sampled tokens, no gradient) over ``rows`` of a
+    batch, in micro-batches of at most ``budget`` tokens (``lengths``: every row's tokens,
+    indexed by row; ``pack_by_tokens``; 0: one pass over ``rows``). ``score(piece)`` returns
+    the piece's [len(piece), w <= shape[1]] values, written into a ``shape`` grid (zeros past
+    a piece's width and in rows not scored). With several ranks every rank calls ``score`` as
+    often as the busiest (a model's forward may be a collective: DDP's buffer broadcast,
+    FSDP's parameter gathers); the extra calls score ``rows[0]`` (or row 0) and are dropped.
+    Returns the grid (float32 zeros when no rank scored a row) and the number of passes every
+    rank ran."""
+    rows = list(rows)
+    pieces = ([[rows[i] for i in p] for p in pack_by_tokens([lengths[r] for r in rows], budget)]
+              if budget > 0 else [rows] if rows else [])
+    if budget <= 0:
+        count = 1  # one pass on every rank (a rank with no row to score: a dropped filler)
+    else:
+        count = max(comm.gather(len(pieces))) if comm.world > 1 else len(pieces)
+    out: torch.Tensor | None = None
+    for piece in pieces:
+        values = score(piece)
+        if out is None:
+            out = torch.zeros(shape, dtype=values.dtype, device=values.device)
+        out[torch.tensor(piece, device=values.device), :values.shape[1]] = values
+    for _ in range(count - len(pieces)):
+        filler = score(rows[:1] or [0])
+        if out is None:
+            out = torch.zeros(shape, dtype=filler.dtype, device=filler.device)
+    if out is None:  # no rank had a row to score
+        out = torch.zeros(shape)
+    return out, count
+
+
+def minibatch_pieces(comm: Collective, train: TrainConfig, mb: Minibatch,
+                     lengths: Sequence[float], packings: list[dict[str, float]]
+                     ) -> tuple[list[list[int]] | None, int]:
+    """The micro-batches of minibatch ``mb`` and how many every rank runs, for
+    ``train_minibatch``: packed by tokens (``packed_minibatch``; its ``batch/*`` metrics
+    appended to ``packings``) with ``train.max_tokens_per_microbatch``, else ``None`` and
+    ``train.grad_accum_steps``."""
+    if train.max_tokens_per_microbatch <= 0:
+        return None, train.grad_accum_steps
+    pieces, accum, packing = packed_minibatch(comm, train, mb, lengths)
+    packings.append(packing)
+    return pieces, accum
+
+
+def row_tokens(batch: Any, train: TrainConfig) -> list[float]:
+    """Each row's tokens (prompt and completion) of a padded batch, what a token budget packs;
+    empty when neither budget is set."""
+    if train.max_tokens_per_microbatch <= 0 and train.logprob_max_tokens_per_microbatch <= 0:
+        return []
+    return [float(n) for n in batch.attention_mask_BT.sum(-1).tolist()]
 
 
 def mean_packing(packings: Sequence[dict[str, float]]) -> dict[str, float]:

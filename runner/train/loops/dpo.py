@@ -171,20 +171,32 @@ def micro_batches(run: DPORun, inputs: Sequence[RLPolicyInput]) -> list[list[int
     return micro_pieces(run.run.svc.recipe.train, pair_tokens(inputs))
 
 
+def reference_pieces(run: DPORun, inputs: Sequence[RLPolicyInput]) -> list[list[int]]:
+    """The pairs of each reference forward of packed pairs ``inputs``: packed within
+    ``train.logprob_max_tokens_per_microbatch`` when it is set, else the micro-batches the
+    policy trains on (``micro_batches``), so both read batches padded alike."""
+    return micro_pieces(run.run.svc.recipe.train, pair_tokens(inputs), scoring=True)
+
+
 def score(run: DPORun, pairs: Sequence[PreferencePair]) -> ScoredPairs:
-    """The pairs packed once and the reference's logprobs of their answers. The reference
-    scores the same micro-batches the policy trains on, so both read batches padded alike."""
+    """The pairs packed once and the reference's logprobs of their answers
+    (``reference_pieces``). Every rank runs as many reference forwards (a sharded
+    reference's are collectives)."""
     inputs = pack_pairs(run.packer, pairs)
     n, chosen, rejected, order = len(pairs), [], [], []
-    for piece in micro_batches(run, inputs):
-        part_pairs = [pairs[i] for i in piece]
-        ref = cached_reference(run, part_pairs)
-        if ref is None:
-            part = [inputs[i] for i in piece] + [inputs[n + i] for i in piece]
-            ref = reference_logprobs(run, part_pairs, run.packer.collate(part).to(run.device))
-        chosen.append(ref[0])
-        rejected.append(ref[1])
-        order += piece
+    pieces = reference_pieces(run, inputs)
+    forwards = sum(cached_reference(run, [pairs[i] for i in p]) is None for p in pieces)
+    with lockstep(run.run.svc.comm, forwards, run.packer, run.device, run.reference):
+        for piece in pieces:
+            part_pairs = [pairs[i] for i in piece]
+            ref = cached_reference(run, part_pairs)
+            if ref is None:
+                part = [inputs[i] for i in piece] + [inputs[n + i] for i in piece]
+                ref = reference_logprobs(run, part_pairs,
+                                         run.packer.collate(part).to(run.device))
+            chosen.append(ref[0])
+            rejected.append(ref[1])
+            order += piece
     back = torch.argsort(torch.tensor(order, dtype=torch.long))  # micro-batch order -> pairs'
     return ScoredPairs(tuple(pairs), tuple(inputs), torch.cat(chosen)[back.to(chosen[0].device)],
                        torch.cat(rejected)[back.to(rejected[0].device)])

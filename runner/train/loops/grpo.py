@@ -45,12 +45,15 @@ from runner.train.loops.batches import (
     gather_rows,
     global_whiten,
     mean_packing,
+    minibatch_pieces,
     minibatches,
-    packed_minibatch,
     rank_mean,
     reduce_history,
+    row_tokens,
+    scored_by_tokens,
     select_rows,
     train_minibatch_keeping,
+    whole_or_rows,
 )
 from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
@@ -144,6 +147,13 @@ def score_rewarded(run: RunContext, algo: GRPOConfig, traj: Trajectory, step: in
     # need a separate scoring forward, and none when there is one minibatch. (A batch of no
     # group, dynamic sampling's when it kept none, has no minibatch: no optimizer step.)
     first_rows = set(epochs[0][0].rows) if epochs[0] else set()
+    lengths = row_tokens(batch, recipe.train)
+
+    def scoring(rows: Any, forward: Any) -> torch.Tensor:
+        return scored_by_tokens(run.svc.comm, recipe.train.logprob_max_tokens_per_microbatch,
+                                rows, lengths, (len(inputs), width),
+                                lambda piece: forward(whole_or_rows(batch, piece)))[0]
+
     others = [r for r in range(len(traj.completions)) if r not in first_rows]
     with torch.no_grad():
         engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions],
@@ -153,14 +163,14 @@ def score_rewarded(run: RunContext, algo: GRPOConfig, traj: Trajectory, step: in
             dtype = torch.promote_types(next(policy.model.parameters()).dtype, torch.float32)
             old_BT = torch.zeros_like(engine_BT, dtype=dtype)
             if algo.minibatches > 1:
-                # Every rank runs this forward (DDP's forwards are collective); one that holds
+                # Every rank runs these forwards (DDP's forwards are collective); one that holds
                 # no row outside the first minibatch scores its row 0 and keeps nothing.
-                rows = torch.tensor(others or [0], device=device)
-                scored = policy.logprobs(select_rows(batch, rows), temperature)[0]
+                scored = scoring(others, lambda b: policy.logprobs(b, temperature)[0])
                 if others:
-                    old_BT[rows, :scored.shape[1]] = scored
+                    old_BT[torch.tensor(others, device=device)] = scored[others].to(dtype)
         reference = run.roles.reference
-        ref_BT = reference.logprobs(batch, temperature)[0] if reference is not None else None
+        ref_BT = (scoring(range(len(inputs)), lambda b: reference.logprobs(b, temperature)[0])
+                  if reference is not None else None)
     adv_B, adv_abs_mean = advantages_of(run, algo, layout, rewards_all, batch, engine_BT, ref_BT)
     # (A rank holding no row of the first minibatch only takes part with a zero-weighted row.)
     own_old = algo.old_logprobs == "policy" and bool(first_rows)
@@ -223,9 +233,7 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
     old_BT = scored.old_BT
     history: list[dict[str, float]] = []
     packings: list[dict[str, float]] = []
-    budget = recipe.train.max_tokens_per_microbatch
-    # each local row's tokens (prompt and completion): what a token budget packs
-    lengths = scored.batch.attention_mask_BT.sum(-1).tolist() if budget else []
+    lengths = row_tokens(scored.batch, recipe.train)
     gap = torch.zeros(())
     for epoch, mbs in enumerate(scored.epochs):
         for k, mb in enumerate(mbs):
@@ -235,10 +243,7 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
                         ) -> tuple[torch.Tensor, dict[str, Any], Kept]:
                 return minibatch_loss(run, algo, scored, old_BT, first, idx)
 
-            pieces, accum = None, recipe.train.grad_accum_steps
-            if budget:
-                pieces, accum, packing = packed_minibatch(run.svc.comm, recipe.train, mb, lengths)
-                packings.append(packing)
+            pieces, accum = minibatch_pieces(run.svc.comm, recipe.train, mb, lengths, packings)
             metrics, kept = train_minibatch_keeping([policy], mb, loss_fn, accum,
                                                     scored.layout.world, recipe.train.max_grad_norm,
                                                     pieces)

@@ -42,10 +42,15 @@ from runner.train.loops.batches import (
     Minibatch,
     gather_rows,
     lockstep,
+    mean_packing,
+    minibatch_pieces,
     rank_mean,
     reduce_history,
+    row_tokens,
+    scored_by_tokens,
     select_rows,
     train_minibatch,
+    whole_or_rows,
 )
 from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
@@ -145,15 +150,22 @@ def score(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet
           traj: Trajectory, step: int) -> ScoredOPDBatch:
     """Rewards (logged only), the collated batch, the teacher's logprobs of the sampled tokens
     and, with ``ppo_epochs > 1``, the behaviour logprobs."""
-    temperature = run.svc.recipe.rollout.temperature
+    train, temperature = run.svc.recipe.train, run.svc.recipe.rollout.temperature
     traj = reward_trajectory(traj, rewards, step)
     inputs = traj.policy_inputs(run.policy_packer)
     batch = run.policy_packer.collate(inputs).to(run.svc.accelerator.device)
     mask_BT = batch.loss_mask_BT[:, 1:].bool()
+    lengths = row_tokens(batch, train)
+
+    def scoring(forward: Any) -> torch.Tensor:  # over every row, by the scoring budget
+        return scored_by_tokens(run.svc.comm, train.logprob_max_tokens_per_microbatch,
+                                range(len(inputs)), lengths, tuple(mask_BT.shape), forward)[0]
+
     # With the full KL the loss's own teacher forward (its logits) also gives the teacher's
     # logprobs of the sampled tokens: no separate scoring forward.
-    teacher_BT = (None if algo.full_kl
-                  else teacher.logprobs(traj, inputs, mask_BT.shape[1], temperature))
+    teacher_BT = (None if algo.full_kl else scoring(
+        lambda rows: teacher.logprobs(_rows_of(traj, rows), [inputs[r] for r in rows],
+                                      mask_BT.shape[1], temperature)))
     # One pass over freshly sampled data: the behaviour logprobs are the first forward's own
     # (detached), so no separate scoring forward is needed.
     old_BT = None
@@ -163,7 +175,8 @@ def score(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet
                                  mask_BT.shape[1]).to(batch.input_ids_BT.device)
     elif algo.ppo_epochs > 1:
         with torch.no_grad():
-            old_BT = run.policy.logprobs(batch, temperature)[0]
+            old_BT = scoring(lambda rows: run.policy.logprobs(whole_or_rows(batch, rows),
+                                                              temperature)[0])
     rank = run.svc.rank
     layout = Layout(rank.rank, rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
     tokens = [float(t) for t in mask_BT.sum(-1).tolist()]
@@ -203,12 +216,29 @@ def consume(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: ScoredOP
     learning rate."""
     recipe, policy = run.svc.recipe, run.policy
     loss_fn = partial(minibatch_loss, run, algo, teacher, scored)
-    history = [train_minibatch([policy], scored.whole, loss_fn, recipe.train.grad_accum_steps,
-                               scored.layout.world, recipe.train.max_grad_norm)
-               for _ in range(algo.ppo_epochs)]
+    lengths = row_tokens(scored.batch, recipe.train)
+    history: list[dict[str, float]] = []
+    packings: list[dict[str, float]] = []
+    for _ in range(algo.ppo_epochs):
+        pieces, accum = minibatch_pieces(run.svc.comm, recipe.train, scored.whole, lengths,
+                                         packings)
+        history.append(train_minibatch([policy], scored.whole, loss_fn, accum,
+                                       scored.layout.world, recipe.train.max_grad_norm, pieces))
     policy.scheduler.step()
     return {**rank_mean(run.svc.comm, policy.padding_metrics(scored.batch)),
-            **reduce_history(run.svc.comm, history), "lr": policy.scheduler.get_last_lr()[0]}
+            **reduce_history(run.svc.comm, history), "lr": policy.scheduler.get_last_lr()[0],
+            **mean_packing(packings)}
+
+
+def _rows_of(traj: Trajectory, rows: list[int]) -> Trajectory:
+    """The completions ``rows`` of ``traj`` (what the teacher reads of them)."""
+    if rows == list(range(len(traj.completions))):
+        return traj
+    return attrs.evolve(traj, items=tuple(traj.items[r] for r in rows),
+                        prompt_ids=tuple(traj.prompt_ids[r] for r in rows),
+                        completions=tuple(traj.completions[r] for r in rows), rewards=(),
+                        loss_masks=tuple(traj.loss_masks[r] for r in rows)
+                        if traj.loss_masks else ())
 
 
 def one_step(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet,

@@ -40,11 +40,16 @@ from runner.train.loops.batches import (
     Minibatch,
     gather_rows,
     global_whiten,
+    mean_packing,
+    minibatch_pieces,
     minibatches,
     rank_mean,
     reduce_history,
+    row_tokens,
+    scored_by_tokens,
     select_rows,
     train_minibatch,
+    whole_or_rows,
 )
 from runner.train.loops.held_out import evaluate
 from runner.train.loops.loop import run_loop
@@ -111,15 +116,24 @@ def score(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainabl
     inputs = traj.policy_inputs(run.rollout_packer)
     batch = run.rollout_packer.collate(inputs).to(device)
     temperature, reference = recipe.rollout.temperature, run.roles.reference
-    old_BT, mask_BT = run.policy.logprobs(batch, temperature)
+    mask_BT = batch.loss_mask_BT[:, 1:].bool()
+    lengths = row_tokens(batch, recipe.train)
+
+    def scoring(forward: Any) -> torch.Tensor:  # over every row, by the scoring budget
+        return scored_by_tokens(run.svc.comm, recipe.train.logprob_max_tokens_per_microbatch,
+                                range(len(inputs)), lengths, tuple(mask_BT.shape),
+                                lambda piece: forward(whole_or_rows(batch, piece)))[0]
+
+    old_BT = scoring(lambda b: run.policy.logprobs(b, temperature)[0])
     engine_BT = completion_grid(inputs, [c.logprobs for c in traj.completions],
                                 old_BT.shape[1]).to(device)
     # The policy's logprobs before the update against the engine's of the same tokens.
     gap = float(((engine_BT - old_BT).abs() * mask_BT).max()) if mask_BT.any() else 0.0
     is_BT = (engine_is_weights(old_BT, engine_BT, algo.engine_is_cap)
              if algo.engine_is_correction else None)
-    ref_BT = reference.logprobs(batch, temperature)[0] if reference is not None else old_BT
-    old_values_BT = critic(batch) * mask_BT
+    ref_BT = (scoring(lambda b: reference.logprobs(b, temperature)[0])
+              if reference is not None else old_BT)
+    old_values_BT = scoring(critic) * mask_BT
     adv_BT, returns_BT = ppo_advantages(
         torch.tensor(traj.rewards, device=device), old_BT, ref_BT, old_values_BT, mask_BT,
         algo, whiten=lambda x, m: global_whiten(run.svc.comm, x, m))
@@ -155,9 +169,15 @@ def consume(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredP
     before the update, over every rank's tokens) and ``rollout/logprob_gap``."""
     recipe, policy = run.svc.recipe, run.policy
     loss_fn = partial(minibatch_loss, run, algo, critic, scored)
-    history = [train_minibatch([policy, critic], mb, loss_fn, recipe.train.grad_accum_steps,
-                               scored.layout.world, recipe.train.max_grad_norm)
-               for mbs in scored.epochs for mb in mbs]
+    lengths = row_tokens(scored.batch, recipe.train)
+    history: list[dict[str, float]] = []
+    packings: list[dict[str, float]] = []
+    for mbs in scored.epochs:
+        for mb in mbs:
+            pieces, accum = minibatch_pieces(run.svc.comm, recipe.train, mb, lengths, packings)
+            history.append(train_minibatch([policy, critic], mb, loss_fn, accum,
+                                           scored.layout.world, recipe.train.max_grad_norm,
+                                           pieces))
     policy.scheduler.step()
     critic.scheduler.step()
     s = scored
@@ -166,7 +186,8 @@ def consume(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredP
     return {**rank_mean(run.svc.comm, policy.padding_metrics(s.batch)),
             "kl": kl_sum / max(1.0, n_tok),
             "rollout/logprob_gap": max(run.svc.comm.gather(s.logprob_gap)),
-            "lr": policy.scheduler.get_last_lr()[0], **reduce_history(run.svc.comm, history)}
+            "lr": policy.scheduler.get_last_lr()[0], **reduce_history(run.svc.comm, history),
+            **mean_packing(packings)}
 
 
 def one_step(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainable,
