@@ -158,6 +158,41 @@ def test_an_openai_sdk_agent_trains_exactly_as_the_built_in_tool_environment(tmp
     assert all((a[k] == b[k]).all() for k in a)
 
 
+def _with_algo(recipe: str, algo: str, out) -> str:
+    """``recipe``'s text with its ``[algo]`` table replaced by ``algo``, written to ``out``."""
+    text = (REPO / recipe).read_text()
+    start, end = text.index("[algo]"), text.index("[rollout]")
+    out.write_text(text[:start] + "[algo]\n" + algo + "\n" + text[end:])
+    return str(out)
+
+
+def test_ppo_and_opd_train_an_openai_sdk_agent_exactly_as_the_built_in_tool_environment(
+        tmp_path):
+    """The agent of ``examples/openai_agent.py`` under PPO (policy, critic and reference) and
+    OPD (its teacher: the PPO run's checkpoint, so the KL is not zero) trains bitwise as the
+    built-in tool environment does: the same losses, gradient norms, turns and weights."""
+    common = ("run.max_steps=1", "data.validation.enabled=false", "logging.sample_every=0")
+    ppo = ('kind = "ppo"\nprompts_per_step = 4\nsamples_per_prompt = 2\nminibatches = 2\n'
+           "kl_coef = 0.02\n")
+    opd = ('kind = "opd"\nmode = "same_tokenizer"\nprompts_per_step = 4\n'
+           f'samples_per_prompt = 2\nteacher_path = "{tmp_path / "ppo-grpo-tools"}"\n')
+    keys = ("loss", "grad_norm", "reward/mean", "env/turns", "env/tool_calls")
+    for kind, algo in (("ppo", ppo), ("opd", opd)):
+        runs = []
+        for name in ("grpo-tools", "grpo-openai-agent"):
+            out = tmp_path / f"{kind}-{name}"
+            recipe = _with_algo(f"recipes/{name}.toml", algo, tmp_path / f"{kind}-{name}.toml")
+            done = run_cli(recipe, out, *common)
+            assert done.returncode == 0, done.stdout + done.stderr
+            runs.append(out)
+        tools, agent = ([[r.get(k) for k in keys] for r in deterministic_rows(out)
+                         if "loss" in r] for out in runs)
+        assert tools == agent and len(tools) == 1, (kind, tools, agent)
+        assert tools[0][0] != 0.0 and tools[0][3] >= 1.0, (kind, tools)  # a loss, played turns
+        a, b = (final_weights(out, 1) for out in runs)
+        assert all((a[k] == b[k]).all() for k in a), kind
+
+
 # --- sampling ahead, SIGKILL and resume, torchrun ranks ---------------------------------------
 
 AGENT = "recipes/grpo-openai-agent.toml"

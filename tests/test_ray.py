@@ -408,3 +408,29 @@ def test_separate_rollout_actor_plays_episodes_ahead_like_one_local_rank(cluster
     assert [r["rollout/staleness_max"] for r in ray] == [0.0, 1.0, 2.0]
     keys = ("env/turns", "env/truncated", "env/solved", "reward/mean", "reward/max")
     assert [ray[0][k] for k in keys] == [local[0][k] for k in keys]
+
+
+def test_an_openai_sdk_agent_on_ray_plays_the_one_rank_episodes(cluster, tmp_path):
+    """``[env] agent`` on Ray, the engine in a separate rollout actor, sampling one step ahead:
+    each rank actor serves its own agents on 127.0.0.1 and forwards their calls to the actor.
+    Both steps' batches were sampled by the initial weights, so the items, rewards, turns and
+    tool calls equal a one-rank local run's."""
+    agent = ("algo.prompts_per_step=4", "algo.group_size=4", "run.max_steps=2",
+             "data.validation.enabled=false", "logging.item_ids=true", "logging.sample_every=0",
+             "algo.max_off_policy_steps=1")
+    recipe = "recipes/grpo-openai-agent.toml"
+    done = run_ray(recipe, tmp_path / "ray", cluster.address, *SEPARATE, *agent)
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_ranks(recipe, tmp_path / "local", 1, *agent)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if "loss" in r]
+
+    keys = ("data/item_ids", "rollout/staleness_max", "reward/mean", "env/turns",
+            "env/tool_calls")
+    ray, local = rows("ray"), rows("local")
+    assert len(ray) == 2 and [[r[k] for k in keys] for r in ray] == [[r[k] for k in keys]
+                                                                      for r in local]
+    assert all(r["env/turns"] >= 1.0 for r in ray)

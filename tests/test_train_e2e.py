@@ -1,5 +1,5 @@
 """Every algorithm runs end to end from the CLI on the tiny built-in model (a few steps), and the
-GRPO loop also runs with the vllm engine. Learning itself is measured by the recipes (README)."""
+GRPO loop also runs with the vllm engine (its episodes played by an openai-SDK agent). Learning itself is measured by the recipes (README)."""
 
 from __future__ import annotations
 
@@ -49,9 +49,19 @@ def test_opd_with_itself_as_teacher_has_zero_reverse_kl(tmp_path):
 
 
 @pytest.mark.vllm
-def test_grpo_with_vllm_engine(tmp_path):
+def test_grpo_with_vllm_engine_trains_an_openai_sdk_agent(tmp_path):
+    """GRPO with the vllm engine, its episodes played by the openai-SDK agent of
+    ``examples/openai_agent.py`` against the runner's endpoint (training and held-out): the
+    tokens trained are the ones vllm sampled (the policy's logprobs of them within 1e-3 of
+    vllm's; re-tokenised text would differ by whole nats), with tool calls made."""
     pytest.importorskip("vllm")
-    done = run_cli("recipes/grpo-arith.toml", tmp_path, *FAST, "rollout.engine=vllm",
-                   "algo.prompts_per_step=4", "algo.group_size=4", "rollout.max_new_tokens=4")
+    done = run_cli("recipes/grpo-openai-agent.toml", tmp_path, *FAST, "rollout.engine=vllm",
+                   "algo.prompts_per_step=4", "algo.group_size=4")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "reward/mean" in _rows(tmp_path)[1]
+    rows = _rows(tmp_path)
+    trained = [r for r in rows if "loss" in r]
+    assert len(trained) == 2 and all(r["env/turns"] >= 1.0 for r in trained)
+    assert sum(r["env/tool_calls"] for r in trained) > 0, trained
+    assert max(r["rollout/logprob_gap"] for r in trained) < 1e-3, trained
+    held_out = rows[-1]  # the agents played the held-out episodes too, without an error
+    assert held_out["eval/env/turns"] >= 1.0 and held_out["eval/env/agent_error"] == 0.0
