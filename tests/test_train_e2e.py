@@ -1,5 +1,6 @@
 """Every algorithm runs end to end from the CLI on the tiny built-in model (a few steps), and the
-GRPO loop also runs with the vllm engine (its episodes played by an openai-SDK agent). Learning itself is measured by the recipes (README)."""
+GRPO loop also runs with the vllm engine (its episodes played by an openai-SDK agent).
+Learning itself is measured by the recipes (README)."""
 
 from __future__ import annotations
 
