@@ -52,13 +52,14 @@ def engine():
     eng.close()
 
 
-def play(engine, agent, *overrides, n=2, items=(ITEM,)):
+def play(engine, agent, *overrides, n=2, items=(ITEM,), generate=None):
     packer, eng = engine
     recipe = load_recipe(REPO / "recipes/grpo-openai-agent.toml",
                          [f"env.agent={agent}", "env.agent_kwargs={}", *overrides])
-    runner = AgentRunner(recipe.env, packer, getattr(A, agent.rsplit(".", 1)[1]), "tiny")
+    runner = AgentRunner(recipe.env, packer, getattr(A, agent.rsplit(".", 1)[1]), "tiny",
+                         continuous=recipe.rollout.server_batching == "continuous")
     try:
-        results = runner.play(eng.generate, lambda *a: None, list(items),
+        results = runner.play(generate or eng.generate, lambda *a: None, list(items),
                               SamplingConfig(n=n, max_new_tokens=16, temperature=1.0),
                               [5] * len(items))
         return results, runner
@@ -103,6 +104,30 @@ def test_an_agent_that_breaks_the_contract_is_named(engine, agent, words):
     assert f"tests.extmods.agents.{agent}" in line and words in line and "item 'q'" in line
     results, _ = play(engine, f"tests.extmods.agents.{agent}", "env.on_agent_error=zero", n=1)
     assert results[0].env_reward == 0.0 and results[0].stats["agent_error"] == 1.0
+
+
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_continuous_batching_serves_a_waiting_call_without_the_busy_agent(engine, batching):
+    """Two episodes of three calls each, one agent pausing 0.5 s after each reply. Lockstep: the
+    engine serves both episodes' calls together, three engine calls of two. Continuous: the
+    quick episode's calls are served as they come, the paused one's second and third alone."""
+    _, eng = engine
+    sizes = []
+
+    def generate(prompts, *args):
+        sizes.append(len(prompts))
+        return eng.generate(prompts, *args)
+
+    items = [ObsBundle("What is 12 + 30?", "42", id="slow"),
+             ObsBundle("What is 45 + 11?", "56", id="fast")]
+    results, _ = play(engine, "tests.extmods.agents.paced", f"rollout.server_batching={batching}",
+                      "env.agent_kwargs={pause = 0.5}", n=1, items=items, generate=generate)
+    turns = [r.stats["turns"] for r in results]
+    assert sum(sizes) == sum(turns) and min(turns) >= 2, (sizes, turns)
+    if batching == "lockstep":
+        assert sizes == [2] * int(min(turns)) + [1] * int(max(turns) - min(turns)), sizes
+    else:
+        assert len(sizes) >= sum(turns) - 1 and sizes.count(1) >= sum(turns) - 2, sizes
 
 
 def test_a_hanging_agent_is_cut_and_an_idle_one_trains_nothing(engine):

@@ -15,7 +15,9 @@ summarises a message) is refused with a 409 and ends the episode as the agent's 
 
 Lockstep (deterministic): the engine runs when every live episode of the batch has a call
 waiting or has ended, one call per token budget, each episode's turn seeded by (episode, call
-index); so the episodes do not depend on thread timing, and a resumed run repeats them. The
+index); so the episodes do not depend on thread timing, and a resumed run repeats them.
+``rollout.server_batching = "continuous"`` runs it as soon as any call waits instead (the calls
+that came in while it ran go together next), trading that for throughput. The
 recipe's ``[rollout]`` sampling applies (a request's temperature, top_p and seed are not used:
 they would make the engine's logprobs another policy's); its ``max_tokens`` may lower the turn's
 budget. Episodes are played ``env.concurrency`` at a time.
@@ -92,8 +94,9 @@ class AgentRunner:
     ``EnvRunner``'s, so the rollout takes either."""
 
     def __init__(self, cfg: EnvConfig, packer: DataPacker, agent: Callable[..., Any],
-                 model: str) -> None:
+                 model: str, continuous: bool = False) -> None:
         self.cfg, self.packer, self.agent, self.model = cfg, packer, agent, model
+        self.continuous = continuous  # rollout.server_batching
         self.where = cfg.agent
         self.sessions: dict[str, _Session] = {}
         self.lock = threading.Condition()
@@ -175,14 +178,19 @@ class AgentRunner:
             s.started = time.monotonic()
             threading.Thread(target=self._run_agent, args=(s, url), daemon=True,
                              name=f"agent {s.key[:10]}").start()
+        def ready() -> bool:  # the engine runs (rollout.server_batching)
+            if self.continuous:
+                return any(s.pending and not s.done for s in wave) or all(s.done for s in wave)
+            return all(s.done or s.pending for s in wave)
+
         try:
             while True:
                 with self.lock:
-                    self.lock.wait_for(lambda: all(s.done or s.pending for s in wave), 0.2)
+                    self.lock.wait_for(ready, 0.2)
                     self._expire(wave)
                     if all(s.done and (s.returned or s.timed_out) for s in wave):
                         return
-                    if not all(s.done or s.pending for s in wave):
+                    if not ready():
                         continue
                     batch = [s for s in wave if s.pending and not s.done]
                 if batch:

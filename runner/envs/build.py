@@ -58,6 +58,7 @@ def build_env_runner(recipe: Recipe, packer: DataPacker) -> EpisodePlayer | None
         from runner.envs.agents import AgentRunner
 
         agent = load_callable(cfg.agent, key="env.agent")
-        return AgentRunner(cfg, packer, agent, recipe.model.path)
+        return AgentRunner(cfg, packer, agent, recipe.model.path,
+                           continuous=recipe.rollout.server_batching == "continuous")
     return EnvRunner(cfg, packer, load_factory(cfg), ToolBox(load_tools(cfg), cfg.tool_timeout_s),
                      recipe.model.path)

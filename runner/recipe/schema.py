@@ -196,6 +196,14 @@ class RolloutConfig:
         0, "With algo.max_off_policy_steps >= 1: the torch threads the producer thread samples "
         "with; 0: as many as the training (torch's default). The training keeps its own."
     )
+    server_batching: Literal["lockstep", "continuous"] = key(
+        "lockstep", "env.agent: when the endpoint runs the engine on the agents' calls. "
+        "lockstep: once every live episode of the batch has a call waiting or has ended, so the "
+        "episodes do not depend on thread timing (a resumed run repeats them, 1 and 2 ranks "
+        "play the same); continuous: as soon as any call waits (the calls that arrived while "
+        "the engine ran go together into its next call), so an agent busy with its tools holds "
+        "no other episode back, at the price of that determinism."
+    )
 
 
 @attrs.frozen

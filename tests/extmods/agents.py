@@ -50,3 +50,18 @@ def wrong_key(item, client):
     from openai import OpenAI
 
     OpenAI(base_url=str(client.base_url), api_key="not-the-key", max_retries=0).models.list()
+
+
+def paced(item, client, pause=0.0):
+    """Three calls, each sending the conversation back with a follow-up; an item whose id is
+    "slow" pauses ``pause`` seconds after each reply (an agent busy with its tools)."""
+    messages = [{"role": "user", "content": str(item.prompt)}]
+    for _ in range(3):
+        choice = client.chat.completions.create(model="m", messages=messages).choices[0]
+        if choice.finish_reason == "length":
+            break
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "Sure?"}]
+        if item.id == "slow":
+            time.sleep(pause)
+    return 1.0
