@@ -195,7 +195,7 @@ class SFTConfig:
     )
     overlong: Literal["refuse", "drop"] = key(
         "refuse", "A conversation longer than max_seq_len: refuse (the run stops, naming it) or "
-        "drop (left out of its step, counted as data/dropped). Never cut."
+        "drop (left out of its step, counted as sft/dropped). Never cut."
     )
 
 
