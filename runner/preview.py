@@ -108,7 +108,8 @@ def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None
         return rows
     train, val = build_prompt_sources(recipe.data, recipe.algo.kind)
     if spec_of(recipe).stream == "conversations":
-        return rows + conversation_rows(recipe, packer, train.item(0))
+        return (rows + conversation_rows(recipe, packer, train.item(0))
+                + budget_rows(recipe, packer, train))
     held_out = [val.item(i) for i in range(len(val))] if val is not None else []
     tokenizer = load_tokenizer(path, trust_remote_code=recipe.model.trust_remote_code)
     limit = run_limit(recipe, path, packer, tokenizer, [s for s in (train, val) if s is not None],
@@ -143,6 +144,28 @@ def conversation_rows(recipe: Recipe, packer: Any, item: Any) -> list[tuple[str,
     rows = [(f"{'trained' if trained else 'not trained'}, {len(ids)} tokens",
              repr(packer.decode(ids, skip_special_tokens=False))) for trained, ids in runs]
     return rows + [("conversation tokens", f"{len(x.input_ids)} ({sum(x.loss_mask)} trained)")]
+
+
+def budget_rows(recipe: Recipe, packer: Any, source: Any) -> list[tuple[str, str]]:
+    """With ``train.max_tokens_per_microbatch``: how the first step's worth of conversations of
+    one rank (the source's first ones, in its order) packs, and the share of the micro-batches'
+    budget their tokens fill (an oversize conversation's micro-batch counting its own)."""
+    from runner.data.conversations import conversation_of
+    from runner.train.loops.batches import pack_by_tokens
+
+    budget = recipe.train.max_tokens_per_microbatch
+    if budget <= 0:
+        return []
+    world = recipe.launch.num_processes if recipe.launch.backend != "local" else 1
+    n = min(len(source), max(1, recipe.algo.examples_per_step // world))
+    lengths = [len(packer.get_conversation_input(conversation_of(source.item(i)),
+                                                 recipe.algo.loss_on).input_ids)
+               for i in range(n)]
+    pieces = pack_by_tokens(lengths, budget)
+    capacity = sum(max(budget, sum(lengths[i] for i in p)) for p in pieces)
+    return [("packing", f"the source's first {n} conversations (one rank's step): "
+             f"{len(pieces)} micro-batch(es) of up to {budget} tokens, "
+             f"{sum(lengths) / capacity:.0%} of the budget filled (real tokens / budget)")]
 
 
 def show_dry_run(recipe: Recipe, plan: RunPlan, *, source: str, overrides: Sequence[str],

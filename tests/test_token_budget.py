@@ -372,6 +372,34 @@ def test_dry_run_shows_the_budget(run_cli):
     assert rc == 0, err
     assert "at most 42 per optimizer step" in out, out
     assert "up to 512 tokens each" in out
+
+
+def test_dry_run_shows_how_sft_conversations_pack(run_cli):
+    """SFT's dry run packs one rank's first step of conversations (the source's first 32) and
+    shows the share of the budget their tokens fill."""
+    import math
+    import re
+
+    from runner.data.conversations import conversation_of
+    from runner.data.sources import build_prompt_sources
+    from runner.models import resolve_model_path
+    from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
+
+    rc, out, err = run_cli("--plain", "--dry-run", "recipes/sft-arith.toml",
+                           "train.max_tokens_per_microbatch=256")
+    assert rc == 0, err
+    text = " ".join(re.sub(r"[│|]", " ", out).split())
+    found = re.search(r"first 32 conversations \(one rank's step\): (\d+) micro-batch\(es\) "
+                      r"of up to 256 tokens, (\d+)% of the budget filled", text)
+    assert found, text
+    recipe = load_recipe(REPO / "recipes/sft-arith.toml")
+    packer = DecoderOnlyLLMDataPacker()
+    packer.setup(str(resolve_model_path(recipe.model.path)))
+    train, _ = build_prompt_sources(recipe.data, "sft")
+    total = sum(len(packer.get_conversation_input(conversation_of(train.item(i)),
+                                                  "assistant").input_ids) for i in range(32))
+    count = int(found[1])
+    assert count >= math.ceil(total / 256) and int(found[2]) == round(100 * total / (count * 256))
     rc, out, err = run_cli("--plain", "--dry-run", "recipes/rm-arith.toml")
     assert rc == 0, err
     assert "packed best-fit" not in out
