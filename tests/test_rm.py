@@ -85,6 +85,26 @@ def test_cli_run_logs_pair_accuracy_and_margin(trained):
     assert len(config["id2label"]) == 1 and config["pad_token_id"] == 0  # num_labels = 1
 
 
+def test_the_body_starts_from_model_path_and_the_head_is_new(trained):
+    """The score model's body is ``model.path``'s language model: after 2 AdamW steps each of
+    its weights is within 2 x 2 x lr of the folder's (an Adam step moves a weight by about lr;
+    a freshly initialised body would differ by its whole scale); the head is one row over the
+    hidden size, which the language model does not have."""
+    from safetensors.torch import load_file
+
+    lr = load_recipe(REPO / RECIPE).train.lr
+    start = load_causal_lm(resolve_model_path("builtin:tiny-arith"))
+    body = {k: v for k, v in start.state_dict().items() if k.startswith("model.")}
+    after = load_file(trained / "checkpoints" / "step-000002" / MODEL_DIR / "model.safetensors")
+    assert body and set(body) <= set(after), set(body) - set(after)
+    worst = max(float((after[k].double() - v.double()).abs().max()) for k, v in body.items())
+    assert worst <= 4 * lr, worst
+    scale = min(float(v.double().abs().max()) for k, v in body.items() if v.ndim == 2)
+    assert scale > 100 * lr
+    hidden = start.config.hidden_size
+    assert after["score.weight"].shape == (1, hidden) and "score.weight" not in start.state_dict()
+
+
 def training_scores(folder, inputs) -> torch.Tensor:
     """The loop's scores of ``inputs``: one padded batch through ``Trainable.scores``."""
     model = load_causal_lm(folder, head="score")
