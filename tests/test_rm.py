@@ -298,3 +298,31 @@ def test_near_miss_pairs_have_no_order_shortcut():
     with pytest.raises(RecipeError) as info:
         load_recipe(REPO / "recipes/grpo-arith.toml", ["data.synthetic_rejected=near_miss"])
     assert "data.synthetic_rejected" in str(info.value)
+
+
+def test_ppo_takes_its_critic_from_a_reward_model_run_folder(trained, tmp_path):
+    """``rm -> ppo``: ``algo.critic_path`` names the reward model's run folder; the critic's
+    body is the reward model's (1e-6 after a step at critic lr 1e-9; two reward-model steps
+    moved it from the built-in model by far more), and the resolved recipe records the
+    checkpoint it means."""
+    import tomllib
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "ppo"
+    done = run_subprocess("recipes/ppo-arith.toml", out, "run.max_steps=1",
+                          "algo.prompts_per_step=4", "data.validation.enabled=false",
+                          "logging.sample_every=0", f"algo.critic_path={trained}",
+                          "algo.critic_lr=1e-9")
+    assert done.returncode == 0, done.stdout + done.stderr
+    model = trained / "checkpoints" / "step-000002" / MODEL_DIR
+    resolved = tomllib.loads((out / "recipe.resolved.toml").read_text())["resolved"]
+    assert resolved["models"] == {"algo.critic_path": str(model)}
+    body = {k.removeprefix("model."): v for k, v in load_file(model / "model.safetensors").items()
+            if k.startswith("model.")}
+    critic = load_file(out / "checkpoints" / "step-000001" / "extra_models" / "critic"
+                       / "model.safetensors")
+    start = load_causal_lm(resolve_model_path("builtin:tiny-arith")).state_dict()
+    assert set(body) == {k.removeprefix("backbone.") for k in critic if k.startswith("backbone.")}
+    assert max(float((critic[f"backbone.{k}"] - v).abs().max()) for k, v in body.items()) < 1e-6
+    assert max(float((start[f"model.{k}"] - v).abs().max()) for k, v in body.items()) > 1e-4

@@ -273,3 +273,56 @@ def test_sigkill_resume_is_bitwise(tmp_path):
                                                "optimizer.safetensors"))
     except AssertionError as exc:
         raise AssertionError(f"after kills at {where}: {exc}") from exc
+
+
+# --- chaining: an SFT run folder as the next run's model ----------------------------------------
+
+LATER = ("run.max_steps=1", "algo.prompts_per_step=4", "data.validation.enabled=false",
+         "logging.sample_every=0")
+
+
+def _resolved_models(out) -> dict:
+    import tomllib
+
+    return tomllib.loads((out / "recipe.resolved.toml").read_text())["resolved"].get("models", {})
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _farthest(a: dict, b: dict) -> float:
+    """The largest difference of a weight both hold (a tied LM head is saved once)."""
+    both = set(a) & set(b)
+    assert len(both) > 10, (sorted(a), sorted(b))
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in both)
+
+
+def test_an_sft_run_folder_starts_grpo_and_teaches_opd(tmp_path):
+    """``sft -> grpo`` and ``sft -> opd`` without copying a path: GRPO's ``model.path`` and
+    OPD's ``algo.teacher_path`` name the SFT run's folder, which means its newest complete
+    checkpoint's model, recorded in each run's resolved recipe. GRPO (at lr 1e-9) ends its
+    first step where the SFT run ended, 1e-6 away, while two SFT steps moved the built-in model
+    by far more; OPD's student (the built-in model) has a reverse KL to that teacher."""
+    sft = tmp_path / "sft"
+    done = run_subprocess("recipes/sft-arith.toml", sft, "run.max_steps=2",
+                          "algo.examples_per_step=8", "data.validation.enabled=false",
+                          "logging.sample_every=0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    model = sft / "checkpoints" / "step-000002" / "model"
+    grpo = tmp_path / "grpo"
+    done = run_subprocess("recipes/grpo-arith.toml", grpo, f"model.path={sft}", "train.lr=1e-9",
+                          "algo.group_size=4", *LATER)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _resolved_models(grpo) == {"model.path": str(model)}
+    start = load_causal_lm(resolve_model_path("builtin:tiny-arith")).state_dict()
+    trained = _weights(model)
+    assert _farthest(_weights(grpo / "checkpoints" / "step-000001" / "model"), trained) < 1e-6
+    assert _farthest(trained, start) > 1e-4
+    opd = tmp_path / "opd"
+    done = run_subprocess("recipes/opd-arith.toml", opd, f"algo.teacher_path={sft}", *LATER)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _resolved_models(opd) == {"algo.teacher_path": str(model)}
+    assert rows(opd)[-1]["reverse_kl"] > 0
