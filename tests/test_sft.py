@@ -8,6 +8,7 @@ import json
 import math
 import random
 
+import attrs
 import pytest
 import torch
 
@@ -326,3 +327,68 @@ def test_an_sft_run_folder_starts_grpo_and_teaches_opd(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert _resolved_models(opd) == {"algo.teacher_path": str(model)}
     assert rows(opd)[-1]["reverse_kl"] > 0
+
+
+# --- the seed's data seam, for conversations ------------------------------------------------------
+
+HERE = __name__  # the factories below, by dotted path
+
+
+def chat_rows(count: int = 3):
+    """A factory of conversations (a map-style list of rows)."""
+    return [{"turns": [{"role": "user", "content": f"{i}+1="},
+                       {"role": "assistant", "content": str(i + 1)}]} for i in range(count)]
+
+
+def turns_to_messages(row):
+    """An items_fn: the row reshaped to the messages column the recipe names."""
+    return {"messages": [*CHAT[:1], *row["turns"]]}
+
+
+def test_a_factory_of_conversations_through_items_fn(tmp_path):
+    """``data.factory`` and ``data.items_fn`` give SFT its conversations as they give GRPO its
+    prompts: items_fn's rows are read through ``data.messages_column`` (and fingerprinted), and
+    a factory that is not there is one line naming its dotted path."""
+    from runner.data.conversations import conversation_of
+    from runner.errors import ExtensionError
+
+    recipe = load_recipe(REPO / "recipes" / "sft-arith.toml", [
+        f"data.factory={HERE}.chat_rows", "data.factory_kwargs={count = 3}",
+        f"data.items_fn={HERE}.turns_to_messages", "data.messages_column=messages",
+        "data.validation.enabled=false"])
+    train, _ = build_prompt_sources(recipe.data, "sft")
+    assert len(train) == 3 and conversation_of(train.item(2)) == [
+        CHAT[0], {"role": "user", "content": "2+1="}, {"role": "assistant", "content": "3"}]
+    assert train.fingerprint_parts()["items_fn"] == f"{HERE}.turns_to_messages"
+    missing = attrs.evolve(recipe.data, factory=f"{HERE}.no_such_factory")
+    with pytest.raises(ExtensionError) as info:
+        build_prompt_sources(missing, "sft")
+    text = str(info.value).strip()
+    assert "\n" not in text and text.startswith(f"data.factory: {HERE}.no_such_factory: ")
+
+
+def test_prompt_and_response_columns_make_one_turn_each(tmp_path):
+    from runner.data.conversations import conversation_of
+
+    path = _jsonl(tmp_path / "pairs.jsonl", [{"q": "3+4=", "a": "7"}, {"q": "9-2=", "a": "7"}])
+    train, _ = _sources(path, "data.prompt_column=q", "data.response_column=a")
+    assert [conversation_of(train.item(i)) for i in range(2)] == [
+        [{"role": "user", "content": q}, {"role": "assistant", "content": "7"}]
+        for q in ("3+4=", "9-2=")]
+
+
+def test_strict_resume_refuses_changed_conversations(tmp_path):
+    """The cursor fingerprint covers an SFT source: a checkpoint of one file, resumed on a
+    file with other conversations under ``data.cursor_resume = "strict"``, is refused in one
+    line naming the key."""
+    path = _jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT}] * 8)
+    out = tmp_path / "run"
+    args = (f"data.path={path}", "data.messages_column=messages",
+            "data.validation.enabled=false", "algo.examples_per_step=4", "logging.sample_every=0",
+            "checkpoint.every_steps=1", "data.cursor_resume=strict")
+    done = run_subprocess("recipes/sft-arith.toml", out, "run.max_steps=1", *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _jsonl(path, [{"messages": TOOLS_CHAT}] * 8)
+    done = run_subprocess("recipes/sft-arith.toml", out, "run.max_steps=2", *args)
+    assert done.returncode != 0
+    assert "data.cursor_resume: the saved data cursor does not match" in done.stdout + done.stderr
