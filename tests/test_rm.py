@@ -300,11 +300,12 @@ def test_near_miss_pairs_have_no_order_shortcut():
     assert "data.synthetic_rejected" in str(info.value)
 
 
-def test_ppo_takes_its_critic_from_a_reward_model_run_folder(trained, tmp_path):
+def test_ppo_takes_its_critic_and_its_reward_from_a_reward_model_run_folder(trained, tmp_path):
     """``rm -> ppo``: ``algo.critic_path`` names the reward model's run folder; the critic's
     body is the reward model's (1e-6 after a step at critic lr 1e-9; two reward-model steps
     moved it from the built-in model by far more), and the resolved recipe records the
-    checkpoint it means."""
+    checkpoint it means. The same folder is PPO's only reward (``model:PATH``), logged under
+    its own name."""
     import tomllib
 
     from safetensors.torch import load_file
@@ -313,11 +314,14 @@ def test_ppo_takes_its_critic_from_a_reward_model_run_folder(trained, tmp_path):
     done = run_subprocess("recipes/ppo-arith.toml", out, "run.max_steps=1",
                           "algo.prompts_per_step=4", "data.validation.enabled=false",
                           "logging.sample_every=0", f"algo.critic_path={trained}",
-                          "algo.critic_lr=1e-9")
+                          "algo.critic_lr=1e-9", f'reward.functions=["model:{trained}"]')
     assert done.returncode == 0, done.stdout + done.stderr
     model = trained / "checkpoints" / "step-000002" / MODEL_DIR
     resolved = tomllib.loads((out / "recipe.resolved.toml").read_text())["resolved"]
-    assert resolved["models"] == {"algo.critic_path": str(model)}
+    assert resolved["models"] == {"algo.critic_path": str(model),
+                                  "reward.functions[0]": str(model)}
+    last = rows(out)[-1]
+    assert math.isfinite(last[f"reward/model:{trained}"]) and "reward/arithmetic_exact" not in last
     body = {k.removeprefix("model."): v for k, v in load_file(model / "model.safetensors").items()
             if k.startswith("model.")}
     critic = load_file(out / "checkpoints" / "step-000001" / "extra_models" / "critic"
