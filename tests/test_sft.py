@@ -392,3 +392,40 @@ def test_strict_resume_refuses_changed_conversations(tmp_path):
     done = run_subprocess("recipes/sft-arith.toml", out, "run.max_steps=2", *args)
     assert done.returncode != 0
     assert "data.cursor_resume: the saved data cursor does not match" in done.stdout + done.stderr
+
+
+def test_lora_sft_exports_evaluates_and_reports(tmp_path, run_cli):
+    """SFT with LoRA adapters (only they are saved); ``export`` merges them into a folder
+    transformers loads, whose weights moved from the base model's; ``eval`` of the newest
+    checkpoint and ``report`` of the run read it like any other run's."""
+    import json as _json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    done = run_subprocess("recipes/sft-arith.toml", out, "run.max_steps=2", "model.lora.rank=4",
+                          "model.lora.alpha=8", "train.lr=3e-3", "data.validation.size=8",
+                          "train.eval_every=2", *SMALL[:1], "logging.sample_every=0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    saved = out / "checkpoints" / "step-000002" / "model"
+    adapters = load_file(saved / "adapter_model.safetensors")
+    assert adapters and all("lora_" in k for k in adapters)
+    assert not (saved / "model.safetensors").exists()
+    rc, stdout, err = run_cli("export", str(out), str(tmp_path / "merged"))
+    assert rc == 0, stdout + err
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    base = load_causal_lm(resolve_model_path("builtin:tiny-arith")).state_dict()
+    moved = max(float((merged[k] - base[k]).abs().max()) for k in base if "proj" in k)
+    assert moved > 1e-4 and set(merged) == set(base)
+    rc, stdout, err = run_cli("eval", "--plain", "recipes/sft-arith.toml", "--checkpoint",
+                              "latest", f"run.output_dir={out}", "data.validation.size=8",
+                              "model.lora.rank=4", "model.lora.alpha=8")
+    assert rc == 0, stdout + err
+    result = _json.loads((out / "eval" / "step-000002" / "eval.json").read_text())
+    assert result["algo"] == "sft" and result["step"] == 2 and result["prompts"] == 8
+    assert "reward" in result["metrics"]
+    rc, stdout, err = run_cli("report", str(out), "--out", str(tmp_path / "report.html"))
+    assert rc == 0, stdout + err
+    page = (tmp_path / "report.html").read_text()
+    assert "eval/nll" in page and "sft/tokens" in page
