@@ -139,7 +139,8 @@ def conversation_rows(recipe: Recipe, packer: Any, item: Any) -> list[tuple[str,
     untrained tokens (SFT's ``algo.loss_on``)."""
     from runner.data.conversations import conversation_of
 
-    x = packer.get_conversation_input(conversation_of(item), recipe.algo.loss_on)
+    x = packer.get_conversation_input(conversation_of(item), recipe.algo.loss_on,
+                                      list(item.tools) or None)
     runs = token_runs(x.input_ids, x.loss_mask)
     rows = [(f"{'trained' if trained else 'not trained'}, {len(ids)} tokens",
              repr(packer.decode(ids, skip_special_tokens=False))) for trained, ids in runs]
@@ -158,9 +159,10 @@ def budget_rows(recipe: Recipe, packer: Any, source: Any) -> list[tuple[str, str
         return []
     world = recipe.launch.num_processes if recipe.launch.backend != "local" else 1
     n = min(len(source), max(1, recipe.algo.examples_per_step // world))
-    lengths = [len(packer.get_conversation_input(conversation_of(source.item(i)),
-                                                 recipe.algo.loss_on).input_ids)
-               for i in range(n)]
+    items = [source.item(i) for i in range(n)]
+    lengths = [len(packer.get_conversation_input(conversation_of(item), recipe.algo.loss_on,
+                                                 list(item.tools) or None).input_ids)
+               for item in items]
     pieces = pack_by_tokens(lengths, budget)
     capacity = sum(max(budget, sum(lengths[i] for i in p)) for p in pieces)
     return [("packing", f"the source's first {n} conversations (one rank's step): "

@@ -36,3 +36,6 @@ class ObsBundle:
     id: str = ""
     metadata: dict[str, Any] = attrs.field(factory=dict)
     origin: MediaOrigin = attrs.field(default=MediaOrigin(), eq=False, repr=False)
+    # tool schemas (OpenAI format) the chat template renders with the prompt: SFT's
+    # data.tools_column
+    tools: tuple[Any, ...] = ()

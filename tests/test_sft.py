@@ -429,3 +429,66 @@ def test_lora_sft_exports_evaluates_and_reports(tmp_path, run_cli):
     assert rc == 0, stdout + err
     page = (tmp_path / "report.html").read_text()
     assert "eval/nll" in page and "sft/tokens" in page
+
+
+# --- tool schemas (data.tools_column) -------------------------------------------------------------
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                        "parameters": {"type": "object", "properties": {
+                                            "a": {"type": "integer"}, "b": {"type": "integer"}},
+                                            "required": ["a", "b"]}}}
+
+
+def test_tool_schemas_render_with_the_conversation_untrained(tmp_path):
+    """A row's ``tools`` column reaches the chat template as an agent's tools do: the whole
+    conversation renders as the template renders it with them (tiny-arith-tools writes a
+    ``tools: add(a, b)`` line first), that line is not trained, and the trained tokens are
+    those of the same conversation without tools. The held-out prompt keeps them."""
+    from runner.data.conversations import generation_item
+
+    path = _jsonl(tmp_path / "chats.jsonl", [{"messages": TOOLS_CHAT, "tools": [ADD]}])
+    train, _ = _sources(path, "data.messages_column=messages", "data.tools_column=tools",
+                        "model.path=builtin:tiny-arith-tools")
+    item = train.item(0)
+    assert item.tools == (ADD,)
+    packer = _packer("builtin:tiny-arith-tools")
+    x = encode(packer, item, "assistant", "tiny-arith-tools")
+    bare = encode(packer, attrs.evolve(item, tools=()), "assistant", "tiny-arith-tools")
+    assert list(x.input_ids) == packer.render_messages(TOOLS_CHAT, [ADD])
+    header = len(x.input_ids) - len(bare.input_ids)
+    assert header > 0 and "tools: add(a, b)" in packer.decode(x.input_ids[:header + 1],
+                                                              skip_special_tokens=False)
+    assert not any(x.loss_mask[:header + 1])
+    trained = [t for t, m in zip(x.input_ids, x.loss_mask, strict=True) if m]
+    assert trained == [t for t, m in zip(bare.input_ids, bare.loss_mask, strict=True) if m]
+    prompt = generation_item(item)
+    assert prompt.tools == (ADD,) and "tools: add(a, b)" in packer.get_rollout_input(prompt)
+
+
+def test_tool_schemas_that_are_not_are_named_and_need_messages(tmp_path):
+    path = _jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT, "tools": [{"function": {}}]}])
+    with pytest.raises(RecipeError) as info:
+        _sources(path, "data.messages_column=messages", "data.tools_column=tools").item(0)
+    text = str(info.value).strip()
+    assert "\n" not in text and f"row 0 of {path}" in text and "tools[0].function.name" in text
+    with pytest.raises(RecipeError, match="data.tools_column: tool schemas go with whole "
+                                          "conversations"):
+        load_recipe(REPO / "recipes/sft-arith.toml", [f"data.path={path}",
+                                                      "data.response_column=a",
+                                                      "data.tools_column=tools"])
+
+
+def test_cli_run_with_tool_schemas(run_cli, tmp_path):
+    train = _jsonl(tmp_path / "train.jsonl", [{"messages": TOOLS_CHAT, "tools": [ADD]}] * 6)
+    held = [dict(m) for m in TOOLS_CHAT]
+    held[1] = {"role": "user", "content": "2+5="}
+    val = _jsonl(tmp_path / "val.jsonl", [{"messages": held, "tools": [ADD]}] * 2)
+    rc, out, err = run_cli("--plain", "recipes/sft-arith.toml", f"run.output_dir={tmp_path / 'r'}",
+                           "model.path=builtin:tiny-arith-tools", f"data.path={train}",
+                           "data.messages_column=messages", "data.tools_column=tools",
+                           f"data.validation.path={val}", "data.validation.size=2",
+                           "run.max_steps=1", *SMALL[:1], "logging.sample_every=0",
+                           "train.eval_every=1")
+    assert rc == 0, out + err
+    last = rows(tmp_path / "r")[-1]
+    assert last["sft/examples"] == 4 and math.isfinite(last["eval/nll"])

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from runner.data.conversations import messages_problem
+from runner.data.conversations import messages_problem, tools_problem
 from runner.errors import Problem, RecipeError
 from runner.recipe.algos import ALGORITHMS
 from runner.recipe.schema import DataConfig
@@ -33,6 +33,7 @@ class ColumnMap:
     id: str = ""
     metadata: tuple[str, ...] = ()
     messages: str = ""  # a column of whole conversations, read instead of prompt and response
+    tools: str = ""  # with messages: a column of each conversation's tool schemas
 
     @property
     def text(self) -> str:
@@ -45,7 +46,7 @@ class ColumnMap:
         Part of the cursor fingerprint: renaming a column changes what an index means.
         """
         if self.messages:
-            return f"messages={self.messages}"
+            return f"messages={self.messages}" + (f" tools={self.tools}" if self.tools else "")
         pairs = [("prompt", self.prompt), ("response", self.response), ("image", self.image),
                  ("video", self.video), ("id", self.id), ("metadata", ",".join(self.metadata))]
         return " ".join(f"{name}={value}" for name, value in pairs if value)
@@ -57,8 +58,11 @@ class ColumnMap:
         if self.messages:
             value = get(self.messages, "data.messages_column")
             check_value(messages_problem(value), where, self.messages, "data.messages_column")
+            tools = get(self.tools, "data.tools_column") if self.tools else ()
+            check_value(tools_problem(tools), where, self.tools, "data.tools_column")
             return ObsBundle(prompt=[dict(m) for m in value],
-                             origin=MediaOrigin(where, "", "", self.messages))
+                             origin=MediaOrigin(where, "", "", self.messages),
+                             tools=tuple(dict(t) for t in tools or ()))
         prompt = get(self.prompt, "data.prompt_column")
         check_value(prompt_problem(prompt), where, self.prompt, "data.prompt_column")
         reference = ""
@@ -89,7 +93,8 @@ def column_map(data: DataConfig, algo_kind: str) -> ColumnMap:
         video=data.video_column if reads("data.video_column") else "",
         id=data.id_column if reads("data.id_column") else "",
         metadata=tuple(data.metadata_columns) if reads("data.metadata_columns") else (),
-        messages=data.messages_column if reads("data.messages_column") else "")
+        messages=data.messages_column if reads("data.messages_column") else "",
+        tools=data.tools_column if reads("data.tools_column") else "")
 
 
 class _Getter:

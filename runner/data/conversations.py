@@ -34,6 +34,28 @@ def _call_problem(call: Any, n: int, k: int) -> str:
     return ""
 
 
+def tools_problem(tools: Any) -> str:
+    """Why a row's tool schemas are not a list of OpenAI function tools, or "" (none, an empty
+    list or null are no tools). ``tools[k].FIELD`` names the field.
+
+    >>> tools_problem([{"type": "function", "function": {"name": "add"}}]), tools_problem(None)
+    ('', '')
+    >>> tools_problem([{"function": {}}])
+    'tools[0].function.name is not a non-empty text'
+    """
+    if tools is None:
+        return ""
+    if not isinstance(tools, list | tuple):
+        return f"is {_kind(tools)}, not a list of tool schemas"
+    for k, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping):
+            return f"tools[{k}] is not a mapping with a 'function' mapping"
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            return f"tools[{k}].function.name is not a non-empty text"
+    return ""
+
+
 def _message_problem(message: Any, n: int) -> str:
     """Why element ``n`` is not a chat message, or "" (``messages[n].FIELD`` names the field)."""
     if not isinstance(message, Mapping):
@@ -98,4 +120,5 @@ def generation_item(item: ObsBundle) -> ObsBundle:
     reference = messages[last].get("content") or ""
     prompt: Any = messages[:last] if isinstance(item.prompt, list | tuple) else item.prompt
     return ObsBundle(prompt, reference=str(reference), id=item.id,
-                     metadata={**item.metadata, "conversation": messages}, origin=item.origin)
+                     metadata={**item.metadata, "conversation": messages}, origin=item.origin,
+                     tools=item.tools)

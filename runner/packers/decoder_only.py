@@ -52,7 +52,8 @@ class DecoderOnlyLLMDataPacker(DataPacker):
         messages = item.prompt if isinstance(item.prompt, list) else [
             {"role": "user", "content": str(item.prompt)}]
         if tok.chat_template:
-            return tok.apply_chat_template(self._for_template(messages), tokenize=False,
+            return tok.apply_chat_template(self._for_template(messages),
+                                           tools=list(item.tools) or None, tokenize=False,
                                            add_generation_prompt=True)
         text = "\n".join(str(m["content"]) for m in messages)
         bos = tok.bos_token if tok.bos_token and not text.startswith(tok.bos_token) else ""

@@ -105,6 +105,12 @@ class DataConfig:
         "content, tool_calls; tool messages for tool results); instead of prompt_column and "
         "response_column (one user turn, one assistant turn)."
     )
+    tools_column: str = key(
+        "", "SFT with data.messages_column: column holding each conversation's tool schemas "
+        "(OpenAI format: a list of {type: function, function: {name, description, "
+        "parameters}}), rendered by the chat template with the conversation, as an agent's "
+        "tools are; empty: no tools."
+    )
     items_fn: str = key(
         "", "Dotted callable applied to each raw row (row in, row out) before columns are read."
     )

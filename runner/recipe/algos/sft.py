@@ -41,6 +41,11 @@ def checks(r: Recipe) -> list[Problem]:
                          "whole conversations, or the response column beside the prompt column",
                          hint="set data.messages_column (chat messages), or "
                          "data.response_column (one assistant answer per prompt)"))
+    if _set(d.tools_column) and not _set(d.messages_column):
+        p.append(Problem("data.tools_column", "tool schemas go with whole conversations "
+                         "(data.messages_column), whose tool calls use them",
+                         got=d.tools_column, hint="set data.messages_column, or remove "
+                         "data.tools_column"))
     if _set(d.messages_column) and not (d.factory or d.path or d.name):
         p.append(Problem("data.messages_column", "the built-in arithmetic data has fixed "
                          "prompt and answer columns", got=d.messages_column,
@@ -52,5 +57,6 @@ def checks(r: Recipe) -> list[Problem]:
 SPEC = AlgoSpec(
     title="SFT", config=SFTConfig, stream="conversations", batch_key="algo.examples_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.sft",
-    owned_keys=("data.messages_column",), samples_online=False, sharded=sharded,
+    owned_keys=("data.messages_column", "data.tools_column"), samples_online=False,
+    sharded=sharded,
 )

@@ -94,7 +94,7 @@ def encode(packer: DataPacker, item: ObsBundle, loss_on: str, model: str) -> RLP
     or renders it other than append-only, is a RecipeError naming the item."""
     messages = conversation_of(item)
     try:
-        return packer.get_conversation_input(messages, loss_on)
+        return packer.get_conversation_input(messages, loss_on, list(item.tools) or None)
     except NotAppendOnly as exc:
         raise RecipeError([Problem(
             "model.path", f"{model}: the chat template is not append-only in "
@@ -193,7 +193,8 @@ def held_out_nll(run: SFTRun) -> dict[str, float]:
     items = ctx.state.val_items
     inputs, dropped = [], 0
     for item in items:
-        conversation = ObsBundle(item.metadata["conversation"], id=item.id, origin=item.origin)
+        conversation = ObsBundle(item.metadata["conversation"], id=item.id, origin=item.origin,
+                                 tools=item.tools)
         x = encode(run.packer, conversation, run.algo.loss_on, model)
         if not run.max_len or len(x.input_ids) <= run.max_len:
             inputs.append(x)
