@@ -129,10 +129,12 @@ def test_ppo_only_keys(key, value):
     recipe_from_mapping({"algo": {"kind": "ppo"}, "data": {key: value}})
 
 
-@pytest.mark.parametrize("key,value", [("image_column", "img"), ("video_column", "vid")])
-def test_media_columns_are_for_ppo_grpo_and_opd(key, value):
+@pytest.mark.parametrize("key,value,readers", [
+    ("image_column", "img", "GRPO, PPO, OPD and SFT"),
+    ("video_column", "vid", "GRPO, PPO and OPD")])
+def test_media_columns_are_for_the_kinds_that_read_them(key, value, readers):
     line = one_problem({"algo": {"kind": "dpo"}, "data": {key: value}})
-    assert f"data.{key}: only used by GRPO, PPO and OPD" in line
+    assert f"data.{key}: only used by {readers}" in line
     for kind in ("ppo", "grpo", "opd"):
         recipe_from_mapping({"algo": {"kind": kind}, "data": {key: value}})
 

@@ -492,3 +492,108 @@ def test_cli_run_with_tool_schemas(run_cli, tmp_path):
     assert rc == 0, out + err
     last = rows(tmp_path / "r")[-1]
     assert last["sft/examples"] == 4 and math.isfinite(last["eval/nll"])
+
+
+# --- conversations with images (data.image_column, a vision-language packer) ----------------------
+
+PICTURE_CHAT = [{"role": "user", "content": "What colour is this?"},
+                {"role": "assistant", "content": "red"},
+                {"role": "user", "content": "Sure?"},
+                {"role": "assistant", "content": "yes"}]
+
+
+def _pictures(tmp_path, rows_):
+    """Rows of ``PICTURE_CHAT`` whose ``image`` is a 32x32 picture of the given colour."""
+    from PIL import Image
+
+    out = []
+    for k, (colour, answer) in enumerate(rows_):
+        path = tmp_path / f"p{k}.png"
+        Image.new("RGB", (32, 32), colour).save(path)
+        chat = [dict(m) for m in PICTURE_CHAT]
+        chat[1] = {"role": "assistant", "content": answer}
+        out.append({"messages": chat, "image": str(path)})
+    return out
+
+
+def test_a_picture_conversation_trains_the_assistants_text_alone(tmp_path):
+    """With ``data.image_column`` the row's image opens the first user message; the
+    Qwen3-VL packer renders the conversation prefix by prefix on the template's unexpanded ids,
+    then the processor expands the image into its vision tokens: the ids are the processor's
+    for the whole conversation, no vision token is trained, the trained tokens are the
+    assistant's replies and eos, and the pixel values and ``mm_token_type_ids`` come along."""
+    from runner.data.conversations import conversation_of
+    from runner.data.media import decode_media
+
+    path = _jsonl(tmp_path / "chats.jsonl", _pictures(tmp_path, [((255, 0, 0), "red")]))
+    train, _ = _sources(path, "data.messages_column=messages", "data.image_column=image",
+                        "model.path=builtin:tiny-qwen3-vl")
+    item = train.item(0)
+    messages = conversation_of(item)
+    assert messages[0]["content"] == [{"type": "image"},
+                                      {"type": "text", "text": "What colour is this?"}]
+    packer = build_packer(resolve_model_path("builtin:tiny-qwen3-vl"), "qwen3_vl")
+    x = encode(packer, item, "assistant", "tiny-qwen3-vl")
+    images = list(decode_media(item)[0])
+    text = packer.processor.apply_chat_template(messages, tokenize=False)
+    whole = packer.processor(text=[text], images=images, return_tensors="pt")
+    assert list(x.input_ids) == whole["input_ids"][0].tolist()
+    vision = whole["mm_token_type_ids"][0].tolist()
+    assert sum(vision) > 1 and x.token_extra["mm_token_type_ids"] == tuple(vision)
+    assert not any(m for m, v in zip(x.loss_mask, vision, strict=True) if v)
+    trained = [t for t, m in zip(x.input_ids, x.loss_mask, strict=True) if m]
+    assert packer.decode(trained, skip_special_tokens=False) == "red<|eos|>yes<|eos|>"
+    assert torch.equal(x.extra["image_grid_thw"], whole["image_grid_thw"])
+
+
+def test_pictures_that_do_not_fit_are_named(tmp_path):
+    from runner.data.conversations import conversation_of
+
+    rows_ = _pictures(tmp_path, [((0, 0, 255), "blue")])
+    rows_[0]["messages"][0]["content"] = [{"type": "image"}, {"type": "image"},
+                                          {"type": "text", "text": "Which?"}]
+    path = _jsonl(tmp_path / "chats.jsonl", rows_)
+    train, _ = _sources(path, "data.messages_column=messages", "data.image_column=image")
+    with pytest.raises(RecipeError, match=r"row 0 of .*: its messages hold 2 image part\(s\) but "
+                                          r"the row has 1 image\(s\)"):
+        conversation_of(train.item(0))
+    text_only = _pictures(tmp_path, [((0, 0, 255), "blue")])
+    path = _jsonl(tmp_path / "text.jsonl", text_only)
+    train, _ = _sources(path, "data.messages_column=messages", "data.image_column=image")
+    with pytest.raises(RecipeError, match="data.image_column: DecoderOnlyLLMDataPacker renders "
+                                          "text only"):
+        encode(_packer("builtin:tiny-arith"), train.item(0), "assistant", "tiny-arith")
+
+
+def test_one_question_about_two_pictures_is_two_items(tmp_path):
+    """A file source's membership ids hash the raw image references with the prompt, so a
+    held-out set that asks the training set's question about other pictures does not
+    overlap it."""
+    rows_ = _pictures(tmp_path, [((255, 0, 0), "red"), ((0, 255, 0), "green")])
+    path = _jsonl(tmp_path / "chats.jsonl", rows_)
+    train, _ = _sources(path, "data.messages_column=messages", "data.image_column=image")
+    ids = train.membership_ids()
+    assert len(set(ids)) == 2
+    from runner.data.membership import item_id
+
+    assert list(ids) == [item_id(train.item(i)) for i in range(2)]
+
+
+def test_cli_sft_of_a_vision_language_model_on_pictures(run_cli, tmp_path):
+    """Two steps of SFT on ``builtin:tiny-qwen3-vl`` from a file of picture conversations,
+    with held-out ones: the loss, the held-out NLL and the greedy replies' reward."""
+    colours = [((255, 0, 0), "red"), ((0, 255, 0), "green"), ((0, 0, 255), "blue")]
+    (tmp_path / "t").mkdir()
+    (tmp_path / "v").mkdir()
+    train = _jsonl(tmp_path / "train.jsonl", _pictures(tmp_path / "t", colours * 2))
+    val = _jsonl(tmp_path / "val.jsonl", _pictures(tmp_path / "v", colours))
+    rc, out, err = run_cli("--plain", "recipes/sft-arith.toml", f"run.output_dir={tmp_path / 'r'}",
+                           "model.path=builtin:tiny-qwen3-vl", f"data.path={train}",
+                           "data.messages_column=messages", "data.image_column=image",
+                           f"data.validation.path={val}", "data.validation.size=3",
+                           "run.max_steps=2", *SMALL[:1], "train.eval_every=2",
+                           "logging.sample_every=0", "reward.functions=['exact_match']")
+    assert rc == 0, out + err
+    last = rows(tmp_path / "r")[-1]
+    assert last["sft/examples"] == 4 and math.isfinite(last["loss"])
+    assert math.isfinite(last["eval/nll"]) and 0 <= last["eval/reward"] <= 1

@@ -46,7 +46,8 @@ class ColumnMap:
         Part of the cursor fingerprint: renaming a column changes what an index means.
         """
         if self.messages:
-            return f"messages={self.messages}" + (f" tools={self.tools}" if self.tools else "")
+            return (f"messages={self.messages}" + (f" tools={self.tools}" if self.tools else "")
+                    + (f" image={self.image}" if self.image else ""))
         pairs = [("prompt", self.prompt), ("response", self.response), ("image", self.image),
                  ("video", self.video), ("id", self.id), ("metadata", ",".join(self.metadata))]
         return " ".join(f"{name}={value}" for name, value in pairs if value)
@@ -61,7 +62,9 @@ class ColumnMap:
             tools = get(self.tools, "data.tools_column") if self.tools else ()
             check_value(tools_problem(tools), where, self.tools, "data.tools_column")
             return ObsBundle(prompt=[dict(m) for m in value],
-                             origin=MediaOrigin(where, "", "", self.messages),
+                             images=(as_tuple(get(self.image, "data.image_column"))
+                                     if self.image else ()),
+                             origin=MediaOrigin(where, self.image, "", self.messages),
                              tools=tuple(dict(t) for t in tools or ()))
         prompt = get(self.prompt, "data.prompt_column")
         check_value(prompt_problem(prompt), where, self.prompt, "data.prompt_column")
@@ -73,8 +76,8 @@ class ColumnMap:
         return ObsBundle(
             prompt=prompt,
             reference=reference,
-            images=_as_tuple(get(self.image, "data.image_column")) if self.image else (),
-            videos=_as_tuple(get(self.video, "data.video_column")) if self.video else (),
+            images=as_tuple(get(self.image, "data.image_column")) if self.image else (),
+            videos=as_tuple(get(self.video, "data.video_column")) if self.video else (),
             id=str(get(self.id, "data.id_column")) if self.id else "",
             metadata={name: get(name, "data.metadata_columns") for name in self.metadata},
             origin=MediaOrigin(where, self.image, self.video, self.prompt),
@@ -164,7 +167,7 @@ def _as_text(value: Any) -> str:
     return str(value)
 
 
-def _as_tuple(value: Any) -> tuple[Any, ...]:
+def as_tuple(value: Any) -> tuple[Any, ...]:
     if value is None:
         return ()
     if isinstance(value, list | tuple):

@@ -12,7 +12,7 @@ one. Every conversation holds an assistant message.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from runner.errors import Problem, RecipeError
@@ -74,9 +74,34 @@ def _message_problem(message: Any, n: int) -> str:
                 return problem
         if content is None:
             return ""
+    if isinstance(content, list | tuple) and role in ("user", "system"):
+        return _parts_problem(content, n)
     if not isinstance(content, str):
-        return f"messages[{n}].content is {_kind(content)}, not text"
+        return f"messages[{n}].content is {_kind(content)}, not text" + (
+            " (a list of parts is read in user and system messages)"
+            if isinstance(content, list | tuple) else "")
     return ""
+
+
+def _parts_problem(parts: Any, n: int) -> str:
+    """Why a message's content parts are not text and image parts (OpenAI format: ``{"type":
+    "text", "text": ...}``, ``{"type": "image"}``; an image part's picture is the row's next
+    ``data.image_column`` entry), or ""."""
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind != "image":
+            return (f"messages[{n}].content[{k}] is not a text part ({{type: text, text}}) or an "
+                    "image part ({type: image})")
+    return ""
+
+
+def image_parts(messages: Sequence[Mapping[str, Any]]) -> int:
+    """How many image parts the messages hold."""
+    return sum(1 for m in messages if isinstance(m.get("content"), list | tuple)
+               for part in m["content"]
+               if isinstance(part, Mapping) and part.get("type") == "image")
 
 
 def messages_problem(value: Any) -> str:
@@ -99,16 +124,42 @@ def _kind(value: Any) -> str:
 
 def conversation_of(item: ObsBundle) -> list[dict[str, Any]]:
     """The conversation of a checked item: its messages, or its prompt and reference as one
-    user and one assistant message."""
+    user and one assistant message. An item with images (``data.image_column``) whose messages
+    hold no image part gets one per image at the start of its first user message; messages that
+    hold image parts must hold one per image."""
+    where = item.origin.where or f"item {item.id or str(item.prompt)[:40]!r}"
     if isinstance(item.prompt, list | tuple):
-        return [dict(m) for m in item.prompt]
-    if not item.reference:
-        where = item.origin.where or f"item {item.id or str(item.prompt)[:40]!r}"
-        raise RecipeError([Problem("data.response_column", f"{where}: no response to train on "
-                                   "(SFT needs data.response_column, or data.messages_column)",
-                                   hint="set data.response_column to the answers' column")])
-    return [{"role": "user", "content": str(item.prompt)},
-            {"role": "assistant", "content": item.reference}]
+        messages = [dict(m) for m in item.prompt]
+    else:
+        if not item.reference:
+            raise RecipeError([Problem(
+                "data.response_column", f"{where}: no response to train on (SFT needs "
+                "data.response_column, or data.messages_column)",
+                hint="set data.response_column to the answers' column")])
+        messages = [{"role": "user", "content": str(item.prompt)},
+                    {"role": "assistant", "content": item.reference}]
+    return with_images(messages, len(item.images), where)
+
+
+def with_images(messages: list[dict[str, Any]], count: int, where: str
+                ) -> list[dict[str, Any]]:
+    """``messages`` with ``count`` images placed (see ``conversation_of``)."""
+    parts = image_parts(messages)
+    if parts == count:
+        return messages
+    if parts:
+        raise RecipeError([Problem("data.image_column", f"{where}: its messages hold {parts} "
+                                   f"image part(s) but the row has {count} image(s)",
+                                   hint="give one image per {type: image} part, or no parts "
+                                   "(the images then open the first user message)")])
+    first = next((n for n, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        raise RecipeError([Problem("data.image_column", f"{where}: {count} image(s) but no "
+                                   "user message to show them in")])
+    content = messages[first].get("content")
+    text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+    messages[first] = {**messages[first], "content": [{"type": "image"}] * count + text}
+    return messages
 
 
 def generation_item(item: ObsBundle) -> ObsBundle:
@@ -119,6 +170,6 @@ def generation_item(item: ObsBundle) -> ObsBundle:
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     reference = messages[last].get("content") or ""
     prompt: Any = messages[:last] if isinstance(item.prompt, list | tuple) else item.prompt
-    return ObsBundle(prompt, reference=str(reference), id=item.id,
+    return ObsBundle(prompt, reference=str(reference), images=item.images, id=item.id,
                      metadata={**item.metadata, "conversation": messages}, origin=item.origin,
                      tools=item.tools)

@@ -38,6 +38,7 @@ import attrs
 from runner.data import arithmetic, contract
 from runner.data.columns import (
     ColumnMap,
+    as_tuple,
     check_value,
     column_map,
     prompt_problem,
@@ -46,7 +47,7 @@ from runner.data.columns import (
 from runner.data.conversations import messages_problem
 from runner.data.cursor import fingerprint_of
 from runner.data.files import load_hub, load_local
-from runner.data.membership import check_overlap, item_id, text_id
+from runner.data.membership import check_overlap, item_id, media_ref, text_id
 from runner.data.prompt_text import prompt_chars
 from runner.errors import Problem, RecipeError
 from runner.extensions import load_callable
@@ -250,15 +251,27 @@ def _from_dataset(ds: Any, *, kind: str, label: str, identity: dict[str, str],
         raise RecipeError([Problem(key, f"{label} has no rows")])
 
     def membership() -> tuple[str, ...]:
-        # Hash of the raw prompt column: text only, no other column (no media) is decoded.
+        # Hash of the raw prompt column and, with media columns, of each medium's raw reference
+        # (as item_id makes them: one question about two pictures is two items); nothing is
+        # decoded.
         column, key = ((columns.messages, "data.messages_column") if columns.messages
                        else (columns.prompt, "data.prompt_column"))
         if column not in ds.column_names:
             raise RecipeError([Problem(key, f"membership ids of {label} hash the raw column "
                                        f"{column!r}, which it lacks",
                                        hint=f"name a raw column in {key}")])
-        values = ds.select(range(length))[column]
-        return tuple(text_id(value) for value in values)
+        rows = ds.select(range(length))
+        values = rows[column]
+        if not (columns.image or columns.video):
+            return tuple(text_id(value) for value in values)
+        media = [[as_tuple(v) for v in rows[c]] if c in rows.column_names else [()] * length
+                 for c in (columns.image, columns.video)]
+        return tuple(text_id({"prompt": value,
+                              "images": [media_ref(m, where=f"row {i} of {label}")
+                                         for m in media[0][i]],
+                              "videos": [media_ref(m, where=f"row {i} of {label}")
+                                         for m in media[1][i]]})
+                     for i, value in enumerate(values))
 
     def column_values(column: str) -> list[Any]:
         return ds.select(range(length))[column] if column in ds.column_names else []

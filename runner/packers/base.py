@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import torch
 
+from runner.errors import Problem, RecipeError
 from runner.packers.chat import (
     ToolCall,
     parse_hermes_tool_calls,
@@ -249,11 +250,19 @@ class DataPacker(ABC):
                               self.eos_token_id, conversation, new_messages)
 
     def get_conversation_input(self, messages: list[dict[str, Any]], loss_on: str = "assistant",
-                               tools: list[dict[str, Any]] | None = None) -> RLPolicyInput:
+                               tools: list[dict[str, Any]] | None = None,
+                               images: Sequence[Any] = ()) -> RLPolicyInput:
         """SFT: a whole conversation as one sequence, its loss mask on the tokens the template
         renders for the assistant's messages (``loss_on``), found by rendering it prefix by
         prefix (``runner.packers.chat.render_conversation``: the append-only rule of
-        ``env_message_ids``, ``NotAppendOnly`` otherwise). Never searched in decoded text."""
+        ``env_message_ids``, ``NotAppendOnly`` otherwise). Never searched in decoded text.
+        ``images`` (decoded, one per image part of the messages): a text packer takes none."""
+        if images:
+            raise RecipeError([Problem("data.image_column", f"{type(self).__name__} renders "
+                                       "text only: conversations with images need a "
+                                       "vision-language model's packer",
+                                       hint="use a vision-language model (Qwen3-VL), or remove "
+                                       "data.image_column")])
         out = render_conversation(lambda msgs, gen: self.render_messages(msgs, tools, gen),
                                   self.eos_token_id, messages, loss_on)
         first = next((i for i, m in enumerate(out.mask) if m), len(out.mask))

@@ -28,6 +28,7 @@ import attrs
 
 from runner.data.media import VideoClip, decode_media
 from runner.packers.base import EnginePrompt, PolicyBatch, RLPolicyInput
+from runner.packers.chat import NotAppendOnly, render_conversation
 from runner.packers.decoder_only import DecoderOnlyLLMDataPacker
 from runner.types import ObsBundle
 
@@ -185,6 +186,41 @@ class Qwen3VLDataPacker(DecoderOnlyLLMDataPacker):
         extra = {k: out[k] for k in ROW_KEYS if k in out}
         return RLPolicyInput(ids, mask, n_prompt, extra=extra, token_extra=token_extra)
 
+    def get_conversation_input(self, messages: list[dict[str, Any]], loss_on: str = "assistant",
+                               tools: list[dict[str, Any]] | None = None,
+                               images: Sequence[Any] = ()) -> RLPolicyInput:
+        """SFT of a conversation with images (one per ``{"type": "image"}`` part of its
+        messages): the processor's chat template renders it prefix by prefix (the text rule of
+        the base class, on the template's unexpanded ids: one ``<|image_pad|>`` per image),
+        then the processor expands each image's placeholder into its vision tokens, none of
+        them trained; ``extra`` and ``token_extra`` carry the pixel values, grids and
+        ``mm_token_type_ids`` as the policy side of a rollout does."""
+        tok = self._tok()
+
+        def render(msgs: list[dict[str, Any]], generation: bool) -> list[int]:
+            text = self.processor.apply_chat_template(msgs, tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=generation)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+
+        out = render_conversation(render, self.eos_token_id, messages, loss_on)
+        last = max(n for n, m in enumerate(messages) if m.get("role") == "assistant")
+        text = self.processor.apply_chat_template(messages[:last + 1], tools=tools or None,
+                                                  tokenize=False)
+        if list(tok(text, add_special_tokens=False)["input_ids"]) != list(out.ids):
+            raise NotAppendOnly("the whole conversation renders to other tokens than its "
+                                "turns one by one")
+        kwargs = {"images": list(images)} if images else {}
+        processed = self.processor(text=[text], return_tensors="pt", **kwargs)
+        expanded = [int(t) for t in processed["input_ids"][0]]
+        ids, mask = _expanded_mask(list(out.ids), list(out.mask), expanded,
+                                   tok.convert_tokens_to_ids(self.processor.image_token))
+        first = next((i for i, m in enumerate(mask) if m), len(mask))
+        token_extra = {k: tuple(int(t) for t in processed[k][0]) for k in TOKEN_KEYS
+                       if k in processed}
+        extra = {k: processed[k] for k in ROW_KEYS if k in processed}
+        return RLPolicyInput(tuple(ids), tuple(mask), first, extra=extra,
+                             token_extra=token_extra)
+
     def collate(self, inputs: Sequence[RLPolicyInput], *, packed: bool = False) -> PolicyBatch:
         if packed:
             raise ValueError("Qwen3VLDataPacker: padding-free packing is not supported (Qwen3-VL "
@@ -202,3 +238,35 @@ class Qwen3VLDataPacker(DecoderOnlyLLMDataPacker):
         rollout_input = self.get_rollout_input(sample)
         self._memo[key] = (sample, rollout_input)
         return rollout_input
+
+
+def _expanded_mask(ids: list[int], mask: list[int], expanded: list[int], pad_id: int
+                   ) -> tuple[list[int], list[int]]:
+    """``expanded`` (the processor's ids of ``ids``' text: each image placeholder ``pad_id``
+    repeated as many times as the image has vision tokens) with ``mask`` carried over, 0 on
+    every vision token. Any other difference between the two is an error: the trained tokens
+    must be the template's.
+
+    >>> _expanded_mask([5, 9, 6, 7], [0, 0, 1, 1], [5, 9, 9, 9, 6, 7], 9)
+    ([5, 9, 9, 9, 6, 7], [0, 0, 0, 0, 1, 1])
+    """
+    out: list[int] = []
+    j = 0
+    for i, (token, trained) in enumerate(zip(ids, mask, strict=True)):
+        if token == pad_id:
+            k = j
+            while k < len(expanded) and expanded[k] == pad_id:
+                k += 1
+            if trained or k == j:
+                raise ValueError(f"token {i}: an image placeholder the processor does not "
+                                 "expand, or one in an assistant turn")
+            out += [0] * (k - j)
+            j = k
+            continue
+        if j >= len(expanded) or expanded[j] != token:
+            raise ValueError(f"token {i}: the processor's ids differ from the chat template's")
+        out.append(trained)
+        j += 1
+    if j != len(expanded):
+        raise ValueError("the processor's ids run past the chat template's")
+    return expanded, out

@@ -125,8 +125,10 @@ class DataConfig:
     max_operand: int = key(20, "Built-in arithmetic: largest operand.")
     operators: list[str] = key(["+", "-"], "Built-in arithmetic: operators to draw from (+, -, *).")
     image_column: str = key(
-        "", "PPO, GRPO and OPD: column holding each item's image(s) (paths, raw bytes or PIL "
-        "images); a multimodal packer feeds them to the model."
+        "", "PPO, GRPO, OPD and SFT: column holding each item's image(s) (paths, raw bytes or "
+        "PIL images); a multimodal packer feeds them to the model. SFT: one per {type: image} "
+        "part of the conversation's messages, or, with no such part, all at the start of its "
+        "first user message."
     )
     video_column: str = key(
         "", "PPO, GRPO and OPD: column holding each item's video(s) (video files as paths or "

@@ -57,6 +57,7 @@ def checks(r: Recipe) -> list[Problem]:
 SPEC = AlgoSpec(
     title="SFT", config=SFTConfig, stream="conversations", batch_key="algo.examples_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.sft",
-    owned_keys=("data.messages_column", "data.tools_column"), samples_online=False,
+    owned_keys=("data.messages_column", "data.tools_column", "data.image_column"),
+    samples_online=False,
     sharded=sharded,
 )

@@ -34,6 +34,7 @@ import torch
 
 from runner.algorithms.sft import nll_sum, sft_loss
 from runner.data.conversations import conversation_of
+from runner.data.media import decode_media
 from runner.envs.episodes import item_name
 from runner.errors import Problem, RecipeError
 from runner.packers.base import DataPacker, RLPolicyInput
@@ -93,8 +94,10 @@ def encode(packer: DataPacker, item: ObsBundle, loss_on: str, model: str) -> RLP
     """The tokens and loss mask of ``item``'s conversation; a template that cannot render it,
     or renders it other than append-only, is a RecipeError naming the item."""
     messages = conversation_of(item)
+    images = decode_media(item)[0] if item.images else ()
     try:
-        return packer.get_conversation_input(messages, loss_on, list(item.tools) or None)
+        return packer.get_conversation_input(messages, loss_on, list(item.tools) or None,
+                                             images)
     except NotAppendOnly as exc:
         raise RecipeError([Problem(
             "model.path", f"{model}: the chat template is not append-only in "
@@ -193,8 +196,8 @@ def held_out_nll(run: SFTRun) -> dict[str, float]:
     items = ctx.state.val_items
     inputs, dropped = [], 0
     for item in items:
-        conversation = ObsBundle(item.metadata["conversation"], id=item.id, origin=item.origin,
-                                 tools=item.tools)
+        conversation = ObsBundle(item.metadata["conversation"], images=item.images, id=item.id,
+                                 origin=item.origin, tools=item.tools)
         x = encode(run.packer, conversation, run.algo.loss_on, model)
         if not run.max_len or len(x.input_ids) <= run.max_len:
             inputs.append(x)
