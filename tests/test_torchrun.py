@@ -214,7 +214,10 @@ ALGOS = {
         "train.grad_accum_steps=2", "rollout.max_new_tokens=4", "algo.advantage=reinforce_pp",
         "algo.kl_beta=0.05", "algo.gspo_clip_low=0.2", "algo.gspo_clip_high=0.2",
         "algo.mask_truncated=true")),
-    "sft": ("recipes/sft-arith.toml", ("algo.examples_per_step=8", "train.grad_accum_steps=2")),
+    # SFT sharded (FSDP2) on both world sizes: one process holds the whole model, two hold
+    # half each
+    "sft": ("recipes/sft-arith.toml", ("algo.examples_per_step=8", "train.grad_accum_steps=2",
+                                       "train.sharding=fsdp")),
     # the token budget: two pairs a micro-batch, the ranks' counts gathered every step (pads
     # for a rank with fewer: tests/test_token_budget.py); unequal held-out shards
     "rm": ("recipes/rm-arith.toml", ("algo.pairs_per_step=8",
