@@ -488,6 +488,7 @@ BANDS = {  # held-out greedy accuracy each built-in is built to reach
     "tiny-arith": (0.15, 0.45),
     "tiny-arith-char": (0.15, 0.45),
     "tiny-arith-teacher": (0.7, 1.0),
+    "tiny-arith-restate": (0.0, 0.05),  # never the bare answer: it restates the question
 }
 
 
@@ -501,6 +502,27 @@ def test_built_model_reaches_its_accuracy_band(tiny):
     assert lo <= info["held_out_greedy_accuracy"] <= hi
     acc = held_out_accuracy(load_causal_lm(folder), load_tokenizer(folder), info["held_out_count"])
     assert acc == pytest.approx(info["held_out_greedy_accuracy"], abs=0.02)
+
+
+def test_the_restating_model_knows_the_answers_but_not_their_format():
+    """tiny-arith-restate's first integer is the answer (0.885 of the held-out problems, as
+    recorded, recomputed here), its replies go on with the question: the last integer, which
+    ``arithmetic_exact`` reads, is not the answer."""
+    from runner.data.arithmetic import problems
+    from runner.models.tiny import RESTATED_TOKENS, first_integer_accuracy, generate_answers
+    from runner.rewards.builtin import arithmetic_exact
+    from runner.types import ObsBundle
+
+    folder = resolve_model_path("builtin:tiny-arith-restate")
+    info = json.loads((folder / "build_info.json").read_text())
+    items = problems("held_out", info["held_out_count"], 0, 20, ("+", "-"))
+    replies = generate_answers(load_causal_lm(folder), load_tokenizer(folder),
+                               [p.question for p in items], max_new_tokens=RESTATED_TOKENS)
+    first = first_integer_accuracy(replies, items)
+    assert first == pytest.approx(info["held_out_greedy_first_integer_accuracy"], abs=0.02)
+    assert first > 0.7 and replies[0].endswith(")") and " (" in replies[0], replies[:3]
+    exact = arithmetic_exact(replies, [ObsBundle(p.question, str(p.answer)) for p in items])
+    assert sum(exact) / len(items) < 0.1
 
 
 def test_tiny_arith_samples_a_spread_with_some_right():

@@ -318,7 +318,7 @@ def test_an_sft_run_folder_starts_grpo_and_teaches_opd(tmp_path):
                           "algo.group_size=4", *LATER)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _resolved_models(grpo) == {"model.path": str(model)}
-    start = load_causal_lm(resolve_model_path("builtin:tiny-arith")).state_dict()
+    start = load_causal_lm(resolve_model_path("builtin:tiny-arith-restate")).state_dict()
     trained = _weights(model)
     assert _farthest(_weights(grpo / "checkpoints" / "step-000001" / "model"), trained) < 1e-6
     assert _farthest(trained, start) > 1e-4
@@ -415,7 +415,7 @@ def test_lora_sft_exports_evaluates_and_reports(tmp_path, run_cli):
     rc, stdout, err = run_cli("export", str(out), str(tmp_path / "merged"))
     assert rc == 0, stdout + err
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
-    base = load_causal_lm(resolve_model_path("builtin:tiny-arith")).state_dict()
+    base = load_causal_lm(resolve_model_path("builtin:tiny-arith-restate")).state_dict()
     moved = max(float((merged[k] - base[k]).abs().max()) for k in base if "proj" in k)
     assert moved > 1e-4 and set(merged) == set(base)
     rc, stdout, err = run_cli("eval", "--plain", "recipes/sft-arith.toml", "--checkpoint",

@@ -73,19 +73,21 @@ BUILTINS: dict[str, Builder] = {
     "tiny-arith": _tiny("tiny-arith"),
     "tiny-arith-char": _tiny("tiny-arith-char"),
     "tiny-arith-teacher": _tiny("tiny-arith-teacher"),
+    "tiny-arith-restate": _tiny("tiny-arith-restate"),
     "tiny-arith-tools": _tiny_tools,
     "tiny-code": _tiny_code,
     "tiny-qwen3-vl": _tiny_vl,
     "smollm2-135m-instruct": _smollm2,
 }
-SHIPPED = ("tiny-arith", "tiny-arith-char", "tiny-arith-teacher", "tiny-arith-tools",
-           "tiny-code", "tiny-qwen3-vl")
+SHIPPED = ("tiny-arith", "tiny-arith-char", "tiny-arith-teacher", "tiny-arith-restate",
+           "tiny-arith-tools", "tiny-code", "tiny-qwen3-vl")
 
 # config.json's model_type of each built-in, known without loading it (checked by a test).
 BUILTIN_MODEL_TYPES: dict[str, str] = {
     "tiny-arith": "qwen2",
     "tiny-arith-char": "qwen2",
     "tiny-arith-teacher": "qwen2",
+    "tiny-arith-restate": "qwen2",
     "tiny-arith-tools": "qwen2",
     "tiny-code": "qwen2",
     "tiny-qwen3-vl": "qwen3_vl",

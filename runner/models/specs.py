@@ -23,6 +23,7 @@ class TinySpec:
     seed: int = 0
     warmup_hi: int = 20  # warm-up problems: the train split of operands 0..warmup_hi
     slip: float = 0.0  # share of warm-up answers written one too high (runner.models.tiny)
+    restate: bool = False  # warm-up answers followed by the question: "14 (17 - 3)"
 
 
 # Held-out greedy / sampled (T=1) accuracy on 200 problems, as the shipped builds measured them
@@ -40,6 +41,12 @@ TINY_SPECS: dict[str, TinySpec] = {
     # the same tokenizer (same ids) as tiny-arith, bigger, no slip
     "tiny-arith-teacher": TinySpec(
         tokenizer="bpe", hidden_size=160, num_layers=4, steps=900, lr=3e-3
+    ),
+    # not taught the answer format: it answers, then restates the question ("14 (17 - 3)"),
+    # so the last integer of its reply is not the answer; recipes/sft-arith.toml teaches it
+    # the bare answer
+    "tiny-arith-restate": TinySpec(
+        tokenizer="bpe", hidden_size=128, num_layers=3, steps=800, lr=3e-3, restate=True
     ),
 }
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -49,6 +50,7 @@ from runner.models.tokenizer_build import MODEL_MAX_LENGTH, build_tokenizer, sav
 TASK = (0, 20, ("+", "-"))  # the built-in task: operands 0..20, + and -
 HELD_OUT_EVAL = 200  # held-out problems measured after the warm-up
 MAX_ANSWER_TOKENS = 6  # "-20" is 2 tokens (bpe) or 3 (char), plus eos
+RESTATED_TOKENS = 16  # "-20 (0 - 20)" and eos, with room
 
 
 def model_config(spec: TinySpec, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
@@ -76,9 +78,21 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str) -> list[int]:
     return list(out["input_ids"])
 
 
-def answer_ids(tokenizer: PreTrainedTokenizerBase, answer: int) -> list[int]:
+def answer_ids(tokenizer: PreTrainedTokenizerBase, answer: int | str) -> list[int]:
     """The answer's tokens followed by eos, exactly as the chat template renders them."""
     return tokenizer.encode(str(answer), add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def answer_text(spec: TinySpec, question: str, answer: int) -> str:
+    """How the warm-up writes ``answer``: the integer, or with ``spec.restate`` the integer
+    followed by the question's expression in parentheses.
+
+    >>> answer_text(TinySpec("bpe", 8, 1, 1, 1e-3, restate=True), "What is 17 - 3?", 14)
+    '14 (17 - 3)'
+    """
+    if not spec.restate:
+        return str(answer)
+    return f"{answer} ({question.removeprefix('What is ').rstrip('?')})"
 
 
 def warm_up_examples(spec: TinySpec) -> list[tuple[str, int]]:
@@ -93,7 +107,7 @@ def warm_up_examples(spec: TinySpec) -> list[tuple[str, int]]:
 
 
 def sft_batch(
-    tokenizer: PreTrainedTokenizerBase, batch: Sequence[tuple[str, int]]
+    tokenizer: PreTrainedTokenizerBase, batch: Sequence[tuple[str, int | str]]
 ) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 off the answer),
     [B, T]."""
@@ -164,6 +178,7 @@ def generate_answers(
     temperature: float = 0.0,
     seed: int = 0,
     batch_size: int = 100,
+    max_new_tokens: int = MAX_ANSWER_TOKENS,
 ) -> list[str]:
     """Completions of ``questions`` (greedy when ``temperature`` is 0), decoded up to eos
     (``generate_ids``, ``batch_size`` questions at a time)."""
@@ -171,7 +186,7 @@ def generate_answers(
     texts: list[str] = []
     for start in range(0, len(questions), batch_size):
         prompts = [prompt_ids(tokenizer, q) for q in questions[start : start + batch_size]]
-        out = generate_ids(model, tokenizer, prompts, max_new_tokens=MAX_ANSWER_TOKENS,
+        out = generate_ids(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
                            temperature=temperature, generator=generator)
         texts += [tokenizer.decode(toks, skip_special_tokens=True) for toks in out]
     return texts
@@ -183,24 +198,39 @@ def accuracy(completions: Sequence[str], items: Sequence[Problem]) -> float:
     return right / len(items)
 
 
+def first_integer_accuracy(completions: Sequence[str], items: Sequence[Problem]) -> float:
+    """Share of completions whose first integer is the answer (whatever follows it)."""
+    import re
+
+    def first(text: str) -> str:
+        found = re.search(r"-?\d+", text)
+        return found.group() if found else ""
+
+    return sum(first(t) == str(p.answer) for t, p in zip(completions, items, strict=True)
+               ) / len(items)
+
+
 def held_out_accuracy(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
     count: int = HELD_OUT_EVAL,
     temperature: float = 0.0,
+    judge: Any = None,
+    max_new_tokens: int = MAX_ANSWER_TOKENS,
 ) -> float:
-    """Accuracy on ``problems("held_out", count, 0, 20, ("+", "-"))``; greedy by default."""
+    """Accuracy on ``problems("held_out", count, 0, 20, ("+", "-"))`` by ``judge`` (default
+    ``accuracy``: exactly the integer answer); greedy by default."""
     items = problems("held_out", count, *TASK)
     completions = generate_answers(model, tokenizer, [p.question for p in items],
-                                   temperature=temperature)
-    return accuracy(completions, items)
+                                   temperature=temperature, max_new_tokens=max_new_tokens)
+    return (judge or accuracy)(completions, items)
 
 
 def warm_up(
     model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, spec: TinySpec, label: str
 ) -> list[float]:
     """The supervised warm-up (``build_env.warm_up_loop``) on ``warm_up_examples(spec)``."""
-    examples = warm_up_examples(spec)
+    examples = [(q, answer_text(spec, q, a)) for q, a in warm_up_examples(spec)]
     size = spec.batch_size
     return warm_up_loop(
         model,
@@ -221,13 +251,18 @@ def build_tiny(folder: Path, name: str, spec: TinySpec) -> dict[str, object]:
         losses = warm_up(model, tokenizer, spec, name)
         greedy = held_out_accuracy(model, tokenizer)
         sampled = held_out_accuracy(model, tokenizer, temperature=1.0)
-        save_greedy(model, tokenizer, folder, max_new_tokens=8)
+        # a restating model's replies are longer; its first integer is its answer
+        first = (held_out_accuracy(model, tokenizer, judge=first_integer_accuracy,
+                                   max_new_tokens=RESTATED_TOKENS) if spec.restate else None)
+        save_greedy(model, tokenizer, folder,
+                    max_new_tokens=RESTATED_TOKENS if spec.restate else 8)
     console.print(f"built builtin:{name}: held-out greedy accuracy {greedy:.3f}")
     return {
         **build_info(name, spec, model, losses),
         "held_out_count": HELD_OUT_EVAL,
         "held_out_greedy_accuracy": greedy,
         "held_out_sampled_accuracy": sampled,  # temperature 1.0, seed 0
+        **({"held_out_greedy_first_integer_accuracy": first} if first is not None else {}),
     }
 
 
