@@ -10,10 +10,13 @@ play the one-rank run's episodes."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
+import attrs
 import pytest
+import torch
 
 from runner.envs.agents import AgentRunner
 from runner.errors import RuntimeFailure
@@ -311,3 +314,75 @@ def test_two_torchrun_ranks_each_serve_their_agents_and_play_the_one_rank_episod
         assert abs(a["grad_norm"] - b["grad_norm"]) <= FLOAT32_LAYOUT_REL * abs(a["grad_norm"])
         scale = max(abs(a["loss"]), a["adv_abs_mean"])
         assert abs(a["loss"] - b["loss"]) <= FLOAT32_LAYOUT_REL * scale, (a, b)
+
+
+# --- a rewritten history, split (env.on_rewrite = "split") ---------------------------------------
+
+
+def test_a_rewritten_history_is_split_into_segments_the_policy_scores_as_the_engine(engine):
+    """The agent asks, then sends an edited history. Split: the second call starts a segment
+    whose prompt is the template's rendering of the edited messages (untrained), after the
+    first reply; collated, the segment attends to itself only and its positions restart, so
+    the policy's logprobs of both replies are the engine's (within 1e-4), while the same row
+    read as one sequence gives the second reply other logprobs. Refused by default."""
+    from runner.models import load_causal_lm
+    from runner.packers.base import RLPolicyInput
+    from runner.train.roles.policy import batch_logprobs
+
+    packer, _ = engine
+    [r], _ = play(engine, "tests.extmods.agents.rewrites", "env.on_rewrite=split", n=1)
+    assert r.stats["rewrites"] == 1.0 and r.stats["turns"] == 2.0 and r.env_reward == 1.0
+    c = r.completion
+    [start] = c.segments
+    edited = [{"role": "user", "content": A.ASK + " Think."}, dict(r.messages[1]),
+              {"role": "user", "content": "Again."}]
+    second = packer.render_messages(edited, None, True)
+    assert list(c.token_ids[start:start + len(second)]) == second
+    assert r.loss_mask[:start] == (1,) * start and not any(r.loss_mask[start:start + len(second)])
+    assert all(r.loss_mask[start + len(second):])
+    n = len(r.prompt_ids)
+    ids, mask = r.prompt_ids + c.token_ids, (0,) * n + r.loss_mask
+    model = load_causal_lm(builtin_folder("tiny-arith-tools"))
+    split = RLPolicyInput(ids, mask, n, segments=(n + start,))
+    engine_lp = torch.tensor((0.0,) * n + c.logprobs)[1:]
+    with torch.no_grad():
+        lp, m = batch_logprobs(model, packer.collate([split]), 1.0)
+        whole, _ = batch_logprobs(model, packer.collate([attrs.evolve(split, segments=())]),
+                                  1.0)
+    assert float(((lp[0] - engine_lp).abs() * m[0]).max()) < 1e-4
+    assert float(((whole[0] - engine_lp).abs() * m[0]).max()) > 0.1
+    with pytest.raises(RuntimeFailure, match="env.on_rewrite = 'split' trains such a call"):
+        play(engine, "tests.extmods.agents.rewrites", n=1)
+
+
+def test_grpo_trains_split_episodes_on_the_engines_tokens(tmp_path):
+    """A GRPO step whose agent rewrites every episode's history, split: the trained rows
+    re-score to the engine's logprobs (``rollout/logprob_gap``), every episode counted."""
+    done = run_cli(AGENT, tmp_path, "run.max_steps=1", "algo.prompts_per_step=2",
+                   "algo.group_size=2", "data.validation.enabled=false", "logging.sample_every=0",
+                   "env.agent=tests.extmods.agents.rewrites", "env.agent_kwargs={}",
+                   "env.on_rewrite=split")
+    assert done.returncode == 0, done.stdout + done.stderr
+    [row] = _trained(tmp_path)
+    assert row["env/rewrites"] == 1.0 and row["env/turns"] == 2.0
+    assert row["rollout/logprob_gap"] < 1e-4 and math.isfinite(row["loss"])
+
+
+def test_split_episodes_cross_checkpoints_and_ranks_with_their_segments():
+    """A split episode's segment starts survive what carries completions: a batch sampled
+    ahead, written into a checkpoint and read back; a dynamic-sampling group crossing ranks."""
+    from runner.rollout.base import Completion
+    from runner.train.loops.dynamic import Group
+    from runner.train.loops.pipeline import Produced
+    from runner.train.loops.trajectory import Trajectory
+
+    split = Completion((5, 6, 2, 7, 8, 9, 2), "x", (-0.1, -0.2, -0.3, 0.0, 0.0, -0.4, -0.5),
+                       "stop", (3,))
+    plain = Completion((5, 2), "y", (-0.1, -0.2), "stop")
+    traj = Trajectory((ITEM, ITEM), ((1, 3), (1, 3)), (split, plain),
+                      loss_masks=((1, 1, 1, 0, 0, 1, 1), (1, 1)), env_rewards=(1.0, 0.0))
+    back = Produced.from_json(Produced(3, 2, traj, (0, 0), 1.0).to_json(), lambda i: ITEM).traj
+    assert back.completions == (split, plain)
+    group = Group(0, traj.prompt_ids, traj.completions, (1.0, 0.0), traj.loss_masks,
+                  traj.env_rewards)
+    assert Group.from_plain(group.to_plain()) == group

@@ -67,6 +67,7 @@ class _Session:
     mask: list[int] = attrs.Factory(list)
     messages: list[dict[str, Any]] = attrs.Factory(list)
     tools: tuple[dict[str, Any], ...] = ()
+    segments: list[int] = attrs.Factory(list)  # where in ids each later segment begins
     calls: int = 0
     tool_calls: int = 0
     last_reply: str = ""
@@ -256,8 +257,9 @@ class AgentRunner:
                 s.error, s.done = exc.message, True
                 call.answer.set_exception(exc)
                 continue
+            # env.max_total_tokens bounds the episode's tokens, its segments together
             budget = min(params.max_new_tokens, call.request.sampling.max_tokens,
-                         s.limit - len(prompt))
+                         s.limit - len(s.prompt_ids) - len(s.ids))
             if budget < 1 or s.calls >= self.cfg.max_turns:
                 s.truncated = s.done = True
                 call.answer.set_exception(ApiError(409, "this episode's token or turn budget "
@@ -274,7 +276,9 @@ class AgentRunner:
                 self._answered(s, call, prompt, out)
 
     def _extend(self, s: _Session, req: ChatRequest) -> list[int]:
-        """The call's prompt ids, the session's tokens extended by its new messages."""
+        """The call's prompt ids, the session's tokens extended by its new messages; a call
+        that rewrites the history starts a new segment (``env.on_rewrite = "split"``) or is
+        refused."""
         messages = [dict(m) for m in req.messages]
         if s.calls == 0:
             s.prompt_ids = tuple(self.packer.render_messages(messages, list(req.tools) or None,
@@ -285,20 +289,42 @@ class AgentRunner:
         kept = len(s.messages)
         if req.tools != s.tools or len(messages) <= kept or not all(
                 _same(a, b) for a, b in zip(messages[:kept], s.messages, strict=True)):
-            raise ApiError(409, f"call {s.calls + 1} does not send back the conversation so "
-                           "far followed by new messages (a message was changed, dropped or "
-                           "the tools changed): the episode's trained tokens must be the ones "
-                           "sampled")
+            return self._rewritten(s, req, messages, f"call {s.calls + 1} does not send back "
+                                   "the conversation so far followed by new messages (a message "
+                                   "was changed, dropped or the tools changed)")
         new = messages[kept:]
         try:
             ids = self.packer.env_message_ids(s.messages, new, list(s.tools) or None)
         except NotAppendOnly as exc:
-            raise ApiError(409, f"the chat template is not append-only here: {exc}") from exc
+            return self._rewritten(s, req, messages,
+                                   f"the chat template is not append-only here: {exc}")
         s.messages = messages
         s.ids += ids
         s.logprobs += [0.0] * len(ids)
         s.mask += [0] * len(ids)
-        return list(s.prompt_ids) + s.ids
+        return self._context(s)
+
+    def _context(self, s: _Session) -> list[int]:
+        """What the engine is prompted with: the current segment's tokens so far."""
+        if not s.segments:
+            return list(s.prompt_ids) + s.ids
+        return s.ids[s.segments[-1]:]
+
+    def _rewritten(self, s: _Session, req: ChatRequest, messages: list[dict[str, Any]],
+                   why: str) -> list[int]:
+        """A call whose prompt does not extend the episode's tokens: with ``on_rewrite =
+        "split"`` a new segment, its prompt the template's rendering of the call's messages
+        (untrained, after the tokens so far, attending to itself only), else a 409."""
+        if self.cfg.on_rewrite != "split":
+            raise ApiError(409, f"{why}: the episode's trained tokens must be the ones sampled "
+                           "(env.on_rewrite = 'split' trains such a call as a new segment)")
+        prompt = self.packer.render_messages(messages, list(req.tools) or None, True)
+        s.segments.append(len(s.ids))
+        s.messages, s.tools = messages, req.tools
+        s.ids += prompt
+        s.logprobs += [0.0] * len(prompt)
+        s.mask += [0] * len(prompt)
+        return self._context(s)
 
     def _answered(self, s: _Session, call: _Call, prompt: list[int], out: Any) -> None:
         sampling = call.request.sampling
@@ -329,6 +355,7 @@ class AgentRunner:
         stats = {"turns": float(s.calls), "tool_calls": float(s.tool_calls),
                  "tool_failures": 0.0, "truncated": float(s.truncated),
                  "agent_error": float(bool(s.error)), "agent_timeout": float(s.timed_out),
+                 "rewrites": float(len(s.segments)),
                  **{f"agent_{k}": v for k, v in named.items()}}
         if not s.prompt_ids:  # the agent never asked the model: nothing to train
             prompt = self.packer.render_messages([{"role": "user", "content": str(
@@ -337,7 +364,8 @@ class AgentRunner:
             return EpisodeResult(tuple(prompt), Completion((eos,), "", (0.0,), "stop"), (0,),
                                  reward, stats, ())
         return EpisodeResult(s.prompt_ids, Completion(tuple(s.ids), s.last_reply,
-                                                      tuple(s.logprobs), s.finish),
+                                                      tuple(s.logprobs), s.finish,
+                                                      tuple(s.segments)),
                              tuple(s.mask), reward, stats, tuple(s.messages))
 
     def _reward(self, s: _Session, step: int | None) -> tuple[float, dict[str, float]]:

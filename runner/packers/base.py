@@ -42,6 +42,10 @@ class RLPolicyInput:
     # ``mm_token_type_ids``) that collate pads with 0 like the ids.
     extra: dict[str, Any] = attrs.field(factory=dict)
     token_extra: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
+    # An episode split where its agent rewrote the history (``env.on_rewrite = "split"``): the
+    # positions where its later segments begin. Each segment is a sequence of its own: its
+    # positions restart at 0 and it attends to itself only (``PolicyBatch.model_kwargs``).
+    segments: tuple[int, ...] = ()
 
     @property
     def completion_ids(self) -> tuple[int, ...]:
@@ -94,10 +98,14 @@ class PolicyBatch:
     seq_ids_BT: torch.Tensor
     packed: bool = False
     extras: ModelExtras = ModelExtras()
+    # some row holds several segments (``RLPolicyInput.segments``; ``seq_ids_BT`` tells them
+    # apart): its forwards take a block-diagonal causal mask
+    segmented: bool = False
 
     def to(self, device: torch.device | str) -> PolicyBatch:
         moved = {f.name: getattr(self, f.name).to(device) for f in attrs.fields(PolicyBatch)
-                 if f.name not in ("packed", "extras") and getattr(self, f.name) is not None}
+                 if f.name not in ("packed", "extras", "segmented")
+                 and getattr(self, f.name) is not None}
         return attrs.evolve(self, **moved, extras=self.extras.to(device))
 
     def select(self, idx: torch.Tensor) -> PolicyBatch:
@@ -108,10 +116,15 @@ class PolicyBatch:
                 "seq_ids_BT") if getattr(self, name) is not None}
         return attrs.evolve(self, **cut, extras=self.extras.select(idx, width))
 
-    def model_kwargs(self) -> dict[str, Any]:
+    def model_kwargs(self, mask_kind: str | None = "bool") -> dict[str, Any]:
         """Keyword arguments of a forward besides ``input_ids``: the attention mask (not when
-        packed), the position ids (when the batch has them) and the packer's extras."""
+        packed), the position ids (when the batch has them) and the packer's extras. A
+        segmented batch's mask is 4-D, causal within each segment (``segment_mask``), in the
+        form the model's attention takes (``mask_kind``: "bool" for SDPA, "additive" for eager;
+        ``runner.train.roles.packing.attention_mask_kind``)."""
         kwargs: dict[str, Any] = {} if self.packed else {"attention_mask": self.attention_mask_BT}
+        if self.segmented and not self.packed:
+            kwargs["attention_mask"] = segment_mask(self, mask_kind)
         if self.position_ids_BT is not None:
             kwargs["position_ids"] = self.position_ids_BT
         return {**kwargs, **self.extras.model_kwargs()}
@@ -296,6 +309,9 @@ def collate(inputs: Sequence[RLPolicyInput], pad_token_id: int, *,
     if packed and any(x.extra or x.token_extra for x in inputs):
         raise ValueError("padding-free packing cannot carry a packer's extra model inputs "
                          "(pixel values, mm_token_type_ids): collate these sequences padded")
+    if packed and any(x.segments for x in inputs):
+        raise ValueError("an episode split in segments is collated padded (its rows take a "
+                         "block-diagonal mask)")
     if packed:
         ids = [t for x in inputs for t in x.input_ids]
         loss = [m for x in inputs for m in x.loss_mask]
@@ -310,15 +326,46 @@ def collate(inputs: Sequence[RLPolicyInput], pad_token_id: int, *,
     attention = torch.zeros((B, width), dtype=torch.long)
     loss_mask = torch.zeros((B, width), dtype=torch.long)
     seq_ids = torch.full((B, width), -1, dtype=torch.long)
+    later = B  # the ids of later segments: after every row's own
     for b, x in enumerate(inputs):
         n = len(x.input_ids)
         input_ids[b, :n] = torch.tensor(x.input_ids, dtype=torch.long)
         attention[b, :n] = 1
         loss_mask[b, :n] = torch.tensor(x.loss_mask, dtype=torch.long)
         seq_ids[b, :n] = b
+        for start in x.segments:  # each later segment: an id of its own
+            seq_ids[b, start:n] = later
+            later += 1
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    for b, x in enumerate(inputs):
+        for start in x.segments:  # positions from 0 again in each later segment
+            position_ids[b, start:] -= int(position_ids[b, start])
+    position_ids.clamp_(min=0)
     return PolicyBatch(input_ids, attention, position_ids, loss_mask, seq_ids,
-                       extras=collate_extras(inputs, width))
+                       extras=collate_extras(inputs, width),
+                       segmented=any(x.segments for x in inputs))
+
+
+def segment_mask(batch: PolicyBatch, mask_kind: str | None) -> torch.Tensor:
+    """The [B, 1, T, T] attention mask of a segmented padded batch: a position attends to the
+    earlier positions of its own segment (``seq_ids_BT``) that hold a token; a padding
+    position to itself only (a query that attends to nothing would make its output NaN).
+    Boolean (True: attend) for ``mask_kind = "bool"``, else additive (0 or the dtype's
+    minimum)."""
+    if mask_kind is None:
+        raise ValueError("an episode split in segments (env.on_rewrite = 'split') needs an "
+                         "attention implementation that takes a custom mask (sdpa or eager), "
+                         "not flash attention")
+    seq, real = batch.seq_ids_BT, batch.attention_mask_BT.bool()
+    T = seq.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=seq.device).tril()
+    allowed = causal & (seq[:, :, None] == seq[:, None, :]) & real[:, None, :]
+    allowed |= torch.eye(T, dtype=torch.bool, device=seq.device)
+    allowed = allowed[:, None]
+    if mask_kind == "bool":
+        return allowed
+    return torch.zeros(allowed.shape, device=seq.device).masked_fill_(
+        ~allowed, torch.finfo(torch.float32).min)
 
 
 def collate_extras(inputs: Sequence[RLPolicyInput], width: int) -> ModelExtras:

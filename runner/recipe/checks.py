@@ -190,6 +190,10 @@ def check_env(r: Recipe) -> list[Problem]:
                 "limit)")
     p += _range("env.step_timeout_s", e.step_timeout_s, e.step_timeout_s >= 0, ">= 0 (0: no "
                 "limit)")
+    if e.on_rewrite == "split" and not e.agent:
+        p.append(Problem("env.on_rewrite", "splits an agent's episode where its call rewrites "
+                         "the history; the environments of env.factory and env.tools never do",
+                         got=e.on_rewrite, hint="remove env.on_rewrite, or set env.agent"))
     if e.agent and (e.factory or e.tools):
         p.append(Problem("env.agent", "an agent plays the episode itself (its own tools, over "
                          "the OpenAI API): it takes no env.factory or env.tools", got=e.agent,

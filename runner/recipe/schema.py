@@ -246,6 +246,14 @@ class EnvConfig:
     concurrency: int = key(32, "env.agent: episodes played at a time.")
     episode_timeout_s: float = key(
         120.0, "env.agent: seconds one episode may take; a slower one ends (on_agent_error).")
+    on_rewrite: Literal["refuse", "split"] = key(
+        "refuse", "env.agent: a call that does not send back the conversation so far (a "
+        "message edited, dropped or summarised, the tools changed, or a template that renders "
+        "it otherwise): refuse it (409, the agent's error) or split the episode there: the call "
+        "starts a new segment from its own prompt, trained in the same sample with its own "
+        "positions and attention (nothing of the earlier segments seen), the episode's reward "
+        "shared; env/rewrites counts them."
+    )
     on_agent_error: Literal["zero", "fail"] = key(
         "fail", "env.agent: an agent that raises, returns something else than a reward, sends "
         "a rewritten history or runs out of time: the run stops naming it and the item (fail), "

@@ -38,6 +38,9 @@ class Completion:
     text: str
     logprobs: tuple[float, ...]
     finish_reason: str  # "stop" (ended on EOS, which is the last token) or "length"
+    # an agent's episode split where it rewrote the history (env.on_rewrite = "split"): the
+    # positions in token_ids where its later segments begin, each with its own prompt
+    segments: tuple[int, ...] = ()
 
 
 @attrs.frozen

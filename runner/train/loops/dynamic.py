@@ -62,16 +62,16 @@ class Group:
 
     def to_plain(self) -> tuple[Any, ...]:
         return (self.index, [list(p) for p in self.prompt_ids],
-                [[list(c.token_ids), c.text, list(c.logprobs), c.finish_reason]
-                 for c in self.completions], list(self.rewards),
+                [[list(c.token_ids), c.text, list(c.logprobs), c.finish_reason,
+                  list(c.segments)] for c in self.completions], list(self.rewards),
                 [list(m) for m in self.loss_masks], list(self.env_rewards))
 
     @classmethod
     def from_plain(cls, raw: Sequence[Any]) -> Group:
         index, prompts, completions, rewards, masks, env = raw
         return cls(int(index), tuple(tuple(p) for p in prompts),
-                   tuple(Completion(tuple(ids), text, tuple(lps), reason)
-                         for ids, text, lps, reason in completions),
+                   tuple(Completion(tuple(ids), text, tuple(lps), reason, tuple(segments))
+                         for ids, text, lps, reason, segments in completions),
                    tuple(float(r) for r in rewards), tuple(tuple(m) for m in masks),
                    tuple(float(e) for e in env))
 

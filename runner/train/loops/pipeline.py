@@ -62,7 +62,8 @@ class Produced:
         t = self.traj
         return {"step": self.step, "version": self.version, "indices": list(self.indices),
                 "prompt_ids": [list(p) for p in t.prompt_ids],
-                "completions": [[list(c.token_ids), c.text, list(c.logprobs), c.finish_reason]
+                "completions": [[list(c.token_ids), c.text, list(c.logprobs), c.finish_reason,
+                                 *([list(c.segments)] if c.segments else [])]
                                 for c in t.completions],
                 **({"loss_masks": [list(m) for m in t.loss_masks],
                     "env_rewards": list(t.env_rewards), "env_stats": dict(t.env_stats)}
@@ -76,8 +77,9 @@ class Produced:
         for i in indices:
             if i not in items:
                 items[i] = item(i)
-        completions = tuple(Completion(tuple(ids), text, tuple(lps), reason)
-                            for ids, text, lps, reason in raw["completions"])
+        completions = tuple(Completion(tuple(ids), text, tuple(lps), reason,
+                                       tuple(int(s) for s in (rest[0] if rest else ())))
+                            for ids, text, lps, reason, *rest in raw["completions"])
         traj = Trajectory(tuple(items[i] for i in indices),
                           tuple(tuple(p) for p in raw["prompt_ids"]), completions,
                           loss_masks=tuple(tuple(m) for m in raw.get("loss_masks", [])),

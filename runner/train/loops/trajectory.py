@@ -75,7 +75,7 @@ def _episode_mask(x: RLPolicyInput, c: Completion, mask: Sequence[int], packer: 
                          "as the engine and the chat template wrote them")
     n = x.n_prompt_tokens
     loss = x.loss_mask[:n] + tuple(a * b for a, b in zip(x.loss_mask[n:], mask, strict=True))
-    return attrs.evolve(x, loss_mask=loss)
+    return attrs.evolve(x, loss_mask=loss, segments=tuple(n + s for s in c.segments))
 
 
 def without_loss(inputs: Sequence[RLPolicyInput], drop: Sequence[bool]) -> list[RLPolicyInput]:

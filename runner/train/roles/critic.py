@@ -35,8 +35,11 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, batch: PolicyBatch) -> torch.Tensor:
         """Values on the shifted grid [B, T-1]: the value of the state before token t+1."""
+        from runner.train.roles.packing import attention_mask_kind
+
         hidden = self.backbone(input_ids=batch.input_ids_BT, use_cache=False,
-                               **batch.model_kwargs()).last_hidden_state
+                               **batch.model_kwargs(attention_mask_kind(self.backbone))
+                               ).last_hidden_state
         values = self.v_head(hidden[:, :-1].to(self.v_head.weight.dtype)).squeeze(-1)
         # A sharded critic (FSDP2) returns no view: FSDP2 warns that an in-place op on one
         # would skip its pre-backward hook. The values are the same bits.

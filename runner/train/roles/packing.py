@@ -243,6 +243,8 @@ def choose_layout(batch: PolicyBatch, pad_token_id: int = 0, mask_kind: str | No
 
 
 def _choose(batch: PolicyBatch, mask_kind: str | None) -> tuple[_Plan, np.ndarray] | None:
+    if batch.segmented:  # split episodes run padded, with their block-diagonal mask
+        return None
     _refuse_extras(batch)
     ids = _ids(batch)
     best = _plan_pack(batch, None)

@@ -26,7 +26,10 @@ def forward_logits(model: Any, batch: PolicyBatch, keep_from: int = 0, upcast: b
     runs only on those positions (the model's ``logits_to_keep``) when the model supports it."""
     # No KV cache: none is needed to score, and transformers only detects packed sequences (and
     # builds the block-diagonal mask from the restarting position ids) when there is none.
-    kwargs: dict[str, Any] = {"use_cache": False, **batch.model_kwargs()}
+    from runner.train.roles.packing import attention_mask_kind
+
+    kwargs: dict[str, Any] = {"use_cache": False,
+                              **batch.model_kwargs(attention_mask_kind(model))}
     T = batch.input_ids_BT.shape[1]
     keep = keep_from > 0 and _takes_logits_to_keep(model)
     if keep:
