@@ -149,10 +149,11 @@ def test_batches_in_flight_on_another_number_of_ranks_are_refused(flights, world
 
 @pytest.mark.vllm
 def test_the_vllm_engine_samples_ahead_with_the_scheduled_weights(straight, tmp_path):
-    """vLLM generates on the producer thread while the step trains: the staleness schedule, the
-    synchronous run's items, and the batch of step 3 (held by the checkpoint of step 2) was
-    sampled by the weights of step 1: its logprobs are theirs (float32 numerics apart), not
-    those of step 2. (Two such runs were bitwise equal when measured; not repeated here.)"""
+    """vLLM generates on the producer thread while the step trains (with keys of the GRPO
+    family): the staleness schedule, the synchronous run's items, and the batch of step 3
+    (held by the checkpoint of step 2) was sampled by the weights of step 1: its logprobs are
+    theirs (float32 numerics apart), not those of step 2. (Two such runs were bitwise equal
+    when measured; not repeated here.)"""
     import importlib.util
     import json
 
@@ -161,11 +162,16 @@ def test_the_vllm_engine_samples_ahead_with_the_scheduled_weights(straight, tmp_
 
     if importlib.util.find_spec("vllm") is None:  # (not imported here: 2 s)
         pytest.skip("vllm is not installed")
+    # (the training items stay the same; the GRPO family's keys change the loss alone: RLOO's
+    # baseline, CISPO's loss with a dual clip, overlong shaping, truncated completions masked)
     done = run_cli(GRPO, tmp_path, "run.max_steps=3", *SMALL, *K1, "rollout.engine=vllm",
-                   "data.validation.enabled=false")  # (the training items stay the same)
+                   "data.validation.enabled=false", "algo.advantage=rloo",
+                   "algo.policy_loss=cispo", "reward.overlong_buffer_len=2",
+                   "reward.overlong_penalty=0.5", "algo.mask_truncated=true")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = _trained(tmp_path)
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all("reward/overlong_penalty" in r for r in rows)
     sync = _trained(straight["k0"])[:3]
     assert [r["data/item_ids"] for r in rows] == [r["data/item_ids"] for r in sync]
     ckpts = tmp_path / "checkpoints"
