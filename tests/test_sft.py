@@ -378,20 +378,25 @@ def test_prompt_and_response_columns_make_one_turn_each(tmp_path):
 
 
 def test_strict_resume_refuses_changed_conversations(tmp_path):
-    """The cursor fingerprint covers an SFT source: a checkpoint of one file, resumed on a
-    file with other conversations under ``data.cursor_resume = "strict"``, is refused in one
-    line naming the key."""
+    """The cursor fingerprint covers an SFT source's conversations and its tools column: a
+    cursor saved over one file is refused under ``data.cursor_resume = "strict"`` once the
+    file holds other conversations, naming the key and the part that changed; the same file
+    resumes."""
+    from runner.data.cursor import DataCursor, check_resume
+    from runner.errors import ResumeError
+
     path = _jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT}] * 8)
-    out = tmp_path / "run"
-    args = (f"data.path={path}", "data.messages_column=messages",
-            "data.validation.enabled=false", "algo.examples_per_step=4", "logging.sample_every=0",
-            "checkpoint.every_steps=1", "data.cursor_resume=strict")
-    done = run_subprocess("recipes/sft-arith.toml", out, "run.max_steps=1", *args)
-    assert done.returncode == 0, done.stdout + done.stderr
-    _jsonl(path, [{"messages": TOOLS_CHAT}] * 8)
-    done = run_subprocess("recipes/sft-arith.toml", out, "run.max_steps=2", *args)
-    assert done.returncode != 0
-    assert "data.cursor_resume: the saved data cursor does not match" in done.stdout + done.stderr
+    columns = ("data.messages_column=messages",)
+    before = _sources(path, *columns)[0].fingerprint_parts()
+    saved = DataCursor(0, 4, 0, _sources(path, *columns)[0].fingerprint())
+    assert check_resume(saved, before, before, "strict", seed=0) == saved
+    _jsonl(path, [{"messages": TOOLS_CHAT, "tools": []}] * 8)
+    for now in (_sources(path, *columns)[0].fingerprint_parts(),
+                _sources(path, *columns, "data.tools_column=tools")[0].fingerprint_parts()):
+        with pytest.raises(ResumeError) as info:
+            check_resume(saved, now, before, "strict", seed=0)
+        assert str(info.value).startswith("data.cursor_resume: the saved data cursor does not "
+                                          "match"), str(info.value)
 
 
 def test_lora_sft_exports_evaluates_and_reports(tmp_path, run_cli):
