@@ -55,6 +55,9 @@ from tests.resume_helpers import (
     wait_for_checkpoint,
     wait_for_step,
 )
+from tests.resume_helpers import (
+    rows as metric_rows,
+)
 
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
@@ -424,13 +427,10 @@ def test_an_openai_sdk_agent_on_ray_plays_the_one_rank_episodes(cluster, tmp_pat
     done = run_ranks(recipe, tmp_path / "local", 1, *agent)
     assert done.returncode == 0, done.stdout + done.stderr
 
-    def rows(name):
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [r for r in map(json.loads, lines) if "loss" in r]
-
     keys = ("data/item_ids", "rollout/staleness_max", "reward/mean", "env/turns",
             "env/tool_calls")
-    ray, local = rows("ray"), rows("local")
+    ray, local = ([r for r in metric_rows(tmp_path / name) if "loss" in r]
+                  for name in ("ray", "local"))
     assert len(ray) == 2 and [[r[k] for k in keys] for r in ray] == [[r[k] for k in keys]
                                                                       for r in local]
     assert all(r["env/turns"] >= 1.0 for r in ray)

@@ -22,6 +22,7 @@ shipped with the package, so a run never builds them (``python -m runner.models.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -200,8 +201,6 @@ def accuracy(completions: Sequence[str], items: Sequence[Problem]) -> float:
 
 def first_integer_accuracy(completions: Sequence[str], items: Sequence[Problem]) -> float:
     """Share of completions whose first integer is the answer (whatever follows it)."""
-    import re
-
     def first(text: str) -> str:
         found = re.search(r"-?\d+", text)
         return found.group() if found else ""
