@@ -190,6 +190,21 @@ def test_nonsense_combinations_are_refused_in_one_line(override, key):
     assert key in str(info.value) and "\n" not in str(info.value).strip()
 
 
+def test_a_resume_that_changes_whether_the_head_has_its_own_rate_is_refused(trained, tmp_path):
+    """The recipe's checkpoint holds the score head in an optimizer group of its own
+    (``algo.head_lr``); resumed with ``algo.head_lr = 0`` it is refused before any model is
+    built, naming the key, and the checkpoint is left as it was."""
+    import shutil
+
+    assert load_recipe(REPO / RECIPE, []).algo.head_lr > 0
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    done = run_subprocess(RECIPE, run, "run.max_steps=3", "algo.head_lr=0", *SMALL)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "algo.head_lr" in done.stdout + done.stderr
+    assert not (run / "checkpoints" / "step-000003").exists()
+
+
 def test_eval_of_a_reward_model_is_refused_in_one_line(trained, run_cli):
     rc, out, err = run_cli("eval", "--plain", RECIPE, f"run.output_dir={trained}",
                            "--checkpoint", "latest")
