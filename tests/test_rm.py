@@ -65,6 +65,38 @@ def test_bradley_terry_loss_and_gradient_by_hand(center):
     assert abs(metrics["bt_loss"].item() - by_hand(0.0)[0]) < 1e-12
 
 
+def test_head_lr_trains_the_score_head_at_its_own_rate():
+    """``algo.head_lr``: the score head (the parameters outside transformers' base model) is an
+    optimizer group of its own at that rate, the body at ``train.lr``, and the optimizer holds
+    the parameters in the model's order; AdamW's first step (bias-corrected, no weight decay)
+    moves each weight by about its group's rate, so the head's largest move is ``head_lr`` and
+    the body's ``train.lr``. Without it: one group, as for any other model."""
+    from runner.train.roles.policy import head_parameter_names, make_optimizer
+
+    recipe = load_recipe(REPO / RECIPE, ["train.lr=1e-4", "algo.head_lr=2e-2",
+                                         "train.weight_decay=0.0"])
+    torch.manual_seed(0)
+    model = load_causal_lm("builtin:tiny-arith", head="score").train()
+    assert head_parameter_names(model) == {"score.weight"}
+    assert len(make_optimizer(model, recipe.train).param_groups) == 1
+    optimizer = make_optimizer(model, recipe.train, head_lr=recipe.algo.head_lr)
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-4, 2e-2]
+    assert [id(p) for g in optimizer.param_groups for p in g["params"]] == [
+        id(p) for p in model.parameters()]
+    packer = build_packer(resolve_model_path("builtin:tiny-arith"), "qwen2")
+    pairs = [SimpleNamespace(prompt=f"What is {a} + 3?", chosen=str(a + 3), rejected=str(a + 4),
+                             id=str(a)) for a in range(4)]
+    cpu = SimpleNamespace(device=torch.device("cpu"), mixed_precision="no")
+    scores = Trainable(model, optimizer, None, cpu).scores(
+        packer.collate(pack_pairs(packer, pairs)))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rm_loss(scores[:4], scores[4:])[0].backward()
+    optimizer.step()
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters()}
+    assert moved.pop("score.weight") == pytest.approx(2e-2, rel=1e-3)
+    assert max(moved.values()) == pytest.approx(1e-4, rel=1e-2)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Two steps of the recipe from the CLI, and the run exported."""
@@ -164,6 +196,7 @@ def test_sigkill_resume_is_bitwise(tmp_path):
 
 @pytest.mark.parametrize(("override", "key"), [
     ("algo.center_coef=-0.1", "algo.center_coef"),
+    ("algo.head_lr=-0.1", "algo.head_lr"),
     ("algo.pairs_per_step=0", "algo.pairs_per_step"),
     ("model.lora.rank=8", "model.lora.rank"),
     ("train.sharding=fsdp", "train.sharding"),
@@ -175,6 +208,21 @@ def test_nonsense_combinations_are_refused_in_one_line(override, key):
         load_recipe(REPO / RECIPE, [override])
     assert len(info.value.problems) == 1, str(info.value)
     assert key in str(info.value) and "\n" not in str(info.value).strip()
+
+
+def test_a_resume_that_changes_whether_the_head_has_its_own_rate_is_refused(trained, tmp_path):
+    """The recipe's checkpoint holds the score head in an optimizer group of its own
+    (``algo.head_lr``); resumed with ``algo.head_lr = 0`` it is refused before any model is
+    built, naming the key, and the checkpoint is left as it was."""
+    import shutil
+
+    assert load_recipe(REPO / RECIPE, []).algo.head_lr > 0
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    done = run_subprocess(RECIPE, run, "run.max_steps=3", "algo.head_lr=0", *SMALL)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "algo.head_lr" in done.stdout + done.stderr
+    assert not (run / "checkpoints" / "step-000003").exists()
 
 
 def test_eval_of_a_reward_model_is_refused_in_one_line(trained, run_cli):

@@ -206,7 +206,7 @@ def test_a_factory_of_triples_has_no_margin_field():
     ("recipes/rm-arith.toml", [], "command line: data.margin_column: the built-in arithmetic "
      "pairs (data.synthetic_pairs) carry no margins (got 'gap'). Give the pairs with their "
      "margins as data.jsonl_path, data.tar_path or data.factory, or remove data.margin_column."),
-    ("recipes/rm-arith.toml", ["algo.kind=dpo"], "command line: data.margin_column: only used by "
+    ("recipes/dpo-arith.toml", [], "command line: data.margin_column: only used by "
      "RM, but algo.kind is 'dpo' (got 'gap'). Remove the key."),
     ("recipes/grpo-arith.toml", [], "command line: data.margin_column: only used by RM, but "
      "algo.kind is 'grpo' (got 'gap'). Remove the key."),

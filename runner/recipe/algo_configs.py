@@ -208,6 +208,13 @@ class RMConfig:
         0.0, "Weight of the penalty mean((r_chosen + r_rejected)^2), which keeps the scores "
         "centred on 0 (the Bradley-Terry loss sees only their differences). 0: off."
     )
+    head_lr: float = key(
+        0.0, "Peak learning rate of the score head (the linear layer that turns the last hidden "
+        "state into the score), on train.lr's schedule and warm-up; 0 uses train.lr. A head new "
+        "on a language model starts small, and AdamW moves a weight about one learning rate a "
+        "step: at the body's rate the scores take hundreds of steps to separate. Fixed for a "
+        "run: a resume that switches between 0 and a value is refused."
+    )
 
 
 AlgoConfig = GRPOConfig | DPOConfig | PPOConfig | OPDConfig | SFTConfig | RMConfig

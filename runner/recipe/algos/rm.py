@@ -41,6 +41,7 @@ def checks(r: Recipe) -> list[Problem]:
     a = r.algo
     p = in_range("algo.pairs_per_step", a.pairs_per_step, a.pairs_per_step >= 1, ">= 1")
     p += in_range("algo.center_coef", a.center_coef, a.center_coef >= 0, ">= 0 (0: off)")
+    p += in_range("algo.head_lr", a.head_lr, a.head_lr >= 0, ">= 0 (0: train.lr)")
     margin = margin_problem(r.data)
     if margin is not None:
         p.append(margin)

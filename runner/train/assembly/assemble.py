@@ -87,6 +87,25 @@ def check_world_change(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint) ->
         "run.output_dir")])
 
 
+def check_head_lr_change(recipe: Recipe, ckpt: LoadedCheckpoint) -> None:
+    """A reward model's optimizer holds the score head in a group of its own exactly when
+    ``algo.head_lr`` is set: a checkpoint written the other way cannot be continued."""
+    head_lr = getattr(recipe.algo, "head_lr", None)
+    saved = ckpt.optimizer_state
+    if head_lr is None or saved is None:
+        return
+    groups = len((saved.get("sharded") or saved).get("param_groups", ()))
+    if (groups > 1) == (head_lr > 0):
+        return
+    raise RecipeError([Problem(
+        "algo.head_lr", f"the checkpoint {ckpt.path.name} was written with "
+        + ("the score head at its own learning rate" if groups > 1 else "one learning rate")
+        + f"; algo.head_lr = {head_lr:g} "
+        + ("trains it at train.lr" if head_lr == 0 else "sets one for the score head"),
+        got=head_lr, hint="resume with the algo.head_lr the run was started with, or start a "
+        "new run.output_dir")])
+
+
 def resume_cursor(recipe: Recipe, ckpt: LoadedCheckpoint | None, parts_now: dict[str, str]
                   ) -> DataCursor | None:
     """The cursor to continue from, under ``data.cursor_resume`` (raises ResumeError)."""
@@ -137,6 +156,7 @@ def open_start(recipe: Recipe, plan: RunPlan, ctx: RankContext, reporter: Report
     ckpt = step("checkpoint", lambda: find_resume(recipe, plan, reporter))
     if ckpt is not None:
         step("checkpoint", lambda: check_world_change(recipe, plan, ckpt))
+        step("checkpoint", lambda: check_head_lr_change(recipe, ckpt))
         step("checkpoint", lambda: refuse_pickled(ckpt))
         step("checkpoint", lambda: refuse_in_flight(ckpt, plan.ahead, plan.world_size))
     opened = step("data", lambda: open_data(recipe, ctx))
@@ -224,7 +244,8 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
         pad_free=recipe.train.padding_free and getattr(packer, "can_pack", False),
         ckpt_optimizer=ckpt.optimizer_state if ckpt else None,
         ckpt_scheduler=ckpt.state.scheduler if ckpt else None,
-        sharded="policy" in plan.sharded, rank=ctx.rank, world=ctx.world_size, weights=weights)
+        sharded="policy" in plan.sharded, rank=ctx.rank, world=ctx.world_size, weights=weights,
+        head_lr=getattr(recipe.algo, "head_lr", 0.0) or None)
     rollout = (rollout_for(recipe, ctx, actors, model_dir, precision, engine_packer, limit)
                if generates else None)
     svc = RunServices(recipe=recipe, plan=plan, rank=ctx, comm=comm, reporter=reporter,

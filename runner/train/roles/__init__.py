@@ -105,12 +105,14 @@ def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | 
                       ckpt_optimizer: dict[str, Any] | None = None,
                       ckpt_scheduler: dict[str, Any] | None = None,
                       pad_free: bool = False, sharded: bool = False,
-                      rank: int = 0, world: int = 1, weights: Path | None = None) -> Trainable:
+                      rank: int = 0, world: int = 1, weights: Path | None = None,
+                      head_lr: float | None = None) -> Trainable:
     """``sharded``: FSDP2 (runner.train.roles.sharding) instead of Accelerate's DDP; the
     optimizer is built after sharding, so its state is sharded too; ``weights``: the folder an
     empty model (``load_for_sharding``) fills its shards from. ``ckpt_optimizer`` is a
     checkpoint's whole optimizer state, or the index of a sharded one (``{"sharded": index,
-    "folder": ...}``, this rank's shard read by ``rank`` of ``world``).
+    "folder": ...}``, this rank's shard read by ``rank`` of ``world``). ``head_lr``: a score
+    model's head learning rate (``make_optimizer``).
     """
     model.train()
     if sharded:
@@ -118,9 +120,9 @@ def prepare_trainable(accelerator: Any, model: Any, recipe: Recipe, lr: float | 
 
         model = shard_model(model, bf16=accelerator.mixed_precision == "bf16",
                             device=accelerator.device, weights=weights)
-        optimizer = make_optimizer(model, recipe.train, lr)
+        optimizer = make_optimizer(model, recipe.train, lr, head_lr)
     else:
-        optimizer = make_optimizer(model, recipe.train, lr)
+        optimizer = make_optimizer(model, recipe.train, lr, head_lr)
         model, optimizer = accelerator.prepare(model, optimizer)
     if ckpt_optimizer is not None:
         _load_optimizer(optimizer, ckpt_optimizer, sharded, rank, world)

@@ -4,6 +4,7 @@ LR schedule."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -101,18 +102,41 @@ def completion_grid(inputs: Sequence[RLPolicyInput], values: Sequence[Sequence[f
     return grid
 
 
-def make_optimizer(model: Any, cfg: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer:
+def make_optimizer(model: Any, cfg: TrainConfig, lr: float | None = None,
+                   head_lr: float | None = None) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters: torch's fused kernel where the parameters live on a
     device it has one for (CPU, CUDA; one pass over each tensor instead of a dozen), else the
     multi-tensor ``foreach`` form. Both compute the same update (to the last bit or so); the
     fused step of SmolLM2-135M's fp32 state takes a fifth of the time on two CPU cores
-    (benchmarks/README.md)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    (benchmarks/README.md).
+
+    With ``head_lr`` (a score model's ``algo.head_lr``) the parameters outside the model's base
+    model (transformers' ``base_model``: the score head) train at ``head_lr``, the others at
+    ``lr``: one parameter group per run of consecutive parameters of one kind, so the
+    optimizer's parameters keep the model's order (``runner.state.fit.shapes_of``)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
                                  for p in params)
-    return torch.optim.AdamW(params, lr=lr or cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    base_lr = lr or cfg.lr
+    groups: Any = params
+    if head_lr:
+        head = head_parameter_names(model)
+        groups = [{"params": [p for _, p in run], "lr": head_lr if is_head else base_lr}
+                  for is_head, run in itertools.groupby(named, key=lambda np: np[0] in head)]
+    return torch.optim.AdamW(groups, lr=base_lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              weight_decay=cfg.weight_decay,
                              **({"fused": True} if fused else {"foreach": True}))
+
+
+def head_parameter_names(model: Any) -> frozenset[str]:
+    """The names (as ``model.named_parameters`` gives them) of the parameters outside
+    transformers' ``model.base_model``: a ``*ForSequenceClassification``'s score head."""
+    base = getattr(model, "base_model", model)
+    if base is model:
+        raise ValueError(f"{type(model).__name__} has no base model to tell its head from")
+    inside = {id(p) for p in base.parameters()}
+    return frozenset(n for n, p in model.named_parameters() if id(p) not in inside)
 
 
 def lr_factor(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
