@@ -202,6 +202,7 @@ class StateEstimate:
     device_bytes: int | None
     device: str
     sharded_roles: tuple[str, ...]  # the roles fsdp shards (runner.recipe.plan.sharded_roles)
+    actors: dict[str, Any] = attrs.Factory(dict)  # role -> StateBytes, each in a Ray actor
 
     def part(self, role: str, sharded: bool) -> Any:
         """A role's bytes per rank: FSDP shards the roles of ``sharded_roles``
@@ -226,6 +227,9 @@ class StateEstimate:
                                                                "DDP" else "")),
                 (f"model state per rank, FSDP over {self.world}",
                  line(True) + (" <- this run" if self.layout == "FSDP" else ""))]
+        if self.actors:
+            rows.append(("in role actors of their own", ", ".join(
+                f"{role} {gib(s.total)}" for role, s in self.actors.items())))
         memory = (f"{gib(self.device_bytes)} ({self.device})" if self.device_bytes
                   else f"not reported ({self.device}): not checked")
         return rows + [("device memory", memory)]
@@ -278,17 +282,21 @@ def estimate_state(recipe: Recipe, world: int) -> StateEstimate:
         full["critic"] = trained_bytes(params("critic"), params("critic"), dtype)
     # Under Ray's separate placement the frozen models live in role actors of their own.
     on_ranks = not (recipe.launch.backend == "ray" and recipe.launch.placement == "separate")
-    if "reference" in roles and on_ranks:
-        full["reference"] = frozen_bytes(n, frozen_dtype)
-    if "teacher" in roles and on_ranks:
-        full["teacher"] = frozen_bytes(params("teacher"), frozen_dtype)
+    frozen: dict[str, Any] = {}
+    if "reference" in roles:
+        frozen["reference"] = frozen_bytes(n, frozen_dtype)
+    if "teacher" in roles:
+        frozen["teacher"] = frozen_bytes(params("teacher"), frozen_dtype)
     for i, (key, path) in enumerate(model_rewards(recipe.reward.functions)
                                     if "reward" in roles else []):
         name = "reward model" + (f" {i + 1}" if i else "")
-        full[name] = frozen_bytes(count(tensor_shapes(resolve_model_path(path, key=key))), dtype)
+        frozen[name] = frozen_bytes(count(tensor_shapes(resolve_model_path(path, key=key))), dtype)
+    if on_ranks:
+        full |= frozen
     device_bytes, device = device_memory(recipe)
     layout = "FSDP" if recipe.train.sharding == "fsdp" else "DDP"
-    return StateEstimate(layout, world, full, device_bytes, device, sharded_roles(recipe))
+    return StateEstimate(layout, world, full, device_bytes, device, sharded_roles(recipe),
+                         {} if on_ranks else frozen)
 
 
 def device_memory(recipe: Recipe) -> tuple[int | None, str]:

@@ -127,10 +127,13 @@ def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None
     for m in spec_of(recipe).models(recipe.algo):
         note = f" ({m.note})" if m.note else ""
         rows.append((m.role, f"{m.path} -> {resolve_model_path(m.path)}{note}"))
+    separate = recipe.launch.backend == "ray" and recipe.launch.placement == "separate"
+    where = ("in a Ray actor of its own, which every rank calls" if separate
+             else "in the rank's process, on its device")
     for key, reward_path in model_rewards(recipe.reward.functions):
         rows.append((f"reward model ({key})", f"{reward_path} -> "
                      f"{resolve_model_path(reward_path, key=key)} (frozen; scores each rank's "
-                     "completions in the rank's process, on its device)"))
+                     f"completions {where})"))
     return rows
 
 

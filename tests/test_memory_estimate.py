@@ -89,3 +89,41 @@ def test_a_sharded_run_is_estimated_sharded():
     # the policy and GRPO's reference sharded over 2
     assert est.per_rank(True) == 8 * n + est.full["reference"].params // 2
     assert "<- this run" in dict(est.rows())["model state per rank, FSDP over 2"]
+
+
+def test_role_actors_hold_the_frozen_models_under_the_separate_placement(tmp_path):
+    """On Ray with ``placement = "separate"`` the reference and each reward model live in role
+    actors of their own: the ranks' estimate leaves them out and a row lists them; colocated
+    ranks hold them."""
+    import shutil
+
+    import torch
+
+    from runner.models import load_causal_lm
+    from runner.preview import packing_rows
+
+    rm = tmp_path / "rm"
+    torch.manual_seed(0)
+    load_causal_lm("builtin:tiny-arith", head="score").save_pretrained(rm)
+    for f in resolve_model_path("builtin:tiny-arith").iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, rm / f.name)
+    common = ["launch.backend=ray", "launch.num_processes=2", "algo.kl_beta=0.1",
+              f'reward.functions=["model:{rm}"]']
+    n = count(tensor_shapes(resolve_model_path("builtin:tiny-arith")))
+    scored = count(tensor_shapes(rm))
+    separate = estimate_state(load_recipe(REPO / "recipes/grpo-arith.toml",
+                                          [*common, "launch.placement=separate"]), 2)
+    colocated = estimate_state(load_recipe(REPO / "recipes/grpo-arith.toml", common), 2)
+    assert set(separate.full) == {"policy"}
+    assert set(separate.actors) == {"reference", "reward model"}
+    assert separate.actors["reward model"].params == 4 * scored and scored != n
+    assert dict(separate.rows())["in role actors of their own"].startswith("reference ")
+    assert set(colocated.full) == {"policy", "reference", "reward model"} and not colocated.actors
+    assert colocated.per_rank(False) - separate.per_rank(False) == sum(
+        s.total for s in separate.actors.values())
+    where = {placement: dict(packing_rows(load_recipe(
+        REPO / "recipes/grpo-arith.toml", [*common, f"launch.placement={placement}"])))[
+            "reward model (reward.functions[0])"] for placement in ("separate", "colocated")}
+    assert "in a Ray actor of its own" in where["separate"]
+    assert "in the rank's process" in where["colocated"]

@@ -413,17 +413,42 @@ def test_separate_rollout_actor_plays_episodes_ahead_like_one_local_rank(cluster
     assert [ray[0][k] for k in keys] == [local[0][k] for k in keys]
 
 
-def test_an_openai_sdk_agent_on_ray_plays_the_one_rank_episodes(cluster, tmp_path):
+def _reward_model(folder: Path) -> Path:
+    """A reward model folder: builtin:tiny-arith with a seeded, untrained score head."""
+    from runner.models import load_causal_lm, resolve_model_path
+
+    torch.manual_seed(0)
+    load_causal_lm("builtin:tiny-arith", head="score").save_pretrained(folder)
+    for f in resolve_model_path("builtin:tiny-arith").iterdir():
+        if f.name.startswith(("tokenizer", "generation")):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_an_openai_sdk_agent_and_a_reward_model_actor_on_ray_play_the_one_rank_episodes(
+        cluster, tmp_path):
     """``[env] agent`` on Ray, the engine in a separate rollout actor, sampling one step ahead:
     each rank actor serves its own agents on 127.0.0.1 and forwards their calls to the actor.
-    Both steps' batches were sampled by the initial weights, so the items, rewards, turns and
-    tool calls equal a one-rank local run's."""
+    A reward model (``model:PATH``, weight 0: logged, not trained on) lives in a
+    ``RewardModelActor`` of its own (seen in the cluster while the run goes) that scores every
+    rank's episodes. Both steps' batches were sampled by the initial weights, so the items,
+    rewards (the model's scores too), turns and tool calls equal a one-rank local run's, where
+    the rank scores them itself."""
+    rm = _reward_model(tmp_path / "rm")
     agent = ("algo.prompts_per_step=4", "algo.group_size=4", "run.max_steps=2",
              "data.validation.enabled=false", "logging.item_ids=true", "logging.sample_every=0",
-             "algo.max_off_policy_steps=1")
+             "algo.max_off_policy_steps=1",
+             f'reward.functions=["arithmetic_exact","model:{rm}"]', "reward.weights=[1.0,0.0]")
     recipe = "recipes/grpo-openai-agent.toml"
-    done = run_ray(recipe, tmp_path / "ray", cluster.address, *SEPARATE, *agent)
-    assert done.returncode == 0, done.stdout + done.stderr
+    proc = start_ray(recipe, tmp_path / "ray", cluster.address, *SEPARATE, *agent)
+    actors: set[str] = set()
+    while proc.poll() is None:
+        actors |= {_cmdline(p).split()[0] for p in cluster.pids()
+                   if _cmdline(p).startswith("ray::")}
+        time.sleep(0.2)
+    output = proc.stdout.read()
+    assert proc.returncode == 0, output
+    assert {"ray::RewardModelActor", "ray::RolloutActor"} <= actors, actors
     done = run_ranks(recipe, tmp_path / "local", 1, *agent)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -434,6 +459,11 @@ def test_an_openai_sdk_agent_on_ray_plays_the_one_rank_episodes(cluster, tmp_pat
     assert len(ray) == 2 and [[r[k] for k in keys] for r in ray] == [[r[k] for k in keys]
                                                                       for r in local]
     assert all(r["env/turns"] >= 1.0 for r in ray)
+    # The model's mean score: the actor scores each rank's 8 episodes in a batch of its own, the
+    # local rank all 16 in one (other padding: float32 forwards that differ in their last bits).
+    scores = [[r[f"reward/model:{rm}"] for r in rows] for rows in (ray, local)]
+    assert scores[0] == pytest.approx(scores[1], rel=1e-5, abs=1e-6)
+    assert scores[0][0] != scores[0][1]  # scores, not a constant
 
 
 @pytest.mark.parametrize(("recipe", "overrides", "keys"), [
@@ -457,3 +487,4 @@ def test_sft_on_ray_equals_torchrun(cluster, tmp_path, recipe, overrides, keys):
     assert [[r.get(k) for k in keys] for r in ray] == [[r.get(k) for k in keys] for r in torchrun]
     a, b = (final_weights(tmp_path / n, 2) for n in ("ray", "torchrun"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+

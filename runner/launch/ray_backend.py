@@ -181,12 +181,13 @@ def _use_cluster_token() -> bool:
 
 def _role_actors(recipe: Recipe, roles: Sequence[str]) -> int:
     """How many role actors the run has: rollout actors, then one per frozen role of
-    ``roles`` (the plan's)."""
+    ``roles`` (the plan's), then one per reward model."""
     if recipe.launch.placement != "separate":
         return 0
-    from runner.launch.ray_roles import frozen_roles
+    from runner.launch.ray_roles import frozen_roles, reward_model_actors
 
-    return recipe.launch.rollout_actors + len(frozen_roles(roles))
+    return (recipe.launch.rollout_actors + len(frozen_roles(roles))
+            + len(reward_model_actors(recipe, roles)))
 
 
 def _probe(address: str, timeout_s: float) -> None:
@@ -381,7 +382,7 @@ def launch_ray(payload: Payload, recipe: Recipe, plan: RunPlan) -> int:
                           strict=True))
         check_versions(package_versions(), hellos)
         if roles is not None:  # errors come back from the first call that needs the model
-            for actor in [*roles.rollout, *(a for _, a in roles.frozen)]:
+            for actor in [*roles.rollout, *(a for _, a in roles.frozen + roles.rewards)]:
                 actor.build.remote()
         master = ray.get(ranks[0].rendezvous.remote(launch.collective_timeout_s),
                          timeout=launch.collective_timeout_s)

@@ -1,5 +1,5 @@
 """Roles in Ray actors of their own (``launch.placement = "separate"``): the rollout engine, the
-frozen reference and the OPD teacher.
+frozen reference, the OPD teacher and the reward models.
 
 A ``RolloutActor`` builds the recipe's engine (hf or vLLM) from the resolved recipe text, as a
 rank would, and serves ``generate`` on token ids: the policy ranks keep the data (the global
@@ -15,6 +15,10 @@ by ``launch.collective_timeout_s``; a dead or silent actor is an ``ActorDied`` e
 The reference and the teacher: a ``FrozenActor`` loads the role's model (the policy's base
 model, or ``algo.teacher_path``) and scores the batches the ranks send it (``RemoteFrozen``: the
 ``Frozen`` interface, ``logprobs`` and ``logits``); batches and results cross as CPU tensors.
+
+A reward model (``reward.functions = ["model:PATH"]``): a ``RewardModelActor`` per model loads it
+once and scores the completions every rank sends it (``RemoteReward``: a reward function,
+``(completions, items) -> scores``), as the rank would have scored them itself.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import attrs
 from runner.errors import ActorDied, RunnerError
 from runner.launch.payload import Payload
 from runner.packers.base import as_engine_prompt
+from runner.recipe.reward_names import model_rewards
 from runner.recipe.schema import Recipe
 
 FROZEN_ROLES = ("reference", "teacher")  # served by a FrozenActor under 'separate'
@@ -117,6 +122,40 @@ class FrozenActor:
         return self.model.logits(batch.to(self.model.device_type)).cpu()
 
 
+class RewardModelActor:
+    """One reward model of a run (``reward.functions[i] = "model:PATH"``), in a Ray actor of its
+    own: it scores the completions of every rank, on its actor's device."""
+
+    def __init__(self, key: str, path: str, payload: Payload) -> None:
+        self.key, self.path, self.payload = key, path, payload
+        self.reward: Any = None
+
+    def __repr__(self) -> str:
+        return f"reward model actor ({self.key})"
+
+    def hello(self) -> dict[str, Any]:
+        from runner.launch.ray_env import actor_hello
+
+        return actor_hello()
+
+    def build(self) -> str:
+        if self.reward is None:
+            from runner.launch.entry import enter_rank
+            from runner.precision import device_type
+            from runner.rewards.model import ModelReward
+
+            recipe = enter_rank(self.payload)
+            m = recipe.model
+            self.reward = ModelReward(self.path, self.key, device=device_type(recipe),
+                                      dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+            self.reward.load()
+        return self.key
+
+    def score(self, completions: list[str], items: list[Any]) -> list[float]:
+        self.build()
+        return self.reward(completions, items)
+
+
 @attrs.frozen
 class RoleActors:
     """The role actors a rank calls (plain handles: Ray pickles them)."""
@@ -124,6 +163,7 @@ class RoleActors:
     rollout: tuple[Any, ...] = ()
     timeout_s: float = 300.0
     frozen: tuple[tuple[str, Any], ...] = ()  # (role, actor): "reference", "teacher"
+    rewards: tuple[tuple[str, Any], ...] = ()  # (key, actor): "reward.functions[i]"
 
     def rollout_engine(self, ctx: Any) -> RemoteEngine:
         """Rank ``ctx.rank``'s engine: actor ``rank % len(rollout)``."""
@@ -134,6 +174,10 @@ class RoleActors:
 
     def remote_frozen(self, role: str, device: Any, pad_free: bool = False) -> RemoteFrozen:
         return RemoteFrozen(self.frozen_of(role), role, device, self.timeout_s, pad_free)
+
+    def remote_rewards(self) -> dict[str, RemoteReward]:
+        """The reward functions served by actors, by their ``reward.functions[i]`` key."""
+        return {key: RemoteReward(actor, key, self.timeout_s) for key, actor in self.rewards}
 
 
 class RemoteFrozen:
@@ -154,6 +198,18 @@ class RemoteFrozen:
     def logits(self, batch: Any) -> Any:
         ref = self.actor.logits.remote(batch.to("cpu"), self.pad_free)
         return _get(ref, "scoring", f"the {self.role} actor", self.timeout_s).to(self.device)
+
+
+class RemoteReward:
+    """A reward model's reward function whose model lives in a ``RewardModelActor``."""
+
+    def __init__(self, actor: Any, key: str, timeout_s: float) -> None:
+        self.actor, self.key, self.timeout_s = actor, key, timeout_s
+        self.__name__ = key
+
+    def __call__(self, completions: Sequence[str], items: Sequence[Any]) -> list[float]:
+        ref = self.actor.score.remote(list(completions), list(items))
+        return _get(ref, "scoring", f"the reward model actor ({self.key})", self.timeout_s)
 
 
 def _get(refs: Any, what: str, who: str, timeout_s: float) -> Any:
@@ -213,11 +269,18 @@ def frozen_roles(roles: Sequence[str]) -> list[str]:
     return [role for role in roles if role in FROZEN_ROLES]
 
 
+def reward_model_actors(recipe: Recipe, roles: Sequence[str]) -> list[tuple[str, str]]:
+    """(key, path) of each reward model of the recipe that gets an actor under 'separate'
+    (those of a plan with the reward role)."""
+    return model_rewards(recipe.reward.functions) if "reward" in roles else []
+
+
 def start_role_actors(ray: Any, payload: Payload, recipe: Recipe, roles: Sequence[str],
                       env: dict[str, Any], at: Callable[[int], Any], first: int
                       ) -> tuple[dict[str, Any], RoleActors]:
-    """Start the rollout actors, then one actor per frozen role of ``roles``, in the placement
-    group's bundles from ``first`` on (``at(bundle)``: the scheduling strategy of a bundle).
+    """Start the rollout actors, then one actor per frozen role of ``roles``, then one per reward
+    model, in the placement group's bundles from ``first`` on (``at(bundle)``: the scheduling
+    strategy of a bundle).
     Returns the actors by name (for the driver's watch) and the ranks' view of them."""
     launch = recipe.launch
     n = launch.rollout_actors
@@ -230,6 +293,11 @@ def start_role_actors(ray: Any, payload: Payload, recipe: Recipe, roles: Sequenc
     rollout = [options(RolloutActor, first + i).remote(i, payload) for i in range(n)]
     frozen = [(role, options(FrozenActor, first + n + i).remote(role, payload))
               for i, role in enumerate(frozen_roles(roles))]
+    first += n + len(frozen)
+    rewards = [(key, options(RewardModelActor, first + i).remote(key, path, payload))
+               for i, (key, path) in enumerate(reward_model_actors(recipe, roles))]
     named = ({f"rollout actor {i}": a for i, a in enumerate(rollout)}
-             | {f"{role} actor": a for role, a in frozen})
-    return named, RoleActors(tuple(rollout), launch.collective_timeout_s, tuple(frozen))
+             | {f"{role} actor": a for role, a in frozen}
+             | {f"reward model actor ({key})": a for key, a in rewards})
+    return named, RoleActors(tuple(rollout), launch.collective_timeout_s, tuple(frozen),
+                             tuple(rewards))

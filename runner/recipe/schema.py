@@ -408,13 +408,16 @@ class LaunchConfig:
         "colocated", "ray: colocated: each rank owns its rollout engine, reference and teacher "
         "(as under torchrun); separate: the rollout engine runs in launch.rollout_actors actors "
         "of its own (rank 0 sends them the policy's weights through Ray's object store after "
-        "every update), the frozen reference or OPD teacher in one more; the ranks call them.")
+        "every update), the frozen reference or OPD teacher in one more, each reward model "
+        "(reward.functions = [\"model:PATH\"]) in one more; the ranks call them.")
     rollout_actors: int = key(
         1, "ray, placement = 'separate': rollout actors; rank r uses actor r % rollout_actors.")
     cpus_per_role_actor: float = key(
-        1.0, "ray, placement = 'separate': CPUs of each role actor (rollout, reference, teacher).")
+        1.0, "ray, placement = 'separate': CPUs of each role actor (rollout, reference, teacher, "
+        "reward model).")
     gpus_per_role_actor: float = key(
-        0.0, "ray, placement = 'separate': GPUs of each role actor (rollout, reference, teacher).")
+        0.0, "ray, placement = 'separate': GPUs of each role actor (rollout, reference, teacher, "
+        "reward model).")
     collective_timeout_s: float = key(
         300.0, "Upper bound in seconds of every collective between ranks and of every call to a "
         "role's actor (a dead rank or actor ends the run instead of hanging it). At most 604800 "

@@ -6,7 +6,8 @@ naming the function and the item. With ``"process"`` every sample of every funct
 for the set's worker processes (``runner.rewards.pool``), each under its own limits; a failed
 sample scores 0 and is counted (``reward.on_error = "zero"``) or stops the step (``"fail"``).
 A reward model (``model:PATH``, ``runner.rewards.model``) always scores in the trainer, on its
-device, like a thread-isolated function.
+device, like a thread-isolated function (or, under Ray's separate placement, in an actor of its
+own that the trainer calls).
 """
 
 from __future__ import annotations
@@ -131,14 +132,18 @@ def isolation_of(cfg: RewardConfig) -> Literal["thread", "process"]:
 
 
 def build_rewards(cfg: RewardConfig, *, device: Any = "cpu", dtype: str = "float32",
-                  trust_remote_code: bool = False) -> RewardSet:
+                  trust_remote_code: bool = False,
+                  served: dict[str, RewardFn] | None = None) -> RewardSet:
     """The recipe's reward functions; reward models (``model:PATH``) load on ``device`` in
-    ``dtype`` when first called."""
+    ``dtype`` when first called, unless ``served`` has one for their ``reward.functions[i]`` key
+    (a reward model in a Ray actor of its own)."""
     limits = Limits(cfg.sample_timeout_s, cfg.memory_mb)
     code = code_rewards(limits)
 
     def function(i: int, name: str) -> RewardFn:
         key = f"reward.functions[{i}]"
+        if served and key in served:
+            return served[key]
         if is_model_reward(name):
             return ModelReward(name[len(MODEL_PREFIX):], key, device=device, dtype=dtype,
                                trust_remote_code=trust_remote_code)

@@ -338,7 +338,8 @@ def build_roles(run: RunContext) -> Roles:
     teacher = build_teacher(run) if "teacher" in wanted else None
     rewards = build_rewards(recipe.reward, device=run.svc.accelerator.device,
                             dtype=recipe.model.dtype,
-                            trust_remote_code=recipe.model.trust_remote_code) \
+                            trust_remote_code=recipe.model.trust_remote_code,
+                            served=run.actors.remote_rewards() if run.actors else None) \
         if "reward" in wanted else None
     return Roles(reference, critic, teacher, rewards)
 

@@ -289,6 +289,10 @@ class RoleProvider(Protocol):
 
     def remote_frozen(self, role: str, device: Any, pad_free: bool = False) -> FrozenScorer: ...
 
+    def remote_rewards(self) -> dict[str, Any]:
+        """The reward functions it serves (reward models), by ``reward.functions[i]`` key."""
+        ...
+
 
 class Frozen:
     """A frozen model that scores batches in this process: the reference, or the teacher's."""
