@@ -303,7 +303,7 @@ def _server_for(cmd: Sequence[str], env: dict[str, str], cwd: Path) -> Server | 
 # Variables a run may set apart from the server's: read by the runner while it runs, never by
 # the preloaded libraries on import (PYTEST_CURRENT_TEST changes with every test). The trackers'
 # libraries (W&B, MLflow) are imported by the run itself, never preloaded.
-_RUN_TIME_ONLY = ("COLUMNS", "LINES", "POSTTRAIN_HOME")
+_RUN_TIME_ONLY = ("COLUMNS", "LINES", "POSTTRAIN_HOME", "POSTTRAIN_RANK_START")
 _RUN_TIME_PREFIXES = ("PYTEST_", "WANDB_", "MLFLOW_")
 
 

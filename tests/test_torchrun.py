@@ -92,11 +92,50 @@ def two_ranks(tmp_path_factory):
     return out
 
 
-def test_two_ranks_reproduce_bitwise(two_ranks, tmp_path):
-    done = run_ranks(GRPO, tmp_path, 2, f"run.max_steps={N}", *SMALL)
+def _children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_forked_and_spawned_ranks_reproduce_bitwise(two_ranks, tmp_path, monkeypatch):
+    """The ranks start forked from one warm process (``runner.launch.zygote``) that then exits:
+    while the job runs they are the driver's own children, each in a session of its own, and
+    the zygote is gone. With ``POSTTRAIN_RANK_START=spawn`` each rank starts as a fresh
+    interpreter instead; both runs are bitwise the module's run."""
+    import os
+
+    proc = start_ranks(GRPO, tmp_path / "forked", 2, f"run.max_steps={N}", *SMALL)
+    seen: set[tuple[int, ...]] = set()
+    while proc.poll() is None:
+        ranks = tuple(sorted(c for c in _children(proc.pid)
+                             if "runner.launch.zygote" in _cmdline(c)))
+        if len(ranks) == 2 and all(os.getsid(c) == c for c in ranks):
+            seen.add(ranks)
+        time.sleep(0.1)
+    proc.communicate()
+    assert proc.returncode == 0
+    assert len(seen) == 1, seen  # the same two ranks all along, and no third (the zygote)
+    assert_same_run(tmp_path / "forked", two_ranks, N, FILES)
+    monkeypatch.setenv("POSTTRAIN_RANK_START", "spawn")
+    done = run_ranks(GRPO, tmp_path / "spawned", 2, f"run.max_steps={N}", *SMALL)
     assert done.returncode == 0, done.stderr
-    assert_same_run(tmp_path, two_ranks, N, FILES)
-    assert len(item_ids(tmp_path)) == N and all(len(ids) == 4 for ids in item_ids(tmp_path))
+    assert_same_run(tmp_path / "spawned", two_ranks, N, FILES)
+    assert len(item_ids(tmp_path / "spawned")) == N
+    assert all(len(ids) == 4 for ids in item_ids(tmp_path / "spawned"))
 
 
 def test_two_ranks_stopped_killed_and_interrupted_resume_exactly(two_ranks, tmp_path):

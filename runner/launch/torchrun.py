@@ -16,10 +16,16 @@ with the environment torchrun would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_R
   names the file. A rank whose process is stopped (SIGSTOP) is named as the one that stopped
   answering, not the rank whose collective timed out waiting for it.
 Workers die with the driver (PR_SET_PDEATHSIG), so a killed job leaves no orphans.
+
+On Linux, ranks that train on the CPU are forked from one warm process (``runner.launch.zygote``)
+that imported torch and the training modules once, instead of each importing them: the driver
+becomes a child subreaper and adopts them (``Adopted``). GPU ranks, ``POSTTRAIN_RANK_START=spawn``
+and a zygote that cannot fork start each rank as a fresh ``python -m runner.launch.worker``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -32,6 +38,7 @@ from pathlib import Path
 
 from runner.errors import RunnerError
 from runner.launch.payload import Payload
+from runner.precision import device_type
 
 LOOPBACK = "127.0.0.1"
 # After one rank fails, how long the others get to notice (a broken collective) and exit
@@ -99,12 +106,75 @@ def _last_line(path: Path) -> str:
     return lines[-1].strip() if lines else "(empty)"
 
 
+class Adopted:
+    """A rank forked by the zygote and adopted by this process (a child subreaper): the part of
+    ``subprocess.Popen`` the launcher uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its status is lost
+                self.returncode = 1
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(POLL_S)
+        return self.returncode  # type: ignore[return-value]
+
+
+def _subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux); whether it is."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    PR_SET_CHILD_SUBREAPER = 36
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
+
+
+def fork_ranks(payload_path: Path, cwd: str, envs: list[dict[str, str]], device: str
+               ) -> list[Adopted] | None:
+    """The ranks forked by one zygote (``runner.launch.zygote``), adopted by this process; None
+    where they are not: ranks that train on a GPU (CUDA may not be used in a process forked
+    after the CUDA driver was initialised, and a GPU rank's start is not dominated by its
+    imports), ``POSTTRAIN_RANK_START=spawn``, not Linux, or a zygote that failed (it said why
+    on stderr)."""
+    if (device != "cpu" or os.environ.get("POSTTRAIN_RANK_START", "fork") == "spawn"
+            or not _subreaper()):
+        return None
+    read, write = os.pipe()
+    try:
+        zygote = subprocess.Popen([sys.executable, "-m", "runner.launch.zygote", str(write)],
+                                  env=envs[0], cwd=cwd, stdin=subprocess.PIPE,
+                                  pass_fds=(write,), start_new_session=True)
+    finally:
+        os.close(write)
+    with os.fdopen(read) as report:
+        assert zygote.stdin is not None
+        zygote.stdin.write(json.dumps({"payload": str(payload_path), "cwd": cwd,
+                                       "driver": os.getpid(), "envs": envs}).encode())
+        zygote.stdin.close()
+        text = report.read()
+    code = zygote.wait()
+    pids = json.loads(text) if code == 0 and text else []
+    return [Adopted(pid) for pid in pids] if len(pids) == len(envs) else None
+
+
 class _Ranks:
     """The worker processes and what the driver does with them. ``logs``: the run folder's
     ``logs/``, where a rank writes the traceback of an error none of the project's;
     ``timeout_s``: ``launch.collective_timeout_s``."""
 
-    def __init__(self, procs: list[subprocess.Popen], logs: Path | None = None,
+    def __init__(self, procs: list[subprocess.Popen | Adopted], logs: Path | None = None,
                  timeout_s: float = 0.0) -> None:
         self.procs = procs
         self.signals = 0
@@ -210,15 +280,19 @@ def launch_torchrun(payload: Payload, world: int, timeout_s: float) -> int:
         run_id = f"posttrain-{os.getpid()}-{port}"
         cmd = [sys.executable, "-m", "runner.launch.worker", str(path)]
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        procs: list[subprocess.Popen] = []
+        procs: list[subprocess.Popen | Adopted] = []
         logs = Path(payload.cwd) / payload.recipe().run.output_dir / "logs"
         ranks = _Ranks(procs, logs, timeout_s)
         try:
             for s in old:
                 signal.signal(s, ranks.forward)
-            for rank in range(world):
-                procs.append(subprocess.Popen(cmd, env=rank_env(rank, world, port, run_id),
-                                              cwd=payload.cwd, start_new_session=True))
+            envs = [rank_env(rank, world, port, run_id) for rank in range(world)]
+            procs += fork_ranks(path, payload.cwd, envs, device_type(payload.recipe())) or [
+                subprocess.Popen(cmd, env=env, cwd=payload.cwd, start_new_session=True)
+                for env in envs]
+            if ranks.signals:  # a Ctrl-C that came while they started: theirs now
+                for p in procs:
+                    os.killpg(p.pid, signal.SIGINT)
             return ranks.watch()
         finally:
             ranks.kill()
