@@ -34,15 +34,18 @@ from tests.test_dynamic_sampling import DYN, F64, GRPO, P, _reward, expected
 from tests.tiny_run import tiny_run
 
 
+DECIDED = dynamic.decided  # (the test wraps it)
+
+
 def _steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rule: str, *overrides: str
            ) -> tuple[list[dict], list[dynamic.Drawn], list]:
     """Steps 1-3 of a one-rank run in this process (the producer given its draw, as the GRPO
     loop gives it): their metrics, what each step decided (``dynamic.decided``) and the
     hand-built lists of ``expected``."""
-    decided, real = [], dynamic.decided
+    decided = []
 
     def recorded(*args):
-        decided.append(real(*args))
+        decided.append(DECIDED(*args))
         return decided[-1]
 
     monkeypatch.setattr(dynamic, "decided", recorded)

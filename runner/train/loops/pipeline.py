@@ -63,8 +63,8 @@ class Produced:
     reward_seconds: float = 0.0  # the producer's time rewarding it (0: not rewarded by it)
     # what the reward stage raised (the batch stays unrewarded); ``take`` raises it
     failure: RunnerError | None = attrs.field(default=None, eq=False, repr=False)
-    # the sampler rewarded it (dynamic sampling: the rewards decided what it drew), and a
-    # checkpoint keeps its rewards (a resumed run trains what the draw decided, unrewarded)
+    # the sampler rewarded it (dynamic sampling: the rewards decided what it drew), so a
+    # checkpoint keeps its rewards and a resumed run decides on the very same ones
     keeps_rewards: bool = False
 
     def to_json(self) -> dict[str, Any]:
