@@ -33,7 +33,6 @@ from tests.resume_helpers import (
 from tests.test_dynamic_sampling import DYN, F64, GRPO, P, _reward, expected
 from tests.tiny_run import tiny_run
 
-
 DECIDED = dynamic.decided  # (the test wraps it)
 
 
