@@ -157,11 +157,7 @@ def test_recipe_refusals_are_named_and_reported_together():
         CL + "algo.dynamic_sampling: drops groups with no advantage signal within the group, "
         "but advantage = 'reinforce_pp' normalises over the batch, not the group (got "
         "'filter'). Use a group estimator (algo.advantage = 'grpo', 'rloo' or "
-        "'reinforce_pp_baseline'), or set algo.dynamic_sampling = 'off'.",
-        CL + "algo.dynamic_sampling: is not supported yet with max_off_policy_steps = 1 (how "
-        "many batches a step draws depends on every rank's groups, and the producer samples "
-        "ahead without a collective) (got 'filter'). Set algo.max_off_policy_steps = 0, or "
-        "algo.dynamic_sampling = 'off'."]
+        "'reinforce_pp_baseline'), or set algo.dynamic_sampling = 'off'."]  # (k = 1 is fine)
     assert _problems("algo.max_sample_batches=2") == [
         CL + "algo.max_sample_batches: is read only with dynamic_sampling = 'filter', but "
         "dynamic_sampling is 'off' (got 2). Remove it, or set algo.dynamic_sampling = "

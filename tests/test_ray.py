@@ -471,7 +471,9 @@ def test_an_openai_sdk_agent_and_a_reward_model_actor_on_ray_play_the_one_rank_e
                                 "train.eval_every=2"), ("loss", "sft/tokens", "eval/nll")),
     # (DAPO's recipe, whose dynamic sampling gathers every rank's groups through the actors,
     # passed the same comparison: "recipes/grpo-dapo-arith.toml", 4 prompts x 4, no held-out
-    # set, keys loss, sampling/kept_groups, data/items_consumed; left out for the suite's time)
+    # set, keys loss, sampling/kept_groups, data/items_consumed; so did it with
+    # algo.max_off_policy_steps=1, 3 steps, the producers drawing over their own process
+    # group; left out for the suite's time)
 ])
 def test_sft_on_ray_equals_torchrun(cluster, tmp_path, recipe, overrides, keys):
     """SFT's two rank actors train as two torchrun ranks do: the same items in the same

@@ -3,7 +3,10 @@
 With one rank every method is the identity and nothing touches ``torch.distributed``. With
 several, the default process group (gloo on CPU, NCCL on GPU) carries them; every call is
 bounded by ``launch.collective_timeout_s``, so a dead peer ends the run instead of hanging it.
-Values cross as float64 tensors or small plain Python objects, never user objects.
+Values cross as float64 tensors or small plain Python objects, never user objects. A thread
+that talks to the other ranks beside the training thread (the producer's dynamic-sampling
+draws) does so over a second group of its own (``beside``), so that the two threads' calls
+never interleave.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from runner.ranks.context import RankContext
 
 
 class Collective:
-    def __init__(self, ctx: RankContext, device: torch.device | str = "cpu") -> None:
+    def __init__(self, ctx: RankContext, device: torch.device | str = "cpu",
+                 group: Any = None) -> None:
         self.ctx = ctx
         self.device = torch.device(device)
+        self.group = group  # the process group the calls use (None: the default one)
 
     @property
     def world(self) -> int:
@@ -45,6 +50,18 @@ class Collective:
                                     world_size=ctx.world_size)
         return cls(ctx, on)
 
+    def beside(self, timeout_s: float) -> Collective:
+        """The same ranks' collectives over a process group of their own (gloo: plain data on
+        the CPU), each call bounded by ``timeout_s``: for a thread whose calls run while this
+        collective's run on another (the producer's dynamic-sampling draws). Every rank makes
+        it once, at the same point of the run; with one rank it is this collective."""
+        if self.world == 1:
+            return self
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        return Collective(self.ctx, "cpu", group)
+
     def sum(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum over ranks of equally long lists of numbers."""
         if self.world == 1:
@@ -52,7 +69,7 @@ class Collective:
         import torch.distributed as dist
 
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t.cpu().tolist()
 
     def any(self, flag: bool) -> bool:
@@ -66,19 +83,19 @@ class Collective:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value)
+        dist.all_gather_object(out, value, group=self.group)
         return out
 
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def close(self) -> None:
         # vLLM's engine shutdown destroys the default process group it joined: closing after
-        # it is a no-op.
-        if self.world > 1:
+        # it is a no-op. (A group made by ``beside`` goes with the default one.)
+        if self.world > 1 and self.group is None:
             import torch.distributed as dist
 
             if dist.is_initialized():

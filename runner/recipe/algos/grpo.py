@@ -81,8 +81,7 @@ def family_checks(a: GRPOConfig) -> list[Problem]:
 
 def dynamic_sampling_checks(a: GRPOConfig) -> list[Problem]:
     """DAPO's dynamic sampling: a cap of at least one batch, read only when it is on; a group
-    to compare (its rewards all equal is what it drops); a group estimator; no producer
-    sampling ahead (not supported yet)."""
+    to compare (its rewards all equal is what it drops); a group estimator."""
     p = in_range("algo.max_sample_batches", a.max_sample_batches, a.max_sample_batches >= 1,
                  ">= 1 (the first batch of the step counts)")
     if a.dynamic_sampling == "off":
@@ -102,13 +101,6 @@ def dynamic_sampling_checks(a: GRPOConfig) -> list[Problem]:
                          "not the group", got="filter",
                          hint="use a group estimator (algo.advantage = 'grpo', 'rloo' or "
                          "'reinforce_pp_baseline'), or set algo.dynamic_sampling = 'off'"))
-    if a.max_off_policy_steps >= 1:
-        p.append(Problem("algo.dynamic_sampling", "is not supported yet with "
-                         f"max_off_policy_steps = {a.max_off_policy_steps} (how many batches a "
-                         "step draws depends on every rank's groups, and the producer samples "
-                         "ahead without a collective)", got="filter",
-                         hint="set algo.max_off_policy_steps = 0, or algo.dynamic_sampling = "
-                         "'off'"))
     return p
 
 

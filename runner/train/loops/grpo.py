@@ -18,7 +18,8 @@ One step is three plain functions, each with explicit inputs and outputs:
 (``rewarded``), right after it samples a batch, and ``score`` takes those rewards as they are.
 With ``algo.dynamic_sampling = "filter"`` the step's ``produce`` is ``dynamic.draw`` (DAPO's
 dynamic sampling: batches drawn and rewarded until the step has its groups with unequal
-rewards), and ``score`` takes the kept groups as they are (``score_rewarded``). Everything random
+rewards), and ``score`` takes the kept groups as they are (``score_rewarded``); sampling ahead,
+the producer draws the batches and the step decides on them (``dynamic.taken``). Everything random
 is seeded from (run seed, step) and each prompt's global position, so a resumed run repeats the
 uninterrupted one exactly, and the same global batch trains the same way on any number of ranks.
 """
@@ -62,7 +63,6 @@ from runner.train.loops.rollouts import (
     rewarded,
     sample,
     shared_prefixes,
-    staged_step,
     stages,
     step_metrics,
 )
@@ -75,9 +75,11 @@ def run(run: RunContext) -> dict[str, Any]:
     assert isinstance(algo, GRPOConfig)
     rewards = run.roles.rewards
     assert rewards is not None
+    dynamic.refuse_held(run, algo)
     if algo.dynamic_sampling == "off":
-        # (dynamic sampling rewards as it draws, and never samples ahead: the recipe refuses it)
         reward_ahead(run, rewards)
+    else:  # (dynamic sampling rewards as it draws: the producer draws by its rule)
+        dynamic.sample_ahead_with(run, algo, rewards)
     return run_loop(run, lambda step: one_step(run, algo, rewards, step),
                     (lambda: evaluate(run, rewards)) if run.state.has_held_out else None)
 
@@ -302,12 +304,14 @@ def plain_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int
 def filtered_step(run: RunContext, algo: GRPOConfig, rewards: RewardSet, step: int
                   ) -> dict[str, Any]:
     """DAPO's dynamic sampling: draw (and reward) batches until the step's groups are full
-    (``dynamic.draw``), score and consume the kept groups. The reward, length and rollout
-    metrics are those of every completion drawn; ``perf/train_tok_s`` counts the trained."""
-    (drawn, scored), metrics, seconds = staged_step(
-        run, lambda: dynamic.draw(run, algo, rewards, step),
+    (``dynamic.draw``, or sampling ahead the producer's draw, taken by ``dynamic.taken``),
+    score and consume the kept groups. The reward, length and rollout metrics are those of
+    every completion drawn; ``perf/train_tok_s`` counts the trained."""
+    (drawn, scored), metrics, seconds = stages(
+        run, step, algo.group_size, lambda: dynamic.draw(run, algo, rewards, step),
         lambda d: (d, score_rewarded(run, algo, d.traj, step, d.kept)),
-        lambda ds: consume(run, algo, ds[1]) | _prefix_metrics(run, ds[1]))
+        lambda ds: consume(run, algo, ds[1]) | _prefix_metrics(run, ds[1]),
+        taken=lambda produced: dynamic.taken(run, algo, step, produced))
     _show_sample(run, scored, step)
     n = scored.layout.local_rows_count
     trained = sum(len(c.token_ids) for c in scored.traj.completions[:n])

@@ -18,12 +18,18 @@ training thread rewards only before it starts the producer (the first batches, s
 batch, and the step that takes the batch raises it: the run fails at that step, as it would have
 synchronously.
 
+A loop may also give the producer its own sampler (``Producer.sample_with``): GRPO's dynamic
+sampling draws each step's batches there (``dynamic.draw_ahead``), deciding how many from every
+rank's groups. That sampler rewards as it draws and keeps its rewards (``keeps_rewards``).
+
 A checkpoint after step ``t`` holds the batches of steps ``t + 1 .. t + k`` (each rank's: token
-ids, the engine's logprobs, the item indices, the version; not their rewards) and the cursor
-where the producer stands, so a resumed run trains exactly the batches the uninterrupted run
-trains (it rewards those it reads back again, on the training thread, with the same result).
-The producer makes no collective call: whatever needs every rank (the item ids of the log) is
-gathered when the batch is trained.
+ids, the engine's logprobs, the item indices, the version; not their rewards, except those a
+sampler keeps) and the cursor where the producer stands, so a resumed run trains exactly the
+batches the uninterrupted run trains (it rewards those it reads back again, on the training
+thread, with the same result). The producer makes no collective call on the training thread's
+process group: whatever needs every rank (the item ids of the log, dynamic sampling's kept
+groups) is gathered when the batch is trained, and dynamic sampling's draws talk to the other
+ranks over a process group of their own (``Collective.beside``).
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class Produced:
     reward_seconds: float = 0.0  # the producer's time rewarding it (0: not rewarded by it)
     # what the reward stage raised (the batch stays unrewarded); ``take`` raises it
     failure: RunnerError | None = attrs.field(default=None, eq=False, repr=False)
+    # the sampler rewarded it (dynamic sampling: the rewards decided what it drew), so a
+    # checkpoint keeps its rewards and a resumed run decides on the very same ones
+    keeps_rewards: bool = False
 
     def to_json(self) -> dict[str, Any]:
         t = self.traj
@@ -67,11 +76,14 @@ class Produced:
                                 for c in t.completions],
                 **({"loss_masks": [list(m) for m in t.loss_masks],
                     "env_rewards": list(t.env_rewards), "env_stats": dict(t.env_stats)}
-                   if t.loss_masks else {})}
+                   if t.loss_masks else {}),
+                **({"rewards": list(t.rewards), "reward_parts": dict(t.reward_parts)}
+                   if self.keeps_rewards else {})}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], item: Callable[[int], ObsBundle]) -> Produced:
-        """A batch read back from a checkpoint; its items read again from the source."""
+        """A batch read back from a checkpoint; its items read again from the source (rewarded
+        when the checkpoint kept its rewards)."""
         items: dict[int, ObsBundle] = {}
         indices = tuple(int(i) for i in raw["indices"])
         for i in indices:
@@ -85,10 +97,16 @@ class Produced:
                           loss_masks=tuple(tuple(m) for m in raw.get("loss_masks", [])),
                           env_rewards=tuple(float(r) for r in raw.get("env_rewards", [])),
                           env_stats={k: float(v) for k, v in raw.get("env_stats", {}).items()})
-        return cls(int(raw["step"]), int(raw["version"]), traj, indices, 0.0)
+        kept = "rewards" in raw
+        if kept:
+            traj = attrs.evolve(traj, rewards=tuple(float(r) for r in raw["rewards"]),
+                                reward_parts={k: float(v) for k, v in raw["reward_parts"].items()},
+                                rewarded=True)
+        return cls(int(raw["step"]), int(raw["version"]), traj, indices, 0.0, keeps_rewards=kept)
 
 
-# what a producer samples: step -> (the trajectory, its items' source indices)
+# what a producer samples: step -> (the trajectory, its items' source indices); a trajectory
+# that comes rewarded keeps its rewards (``Produced.keeps_rewards``)
 Sampler = Callable[[int], tuple[Trajectory, list[int]]]
 # a loop's reward stage: (a step's trajectory, that step) -> the trajectory rewarded
 Rewarder = Callable[[Trajectory, int], Trajectory]
@@ -106,7 +124,8 @@ class Producer:
     With a reward stage (``reward``, or ``reward_with`` before the first ``take``) every batch
     is rewarded right after it is sampled, on the thread that sampled it; ``take`` rewards the
     batches a checkpoint held (on the calling thread, in step order) and raises a batch's
-    reward failure when its step takes it.
+    reward failure when its step takes it. ``sample_with`` (before the first ``take``) gives it
+    a loop's own sampler.
     """
 
     def __init__(self, sample: Sampler, k: int, in_flight: list[Produced] | None = None,
@@ -125,11 +144,19 @@ class Producer:
             raise RunnerError("the producer's reward stage is set while it samples")
         self.reward = reward
 
+    def sample_with(self, sample: Sampler) -> None:
+        """Sample every batch with ``sample`` from now on (a loop's own draw: GRPO's dynamic
+        sampling; given before the first ``take``, while no batch is being sampled)."""
+        if self._thread is not None:
+            raise RunnerError("the producer's sampler is set while it samples")
+        self.sample = sample
+
     def _produce(self, step: int, version: int) -> Produced:
         started = time.perf_counter()
         traj, indices = self.sample(step)
         return self._rewarded(Produced(step, version, traj, tuple(indices),
-                                       time.perf_counter() - started))
+                                       time.perf_counter() - started,
+                                       keeps_rewards=traj.rewarded))
 
     def _rewarded(self, produced: Produced) -> Produced:
         """``produced`` rewarded by the reward stage (as it is without one, or once rewarded);

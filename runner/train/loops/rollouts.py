@@ -20,6 +20,7 @@ from runner.rollout.base import RolloutOutput, SamplingConfig
 from runner.train.assembly.run import RunContext
 from runner.train.assembly.seeds import item_seed
 from runner.train.loops.batches import rank_mean
+from runner.train.loops.pipeline import Produced
 from runner.train.loops.trajectory import Trajectory
 from runner.train.roles import Rollout
 from runner.types import ObsBundle
@@ -152,13 +153,16 @@ def staged_step(run: RunContext, produce: Callable[[], Drawn],
 
 
 def staged_step_ahead(run: RunContext, step: int, n_samples: int,
-                      score: Callable[[Trajectory], Scored],
-                      consume: Callable[[Scored], dict[str, Any]], scoring: str = "reward"
+                      score: Callable[[Drawn], Scored],
+                      consume: Callable[[Scored], dict[str, Any]], scoring: str = "reward",
+                      taken: Callable[[Produced], Drawn] | None = None
                       ) -> tuple[Scored, dict[str, Any], dict[str, float]]:
     """``staged_step`` with the batch sampled ahead (``algo.max_off_policy_steps = k``): the
     producer (``run.producer``) samples step ``step + k``'s batch (and, with a reward stage,
     rewards it) while this one is scored and trained; the new weights go to the engine once
-    that batch is complete. The metrics include the batch's staleness; the seconds: the
+    that batch is complete. ``score`` gets ``taken`` of the producer's batch (by default its
+    trajectory with the step's item ids; dynamic sampling: ``dynamic.taken``), made in the
+    scoring stage. The metrics include the batch's staleness; the seconds: the
     producer's sampling of this batch ("rollout"), the wait for it ("rollout_wait"), the
     scoring stage (``scoring``: the producer's rewarding of this batch, if it rewarded it,
     plus ``score`` here), update, the wait for the next ("producer_wait"), sync; with a reward
@@ -174,7 +178,10 @@ def staged_step_ahead(run: RunContext, step: int, n_samples: int,
     if step + k <= run.svc.plan.max_steps:
         producer.start(step + k, version=step - 1)
     t1 = time.perf_counter()
-    scored = score(with_item_ids(run, produced.traj, produced.indices, n_samples))
+    if taken is None:
+        scored = score(with_item_ids(run, produced.traj, produced.indices, n_samples))
+    else:
+        scored = score(taken(produced))
     t2 = time.perf_counter()
     metrics = consume(scored) | staleness_metrics(run.svc.comm, produced, step, k)
     t3 = time.perf_counter()
@@ -188,14 +195,16 @@ def staged_step_ahead(run: RunContext, step: int, n_samples: int,
                              "update": t3 - t2, "producer_wait": t4 - t3, "sync": t5 - t4}
 
 
-def stages(run: RunContext, step: int, n_samples: int, produce: Callable[[], Trajectory],
-           score: Callable[[Trajectory], Scored], consume: Callable[[Scored], dict[str, Any]],
-           scoring: str = "reward") -> tuple[Scored, dict[str, Any], dict[str, float]]:
+def stages(run: RunContext, step: int, n_samples: int, produce: Callable[[], Drawn],
+           score: Callable[[Drawn], Scored], consume: Callable[[Scored], dict[str, Any]],
+           scoring: str = "reward", taken: Callable[[Produced], Drawn] | None = None
+           ) -> tuple[Scored, dict[str, Any], dict[str, float]]:
     """A rollout step's stages: synchronous, or with its batch sampled ahead when the run has a
-    producer (``algo.max_off_policy_steps >= 1``); ``scoring`` names the second stage's time."""
+    producer (``algo.max_off_policy_steps >= 1``; ``taken``: what ``score`` gets of the
+    producer's batch, see ``staged_step_ahead``); ``scoring`` names the second stage's time."""
     if run.producer is None:
         return staged_step(run, produce, score, consume, scoring)
-    return staged_step_ahead(run, step, n_samples, score, consume, scoring)
+    return staged_step_ahead(run, step, n_samples, score, consume, scoring, taken)
 
 
 def step_metrics(run: RunContext, traj: Trajectory, rewards_all: Sequence[float],
