@@ -1,4 +1,5 @@
-"""Loaded by every Python process started with this folder first on PYTHONPATH (tests/test_fsdp.py):
+"""Loaded by every Python process started with this folder first on PYTHONPATH (tests/test_fsdp.py),
+and kept by the processes it forks (the launcher's ranks):
 records in the file ``$FSDP_TEST_UNPICKLE_LOG`` each time the process unpickles a file
 (``torch.load``, ``pickle.load``, a ``pickle.Unpickler`` of a file), with the stack. Unpickling
 from memory (``io.BytesIO``: what ``all_gather_object`` does between ranks) is not recorded,
@@ -19,8 +20,13 @@ def _note(what: str) -> None:
         f.write(f"{os.getpid()} {what}\n" + "".join(traceback.format_stack()))
 
 
-with open(_LOG, "a", encoding="utf-8") as _f:
-    _f.write(f"guarded {os.getpid()}\n")
+def _guarded() -> None:
+    with open(_LOG, "a", encoding="utf-8") as f:
+        f.write(f"guarded {os.getpid()}\n")
+
+
+_guarded()
+os.register_at_fork(after_in_child=_guarded)  # a forked process (a rank) keeps the guard
 
 _load, _Unpickler = pickle.load, pickle.Unpickler
 
