@@ -30,14 +30,19 @@ _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first; GPU-marked tests need a CUDA device: elsewhere they are skipped,
-    saying so."""
+    """The longest files first; tests marked ``extended`` run only when selected (-m
+    extended); GPU-marked tests need a CUDA device: elsewhere they are skipped, saying so."""
     import torch
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: file order kept
+    if "extended" not in (config.getoption("markexpr") or ""):
+        later = pytest.mark.skip(reason="left out of make test for its time (run with -m extended)")
+        for item in items:
+            if "extended" in item.keywords:
+                item.add_marker(later)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(

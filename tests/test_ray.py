@@ -442,18 +442,26 @@ def test_an_openai_sdk_agent_and_a_reward_model_actor_on_ray_play_the_one_rank_e
     assert len(set(scores[0])) == 3  # scores, not a constant
 
 
+DAPO = ("algo.prompts_per_step=4", "algo.group_size=4", "data.validation.enabled=false")
+DAPO_KEYS = ("loss", "sampling/kept_groups", "data/items_consumed")
+
+
+# Each passed when added; left out of `make test` for its time (run them with -m extended).
 @pytest.mark.parametrize(("recipe", "overrides", "keys"), [
-    ("recipes/sft-arith.toml", ("algo.examples_per_step=8", "data.validation.size=8",
-                                "train.eval_every=2"), ("loss", "sft/tokens", "eval/nll")),
-    # (DAPO's recipe, whose dynamic sampling gathers every rank's groups through the actors,
-    # passed the same comparison: "recipes/grpo-dapo-arith.toml", 4 prompts x 4, no held-out
-    # set, keys loss, sampling/kept_groups, data/items_consumed; so did it with
-    # algo.max_off_policy_steps=1, 3 steps, the producers drawing over their own process
-    # group; left out for the suite's time)
+    pytest.param("recipes/sft-arith.toml", ("algo.examples_per_step=8", "data.validation.size=8",
+                                            "train.eval_every=2"),
+                 ("loss", "sft/tokens", "eval/nll"), marks=pytest.mark.extended, id="sft"),
+    # DAPO's dynamic sampling gathers every rank's groups through the actors; ahead, the
+    # producers draw over a process group of their own
+    pytest.param("recipes/grpo-dapo-arith.toml", DAPO, DAPO_KEYS, marks=pytest.mark.extended,
+                 id="dapo"),
+    pytest.param("recipes/grpo-dapo-arith.toml",
+                 (*DAPO, "algo.max_off_policy_steps=1"), DAPO_KEYS,
+                 marks=pytest.mark.extended, id="dapo-ahead"),
 ])
-def test_sft_on_ray_equals_torchrun(cluster, tmp_path, recipe, overrides, keys):
-    """SFT's two rank actors train as two torchrun ranks do: the same items in the same
-    order, the same losses and weights."""
+def test_ray_rank_actors_equal_torchrun(cluster, tmp_path, recipe, overrides, keys):
+    """Two rank actors train as two torchrun ranks do (SFT; GRPO with DAPO's dynamic sampling,
+    synchronous and ahead): the same items in the same order, the same losses and weights."""
     common = ("run.max_steps=2", "logging.sample_every=0", "logging.item_ids=true", *overrides)
     done = run_ray(recipe, tmp_path / "ray", cluster.address, *common)
     assert done.returncode == 0, done.stdout + done.stderr
