@@ -193,6 +193,35 @@ def test_the_vllm_engine_samples_ahead_with_the_scheduled_weights(straight, tmp_
     assert gap(1) < 1e-4 < 0.01 < gap(2)
 
 
+@pytest.mark.vllm
+def test_the_vllm_engine_draws_dynamic_samples_ahead(tmp_path):
+    """DAPO's recipe (dynamic sampling, overlong shaping) with vLLM sampling one step ahead: the
+    producer draws each step's batches (up to max_sample_batches) with the engine of the
+    scheduled version, every step trains the groups it kept, and the engine stays in sync with
+    the policy (the correction's logprob gap is float32's)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    done = run_cli("recipes/grpo-dapo-arith.toml", tmp_path, "run.max_steps=3", *SMALL, *K1,
+                   "rollout.engine=vllm", "data.validation.enabled=false",
+                   "algo.max_sample_batches=3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = _trained(tmp_path)
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    consumed: list[int] = []
+    for r in rows:  # whole batches of 4 prompts drawn; at most 4 groups kept, from those drawn
+        assert r["sampling/items_consumed"] == len(r["data/items_consumed"])
+        assert r["sampling/items_consumed"] == 4 * (1 + r["sampling/extra_batches"]) <= 12
+        assert len(r["data/item_ids"]) == r["sampling/kept_groups"] <= 4
+        assert set(r["data/item_ids"]) <= set(r["data/items_consumed"])
+        consumed += r["data/items_consumed"]
+    # Step 1's batches were sampled by the weights it trains: the engine's logprobs are the
+    # policy's (float32 numerics apart); later batches by the weights one step behind.
+    assert rows[0]["rollout/logprob_gap"] < 1e-4, [r["rollout/logprob_gap"] for r in rows]
+    assert len(set(consumed)) == len(consumed)  # the cursor never draws an item twice
+
+
 def test_a_failing_producer_ends_the_step_naming_itself():
     def sample(step: int) -> tuple[Trajectory, list[int]]:
         if step == 3:
