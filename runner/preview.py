@@ -55,7 +55,11 @@ def pipeline_rows(recipe: Recipe) -> list[tuple[str, str]]:
     return [("rollouts ahead", f"{k} batch(es): step t trains a batch sampled by the policy of "
              f"step t - {k} or later, while a producer thread of each rank samples step "
              f"t + {k}'s batch with its own engine"
-             f"{' and rewards it' if spec_of(recipe).trains_on_rewards else ''}"),
+             f"{' and rewards it' if spec_of(recipe).trains_on_rewards else ''}"
+             + ("; dynamic sampling draws each step's batches there (up to "
+                f"algo.max_sample_batches = {recipe.algo.max_sample_batches}), the ranks' "
+                "producers deciding together over a process group of their own"
+                if getattr(recipe.algo, "dynamic_sampling", "off") == "filter" else "")),
             ("producer threads", f"the producer samples with {n} torch thread(s) "
              f"(rollout.producer_threads), the training with {torch.get_num_threads()}"
              if (n := recipe.rollout.producer_threads) else

@@ -238,3 +238,16 @@ def test_draws_in_flight_must_match_the_runs_dynamic_sampling():
             f"{'without' if keeps is False else 'with'} dynamic sampling, which this run would "
             f"train {'with' if on == 'filter' else 'without'} it")
         dynamic.refuse_held(run, NS(dynamic_sampling="filter" if keeps else "off"))  # accepted
+
+
+def test_the_dry_run_says_the_producers_draw_the_dynamic_batches():
+    from runner.preview import pipeline_rows
+    from runner.recipe import load_recipe
+    from tests.conftest import REPO
+
+    recipe = load_recipe(REPO / "recipes/grpo-dapo-arith.toml", ["algo.max_off_policy_steps=1"])
+    (_, ahead), _ = pipeline_rows(recipe)
+    assert "dynamic sampling draws each step's batches there" in ahead
+    assert f"algo.max_sample_batches = {recipe.algo.max_sample_batches}" in ahead
+    plain = load_recipe(REPO / "recipes/grpo-arith.toml", ["algo.max_off_policy_steps=1"])
+    assert "dynamic sampling" not in pipeline_rows(plain)[0][1]
