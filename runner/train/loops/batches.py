@@ -117,6 +117,110 @@ def micro_pieces(train: TrainConfig, lengths: Sequence[float], scoring: bool = F
             for s in split_even(len(lengths), max(1, train.grad_accum_steps))]
 
 
+def balance_by_tokens(lengths: Sequence[float], world: int, budget: int
+                      ) -> list[list[list[int]]]:
+    """Rows ``0 .. len(lengths) - 1`` of every rank split between ``world`` ranks by tokens,
+    then each rank's packed into micro-batches within ``budget`` (``pack_by_tokens``): rows in
+    order of decreasing length (ties: the lower index first), each to the rank with the fewest
+    tokens so far (ties: the lower rank). Every rank then holds about as many tokens (within
+    the shortest row's), and so about as many micro-batches (``train_minibatch_keeping``'s
+    pads make up a difference). Per rank, its micro-batches, each row list ascending. A pure
+    function of the lengths: every rank computes the same split.
+
+    >>> balance_by_tokens([5, 3, 8, 2, 4], 2, 8)
+    [[[2], [1]], [[0, 3], [4]]]
+    >>> balance_by_tokens([9, 1, 1, 1], 3, 8)
+    [[[0]], [[1, 3]], [[2]]]
+    """
+    owned: list[list[int]] = [[] for _ in range(world)]
+    loads = [0.0] * world
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        owned[rank].append(i)
+        loads[rank] += lengths[i]
+    shares = []
+    for rows in owned:
+        rows.sort()
+        shares.append([[rows[j] for j in piece]
+                       for piece in pack_by_tokens([lengths[i] for i in rows], budget)])
+    return shares
+
+
+def balanced_minibatch(layout: Layout, train: TrainConfig, mb: Minibatch,
+                       lengths: Sequence[float]) -> tuple[Minibatch, list[list[int]], int,
+                                                          dict[str, float]]:
+    """This rank's share of a minibatch ``mb`` of *global* rows (every rank holds all of
+    them: ``rows`` and ``weights`` of the whole minibatch) split by tokens between the ranks
+    (``balance_by_tokens`` within ``train.max_tokens_per_microbatch``; ``lengths``: every
+    global row's tokens, indexed by row): the share as a ``Minibatch`` of global rows (the
+    normaliser stays the whole minibatch's), its micro-batches, how many every rank runs and
+    the ``batch/*`` metrics, with the tokens per rank the data order would have given
+    (``batch/rank_imbalance_before``: the most over the mean) and the split gives
+    (``batch/rank_imbalance``). Needs no collective: the split is computed alike on every
+    rank."""
+    budget, world = train.max_tokens_per_microbatch, layout.world
+    tokens = [lengths[r] for r in mb.rows]
+    shares = [[sorted(mb.rows[i] for i in piece) for piece in share]
+              for share in balance_by_tokens(tokens, world, budget)]
+    weights = dict(zip(mb.rows, mb.weights, strict=True))
+    pieces = shares[layout.rank]
+    mine = sorted(r for piece in pieces for r in piece)
+    count = max(1, max(len(s) for s in shares))
+    after = [sum(lengths[r] for piece in share for r in piece) for share in shares]
+    before = [0.0] * world
+    for r in mb.rows:  # the data rule: item i on rank i % world
+        before[(r // layout.chunk) % world] += lengths[r]
+    sizes = [[sum(lengths[r] for r in piece) for piece in share] for share in shares]
+    slots = sum(sum(max(budget, n) for n in s) + (count - len(s)) * budget for s in sizes)
+    real = sum(after)
+    packing = {"batch/micro_batches": float(count),
+               "batch/tokens_per_rank_max": float(max(after)),
+               "batch/pad_frac": 1.0 - real / slots if slots else 0.0,
+               "batch/rank_imbalance": _imbalance(after),
+               "batch/rank_imbalance_before": _imbalance(before)}
+    return (Minibatch(mine, [weights[r] for r in mine], mb.total), pieces, count, packing)
+
+
+def _imbalance(tokens: Sequence[float]) -> float:
+    """The most tokens of any rank over the mean (1: even; 1 also when there are none)."""
+    mean = sum(tokens) / len(tokens)
+    return max(tokens) / mean if mean > 0 else 1.0
+
+
+def gather_grid(comm: Collective, layout: Layout, grid: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of a per-row grid (this rank's: ``grid``, one row per local row, the
+    padding rows left out) in global row order, on ``grid``'s device in its dtype; a 2-D grid
+    zero-padded on the right to the widest rank's. The rows cross as CPU tensors."""
+    per_rank = comm.gather(grid.detach().cpu())
+    if grid.ndim == 2:
+        width = max(g.shape[1] for g in per_rank)
+        per_rank = [torch.nn.functional.pad(g, (0, width - g.shape[1])) for g in per_rank]
+    rows = interleave([list(g) for g in per_rank], chunk=layout.chunk)
+    if not rows:
+        return torch.zeros((0, *per_rank[0].shape[1:]), dtype=grid.dtype, device=grid.device)
+    return torch.stack(rows).to(grid.device)
+
+
+def gather_batch(comm: Collective, layout: Layout, packer: Any, inputs: Sequence[Any],
+                 device: Any) -> tuple[Any, list[Any]]:
+    """Every rank's policy inputs (this rank's: ``inputs``, one per local row, the padding rows
+    left out) in global row order, crossing as plain tuples, and their batch collated by
+    ``packer`` on ``device`` (None when no rank has a row): what a rank trains on when any
+    global row may be its (``balanced_minibatch``)."""
+    from runner.packers.base import RLPolicyInput
+
+    plain = [(x.input_ids, x.loss_mask, x.n_prompt_tokens, x.extra, x.token_extra, x.segments)
+             for x in inputs]
+    every = [RLPolicyInput(*x) for x in gather_rows(comm, layout, plain)]
+    return (packer.collate(every).to(device) if every else None), every
+
+
+def balances(comm: Collective, train: TrainConfig) -> bool:
+    """Whether the update passes split each optimizer step's rows between the ranks by tokens
+    (``balanced_minibatch``): with a token budget, ``train.balance_ranks`` and several ranks."""
+    return comm.world > 1 and train.max_tokens_per_microbatch > 0 and train.balance_ranks
+
+
 @attrs.frozen
 class Minibatch:
     rows: list[int]  # this rank's local rows
@@ -284,14 +388,19 @@ def row_tokens(batch: Any, train: TrainConfig) -> list[float]:
 
 
 def mean_packing(packings: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The ``batch/*`` metrics of a step of several optimizer steps: micro-batches and padding
-    per optimizer step (means), the most tokens any rank held in one."""
+    """The ``batch/*`` metrics of a step of several optimizer steps: micro-batches, padding and
+    (ranks balanced by tokens) the ranks' imbalance per optimizer step (means), the most tokens
+    any rank held in one."""
     if not packings:
         return {}
     n = len(packings)
-    return {"batch/micro_batches": sum(p["batch/micro_batches"] for p in packings) / n,
-            "batch/tokens_per_rank_max": max(p["batch/tokens_per_rank_max"] for p in packings),
-            "batch/pad_frac": sum(p["batch/pad_frac"] for p in packings) / n}
+    out = {"batch/micro_batches": sum(p["batch/micro_batches"] for p in packings) / n,
+           "batch/tokens_per_rank_max": max(p["batch/tokens_per_rank_max"] for p in packings),
+           "batch/pad_frac": sum(p["batch/pad_frac"] for p in packings) / n}
+    for key in ("batch/rank_imbalance", "batch/rank_imbalance_before"):  # balanced ranks
+        if all(key in p for p in packings):
+            out[key] = sum(p[key] for p in packings) / n
+    return out
 
 
 def train_minibatch_keeping(trainables: Sequence[Trainable], mb: Minibatch,
