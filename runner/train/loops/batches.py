@@ -122,9 +122,10 @@ def balance_by_tokens(lengths: Sequence[float], world: int, budget: int
     """Rows ``0 .. len(lengths) - 1`` of every rank split between ``world`` ranks by tokens,
     then each rank's packed into micro-batches within ``budget`` (``pack_by_tokens``): rows in
     order of decreasing length (ties: the lower index first), each to the rank with the fewest
-    tokens so far (ties: the lower rank). Every rank then holds about as many tokens (within
-    the shortest row's), and so about as many micro-batches (``train_minibatch_keeping``'s
-    pads make up a difference). Per rank, its micro-batches, each row list ascending. A pure
+    tokens so far (ties: the lower rank). Every rank then holds about as many tokens (the
+    busiest no more than the last row it took over the least busy: with many rows, a short
+    one), and so about as many micro-batches (``train_minibatch_keeping``'s pads make up a
+    difference). Per rank, its micro-batches, each row list ascending. A pure
     function of the lengths: every rank computes the same split.
 
     >>> balance_by_tokens([5, 3, 8, 2, 4], 2, 8)
