@@ -131,43 +131,50 @@ def test_dry_run_shows_the_balance(run_cli):
 
 GRPO = "recipes/grpo-arith.toml"
 STEPS = 3
-# float64 and padded batches (tests/test_token_budget.py says why); two minibatches and two
-# epochs: the first minibatch's behaviour logprobs are its own forward's, shared between the
-# ranks for the second epoch; a reference for the KL term
+# float64 and padded batches (tests/test_token_budget.py says why)
+COMMON = ("rollout.max_new_tokens=6", f"run.max_steps={STEPS}", "data.validation.enabled=false",
+          "logging.sample_every=0", "checkpoint.every_steps=1", "checkpoint.keep_last=5",
+          "model.dtype=float64", "train.padding_free=false")
+# two minibatches and two epochs: the first minibatch's behaviour logprobs are its own
+# forward's, shared between the ranks for the second epoch; a reference for the KL term
 SETUP = ("algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatches=2",
-         "algo.ppo_epochs=2", "algo.kl_beta=0.05", "rollout.max_new_tokens=6",
-         f"run.max_steps={STEPS}", "data.validation.enabled=false", "logging.sample_every=0",
-         "checkpoint.every_steps=1", "checkpoint.keep_last=5", "model.dtype=float64",
-         "train.padding_free=false")
+         "algo.ppo_epochs=2", "algo.kl_beta=0.05", *COMMON)
+# PPO: the critic trained on the same rows, its values and the returns moving with them
+KINDS = {"grpo": (GRPO, SETUP),
+         "ppo": ("recipes/ppo-arith.toml", ("algo.prompts_per_step=8", *COMMON))}
 BUDGET = "train.max_tokens_per_microbatch=40"
 FILES = ("model/model.safetensors", "optimizer.safetensors")
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
-    """``(loss_agg, mode) -> run folder``: runs on two ranks, made on first use; mode
-    ``balanced`` (the token budget, ranks balanced) or ``equal`` (``grad_accum_steps = 2``)."""
+    """``(kind, mode) -> run folder``: runs on two ranks, made on first use; kind ``grpo-AGG``
+    (GRPO with ``algo.loss_agg = AGG``) or ``ppo``; mode ``balanced`` (the token budget, ranks
+    balanced) or ``equal`` (``grad_accum_steps = 2``)."""
     made: dict[tuple[str, str], object] = {}
 
-    def runs(agg: str, mode: str):
-        if (agg, mode) not in made:
-            out = tmp_path_factory.mktemp(f"{agg}-{mode}")
+    def runs(kind: str, mode: str):
+        if (kind, mode) not in made:
+            out = tmp_path_factory.mktemp(f"{kind}-{mode}")
             extra = (BUDGET,) if mode == "balanced" else ("train.grad_accum_steps=2",)
-            done = run_ranks(GRPO, out, 2, *SETUP, f"algo.loss_agg={agg}", *extra)
+            algo, _, agg = kind.partition("-")
+            recipe, setup = KINDS[algo]
+            done = run_ranks(recipe, out, 2, *setup, *((f"algo.loss_agg={agg}",) if agg else ()),
+                             *extra)
             assert done.returncode == 0, done.stdout + done.stderr
-            made[agg, mode] = out
-        return made[agg, mode]
+            made[kind, mode] = out
+        return made[kind, mode]
 
     return runs
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
-def test_balanced_ranks_update_as_the_equal_count_split(agg, two_rank_runs):
+@pytest.mark.parametrize("kind", ["grpo-token_mean", "grpo-seq_mean", "ppo"])
+def test_balanced_ranks_update_as_the_equal_count_split(kind, two_rank_runs):
     """Every step's loss and gradient norm to 1e-12 relative, the weights of every checkpoint to
     1e-12; the ranks were balanced (less uneven than the data order over the run)."""
-    balanced, equal = two_rank_runs(agg, "balanced"), two_rank_runs(agg, "equal")
+    balanced, equal = two_rank_runs(kind, "balanced"), two_rank_runs(kind, "equal")
     got, want = rows(balanced), rows(equal)
     assert len(got) == len(want) == STEPS
     for a, b in zip(got, want, strict=True):
@@ -193,7 +200,7 @@ def test_balanced_run_killed_mid_way_resumes_bitwise(two_rank_runs, tmp_path):
     """The split is a pure function of the step's rows, which a resumed step samples again:
     SIGKILLed (driver and ranks) once checkpoint 1 is written, the rerun ends bitwise like
     the straight balanced run."""
-    straight = two_rank_runs("token_mean", "balanced")
+    straight = two_rank_runs("grpo-token_mean", "balanced")
     proc = start_ranks(GRPO, tmp_path, 2, *SETUP, "algo.loss_agg=token_mean", BUDGET)
     wait_for_checkpoint(proc, tmp_path, 1)
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and (through it) every rank
