@@ -188,32 +188,39 @@ def _imbalance(tokens: Sequence[float]) -> float:
     return max(tokens) / mean if mean > 0 else 1.0
 
 
-def gather_grid(comm: Collective, layout: Layout, grid: torch.Tensor) -> torch.Tensor:
-    """Every rank's rows of a per-row grid (this rank's: ``grid``, one row per local row, the
-    padding rows left out) in global row order, on ``grid``'s device in its dtype; a 2-D grid
-    zero-padded on the right to the widest rank's. The rows cross as CPU tensors."""
-    per_rank = comm.gather(grid.detach().cpu())
-    if grid.ndim == 2:
-        width = max(g.shape[1] for g in per_rank)
-        per_rank = [torch.nn.functional.pad(g, (0, width - g.shape[1])) for g in per_rank]
-    rows = interleave([list(g) for g in per_rank], chunk=layout.chunk)
-    if not rows:
-        return torch.zeros((0, *per_rank[0].shape[1:]), dtype=grid.dtype, device=grid.device)
-    return torch.stack(rows).to(grid.device)
-
-
-def gather_batch(comm: Collective, layout: Layout, packer: Any, inputs: Sequence[Any],
-                 device: Any) -> tuple[Any, list[Any]]:
-    """Every rank's policy inputs (this rank's: ``inputs``, one per local row, the padding rows
-    left out) in global row order, crossing as plain tuples, and their batch collated by
-    ``packer`` on ``device`` (None when no rank has a row): what a rank trains on when any
-    global row may be its (``balanced_minibatch``)."""
+def gather_step(comm: Collective, layout: Layout, packer: Any, inputs: Sequence[Any],
+                grids: Sequence[torch.Tensor | None], device: Any, flag: bool = False
+                ) -> tuple[Any, list[Any], list[torch.Tensor | None], bool]:
+    """Every rank's rows of a step in global row order, in one collective: what a rank trains
+    on when any global row may be its (``balanced_minibatch``). This rank gives its policy
+    inputs (``inputs``, one per local row, the padding rows left out; they cross as plain
+    tuples) and per-row grids (``grids``: [local rows, ...] each, or None; they cross as CPU
+    tensors). Returns the batch of every rank's inputs collated by ``packer`` on ``device``
+    (None when no rank has a row), those inputs, each grid over every rank's rows on its
+    device in its dtype (a 2-D one zero-padded on the right to the widest rank's), and whether
+    ``flag`` is true on any rank."""
     from runner.packers.base import RLPolicyInput
 
     plain = [(x.input_ids, x.loss_mask, x.n_prompt_tokens, x.extra, x.token_extra, x.segments)
              for x in inputs]
-    every = [RLPolicyInput(*x) for x in gather_rows(comm, layout, plain)]
-    return (packer.collate(every).to(device) if every else None), every
+    mine = (plain, [None if g is None else g.detach().cpu() for g in grids], flag)
+    per_rank = comm.gather(mine)
+    every = [RLPolicyInput(*x) for x in interleave([p[0] for p in per_rank], chunk=layout.chunk)]
+    joined = [None if grid is None else _joined(layout, [p[1][j] for p in per_rank], grid)
+              for j, grid in enumerate(grids)]
+    batch = packer.collate(every).to(device) if every else None
+    return batch, every, joined, any(p[2] for p in per_rank)
+
+
+def _joined(layout: Layout, per_rank: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of a grid in global row order, on ``like``'s device."""
+    if like.ndim == 2:
+        width = max(g.shape[1] for g in per_rank)
+        per_rank = [torch.nn.functional.pad(g, (0, width - g.shape[1])) for g in per_rank]
+    rows = interleave([list(g) for g in per_rank], chunk=layout.chunk)
+    if not rows:
+        return torch.zeros((0, *per_rank[0].shape[1:]), dtype=like.dtype, device=like.device)
+    return torch.stack(rows).to(like.device)
 
 
 def balances(comm: Collective, train: TrainConfig) -> bool:

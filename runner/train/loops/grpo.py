@@ -46,9 +46,8 @@ from runner.train.loops.batches import (
     Minibatch,
     balanced_minibatch,
     balances,
-    gather_batch,
-    gather_grid,
     gather_rows,
+    gather_step,
     global_whiten,
     mean_packing,
     minibatch_pieces,
@@ -206,18 +205,15 @@ def everyone(run: RunContext, scored: ScoredBatch) -> ScoredBatch:
     the row (``consume`` shares them for the later epochs). ``layout`` stays this rank's."""
     comm, layout, device = run.svc.comm, scored.layout, run.svc.accelerator.device
     n = layout.local_rows_count
-
-    def grid(values: torch.Tensor | None) -> torch.Tensor | None:
-        return None if values is None else gather_grid(comm, layout, values[:n])
-
-    batch, inputs = gather_batch(comm, layout, run.policy_packer, scored.inputs[:n], device)
-    adv_B = grid(scored.adv_B)
-    assert adv_B is not None
+    grids = (scored.adv_B, scored.engine_BT, scored.old_BT, scored.ref_BT)
+    batch, inputs, joined, own_old = gather_step(
+        comm, layout, run.policy_packer, scored.inputs[:n],
+        [None if g is None else g[:n] for g in grids], device, scored.own_old)
+    adv_B, engine_BT, old_BT, ref_BT = joined
+    assert adv_B is not None and engine_BT is not None and old_BT is not None
     return attrs.evolve(scored, batch=batch or scored.batch, adv_B=adv_B,
-                        epochs=scored.global_epochs,
-                        engine_BT=grid(scored.engine_BT), old_BT=grid(scored.old_BT),
-                        ref_BT=grid(scored.ref_BT), own_old=comm.any(scored.own_old),
-                        inputs=tuple(inputs))
+                        epochs=scored.global_epochs, engine_BT=engine_BT, old_BT=old_BT,
+                        ref_BT=ref_BT, own_old=own_old, inputs=tuple(inputs))
 
 
 def advantages_of(run: RunContext, algo: GRPOConfig, layout: Layout, rewards_all: list[float],

@@ -40,9 +40,8 @@ from runner.train.loops.batches import (
     Minibatch,
     balanced_minibatch,
     balances,
-    gather_batch,
-    gather_grid,
     gather_rows,
+    gather_step,
     global_whiten,
     mean_packing,
     minibatch_pieces,
@@ -173,19 +172,19 @@ def everyone(run: RunContext, scored: ScoredPPOBatch) -> ScoredPPOBatch:
     stays this rank's."""
     comm, layout, device = run.svc.comm, scored.layout, run.svc.accelerator.device
     n = layout.local_rows_count
-
-    def grid(values: torch.Tensor) -> torch.Tensor:
-        return gather_grid(comm, layout, values[:n])
-
-    batch, inputs = gather_batch(comm, layout, run.rollout_packer, scored.inputs[:n], device)
+    grids = (scored.old_BT, scored.ref_BT, scored.is_BT, scored.old_values_BT, scored.adv_BT,
+             scored.returns_BT)
+    batch, inputs, joined, _ = gather_step(comm, layout, run.rollout_packer, scored.inputs[:n],
+                                           [None if g is None else g[:n] for g in grids], device)
     if batch is None:
         return attrs.evolve(scored, epochs=scored.global_epochs)
-    return attrs.evolve(scored, batch=batch, epochs=scored.global_epochs,
-                        old_BT=grid(scored.old_BT), mask_BT=batch.loss_mask_BT[:, 1:].bool(),
-                        ref_BT=grid(scored.ref_BT),
-                        is_BT=None if scored.is_BT is None else grid(scored.is_BT),
-                        old_values_BT=grid(scored.old_values_BT), adv_BT=grid(scored.adv_BT),
-                        returns_BT=grid(scored.returns_BT), inputs=tuple(inputs))
+    old_BT, ref_BT, is_BT, old_values_BT, adv_BT, returns_BT = joined
+    assert (old_BT is not None and ref_BT is not None and old_values_BT is not None
+            and adv_BT is not None and returns_BT is not None)
+    return attrs.evolve(scored, batch=batch, epochs=scored.global_epochs, old_BT=old_BT,
+                        mask_BT=batch.loss_mask_BT[:, 1:].bool(), ref_BT=ref_BT, is_BT=is_BT,
+                        old_values_BT=old_values_BT, adv_BT=adv_BT, returns_BT=returns_BT,
+                        inputs=tuple(inputs))
 
 
 def minibatch_loss(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredPPOBatch,
