@@ -82,8 +82,8 @@ def run_ranks(out: Path, steps: int, ranks: int, max_new: int, side: tuple[str, 
 
 def main_ranks(args: argparse.Namespace) -> None:
     budget = f"train.max_tokens_per_microbatch={args.budget}"
-    sides = {"balance_ranks=true": (budget, "train.balance_ranks=true"),
-             "balance_ranks=false": (budget, "train.balance_ranks=false")}
+    sides = {"balance_ranks=true": (budget, "train.balance_ranks=true", *args.set),
+             "balance_ranks=false": (budget, "train.balance_ranks=false", *args.set)}
     per_side: dict[str, list[list[dict]]] = {name: [] for name in sides}
     with tempfile.TemporaryDirectory(prefix="bench_token_budget-") as tmp:
         for i in range(args.runs):
@@ -118,6 +118,8 @@ def main() -> None:
                         help="2 or more: GRPO on that many ranks, balanced against not")
     parser.add_argument("--max-new-tokens", type=int, default=48,
                         help="with --ranks: the longest completion")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --ranks: a recipe override for both sides (repeatable)")
     args = parser.parse_args()
     if args.ranks > 1:
         main_ranks(args)

@@ -53,7 +53,7 @@ def test_balance_by_tokens_docstring_examples():
     for test in finder.find(balance_by_tokens, "balance_by_tokens"):
         runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
-    assert runner.summarize(verbose=False).attempted == 2
+    assert runner.summarize(verbose=False).attempted == 3
 
 
 def test_long_tailed_rows_get_even_tokens_and_micro_batches():
@@ -77,23 +77,37 @@ def test_long_tailed_rows_get_even_tokens_and_micro_batches():
         assert balance_by_tokens(list(lengths), world, budget) == shares
 
 
+def test_units_move_whole():
+    """Rows of one unit (a prompt's) go to one rank together, and with one row a unit the split
+    is that without units."""
+    lengths = [7, 1, 4, 4, 3, 3, 2, 6]
+    units = [0, 0, 1, 1, 2, 2, 3, 3]
+    shares = balance_by_tokens(lengths, 2, 16, units)
+    owner = {i: r for r, share in enumerate(shares) for p in share for i in p}
+    assert all(owner[i] == owner[j] for i in range(8) for j in range(8) if units[i] == units[j])
+    # units of 8, 8, 6 and 8 tokens: 0 -> rank 0, 1 -> rank 1, 3 -> rank 0 (ties: the lower
+    # rank), 2 -> rank 1: 16 against 14
+    assert [sorted(i for p in s for i in p) for s in shares] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert balance_by_tokens(lengths, 2, 16, list(range(8))) == balance_by_tokens(lengths, 2, 16)
+
+
 def _train(budget: int):
     return load_recipe(REPO / "recipes" / "grpo-arith.toml",
                        [f"train.max_tokens_per_microbatch={budget}"]).train
 
 
 def test_each_rank_takes_its_share_of_a_minibatch_with_the_global_normaliser():
-    """Two groups of two rows on two ranks (the data order: group 0 on rank 0, group 1 on rank
-    1, 24 tokens against 6): balanced, each rank holds 15 tokens; the shares cover the
-    minibatch, keep each row's weight and the whole minibatch's normaliser; the metrics give
-    the imbalance before (24 / 15) and after (1)."""
-    lengths = [12.0, 12.0, 3.0, 3.0]
-    mb = Minibatch([3, 0, 1, 2], [3.0, 12.0, 12.0, 3.0], 30.0)
-    got = [balanced_minibatch(Layout(rank, 2, 2, 2), _train(16), mb, lengths)
+    """Four one-row items on two ranks (the data order: items 0 and 2 on rank 0, 24 tokens
+    against 6): balanced, each rank holds 15 tokens; the shares cover the minibatch, keep each
+    row's weight and the whole minibatch's normaliser; the metrics give the imbalance before
+    (24 / 15) and after (1)."""
+    lengths = [12.0, 3.0, 12.0, 3.0]
+    mb = Minibatch([3, 0, 1, 2], [3.0, 12.0, 3.0, 12.0], 30.0)
+    got = [balanced_minibatch(Layout(rank, 2, 4, 1), _train(16), mb, lengths)
            for rank in (0, 1)]
     (mine0, pieces0, count0, m0), (mine1, pieces1, count1, m1) = got
     assert mine0 == Minibatch([0, 3], [12.0, 3.0], 30.0)
-    assert mine1 == Minibatch([1, 2], [12.0, 3.0], 30.0)
+    assert mine1 == Minibatch([1, 2], [3.0, 12.0], 30.0)
     assert pieces0 == [[0, 3]] and pieces1 == [[1, 2]] and count0 == count1 == 1
     assert m0 == m1
     assert m0["batch/rank_imbalance_before"] == pytest.approx(24 / 15)
@@ -101,6 +115,20 @@ def test_each_rank_takes_its_share_of_a_minibatch_with_the_global_normaliser():
     assert m0["batch/tokens_per_rank_max"] == 15.0 and m0["batch/micro_batches"] == 1.0
     assert m0["batch/pad_frac"] == pytest.approx(1 - 30 / 32)
     assert mean_packing([m0, {**m0, "batch/rank_imbalance": 2.0}])["batch/rank_imbalance"] == 1.5
+
+
+def test_a_prompts_rows_stay_on_one_rank():
+    """Groups of two rows (items 0-3 of 12, 10, 8 and 2 tokens; the data order: items 0 and 2
+    on rank 0, 20 tokens against 12): each group whole on one rank, the largest first, each to
+    the rank with the fewest tokens: 14 against 18."""
+    lengths = [10.0, 2.0, 5.0, 5.0, 4.0, 4.0, 1.0, 1.0]
+    mb = Minibatch(list(range(8)), [1.0] * 8, 8.0)
+    shares = [balanced_minibatch(Layout(rank, 2, 4, 2), _train(64), mb, lengths)
+              for rank in (0, 1)]
+    assert [s[0].rows for s in shares] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    packing = shares[0][3]
+    assert packing["batch/rank_imbalance_before"] == pytest.approx(20 / 16)
+    assert packing["batch/rank_imbalance"] == pytest.approx(18 / 16)
 
 
 def test_a_rank_with_fewer_micro_batches_counts_the_busiest():

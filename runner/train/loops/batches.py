@@ -117,28 +117,38 @@ def micro_pieces(train: TrainConfig, lengths: Sequence[float], scoring: bool = F
             for s in split_even(len(lengths), max(1, train.grad_accum_steps))]
 
 
-def balance_by_tokens(lengths: Sequence[float], world: int, budget: int
-                      ) -> list[list[list[int]]]:
+def balance_by_tokens(lengths: Sequence[float], world: int, budget: int,
+                      units: Sequence[int] | None = None) -> list[list[list[int]]]:
     """Rows ``0 .. len(lengths) - 1`` of every rank split between ``world`` ranks by tokens,
-    then each rank's packed into micro-batches within ``budget`` (``pack_by_tokens``): rows in
-    order of decreasing length (ties: the lower index first), each to the rank with the fewest
-    tokens so far (ties: the lower rank). Every rank then holds about as many tokens (the
-    busiest no more than the last row it took over the least busy: with many rows, a short
-    one), and so about as many micro-batches (``train_minibatch_keeping``'s pads make up a
-    difference). Per rank, its micro-batches, each row list ascending. A pure
-    function of the lengths: every rank computes the same split.
+    then each rank's packed into micro-batches within ``budget`` (``pack_by_tokens``). Rows of
+    the same ``units`` value move together (a prompt's rows: a padding-free forward computes
+    their shared prompt once per micro-batch); without ``units`` each row is a unit of its
+    own. Units in order of decreasing tokens (ties: the one with the lowest row first), each
+    to the rank with the fewest tokens so far (ties: the lower rank). Every rank then holds
+    about as many tokens (the busiest no more than the last unit it took over the least busy:
+    with many units, a small one), and so about as many micro-batches
+    (``train_minibatch_keeping``'s pads make up a difference). Per rank, its micro-batches,
+    each row list ascending. A pure function of its arguments: every rank computes the same
+    split.
 
     >>> balance_by_tokens([5, 3, 8, 2, 4], 2, 8)
     [[[2], [1]], [[0, 3], [4]]]
     >>> balance_by_tokens([9, 1, 1, 1], 3, 8)
     [[[0]], [[1, 3]], [[2]]]
+    >>> balance_by_tokens([6, 6, 2, 2], 2, 16, units=[0, 0, 1, 1])
+    [[[0, 1]], [[2, 3]]]
     """
+    members: dict[int, list[int]] = {}
+    for i, unit in enumerate(range(len(lengths)) if units is None else units):
+        members.setdefault(unit, []).append(i)
+    groups = list(members.values())
+    sizes = [sum(lengths[i] for i in g) for g in groups]
     owned: list[list[int]] = [[] for _ in range(world)]
     loads = [0.0] * world
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for g in sorted(range(len(groups)), key=lambda g: (-sizes[g], groups[g][0])):
         rank = min(range(world), key=lambda r: (loads[r], r))
-        owned[rank].append(i)
-        loads[rank] += lengths[i]
+        owned[rank] += groups[g]
+        loads[rank] += sizes[g]
     shares = []
     for rows in owned:
         rows.sort()
@@ -152,17 +162,18 @@ def balanced_minibatch(layout: Layout, train: TrainConfig, mb: Minibatch,
                                                           dict[str, float]]:
     """This rank's share of a minibatch ``mb`` of *global* rows (every rank holds all of
     them: ``rows`` and ``weights`` of the whole minibatch) split by tokens between the ranks
-    (``balance_by_tokens`` within ``train.max_tokens_per_microbatch``; ``lengths``: every
-    global row's tokens, indexed by row): the share as a ``Minibatch`` of global rows (the
-    normaliser stays the whole minibatch's), its micro-batches, how many every rank runs and
-    the ``batch/*`` metrics, with the tokens per rank the data order would have given
-    (``batch/rank_imbalance_before``: the most over the mean) and the split gives
-    (``batch/rank_imbalance``). Needs no collective: the split is computed alike on every
-    rank."""
+    (``balance_by_tokens`` within ``train.max_tokens_per_microbatch``, the minibatch's rows of
+    one item, a prompt's, kept on one rank; ``lengths``: every global row's tokens, indexed by
+    row): the share as a ``Minibatch`` of global rows (the normaliser stays the whole
+    minibatch's), its micro-batches, how many every rank runs and the ``batch/*`` metrics,
+    with the tokens per rank the data order would have given (``batch/rank_imbalance_before``:
+    the most over the mean) and the split gives (``batch/rank_imbalance``). Needs no
+    collective: the split is computed alike on every rank."""
     budget, world = train.max_tokens_per_microbatch, layout.world
     tokens = [lengths[r] for r in mb.rows]
+    units = [r // layout.chunk for r in mb.rows]  # a prompt's rows (its item's) together
     shares = [[sorted(mb.rows[i] for i in piece) for piece in share]
-              for share in balance_by_tokens(tokens, world, budget)]
+              for share in balance_by_tokens(tokens, world, budget, units)]
     weights = dict(zip(mb.rows, mb.weights, strict=True))
     pieces = shares[layout.rank]
     mine = sorted(r for piece in pieces for r in piece)
