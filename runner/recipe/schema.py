@@ -330,7 +330,8 @@ class TrainConfig:
     balance_ranks: bool = key(
         True, "GRPO and PPO with train.max_tokens_per_microbatch on several ranks: before each "
         "step's update the ranks exchange their rows and split every optimizer step's rows between "
-        "them by tokens (longest first, each to the rank with the fewest), so every rank trains "
+        "them by tokens (a prompt's rows together, largest first, each to the rank with the "
+        "fewest), so every rank trains "
         "about as many tokens in about as many micro-batches; the update is the same. false: "
         "each rank trains the rows the data order gave it."
     )
