@@ -1,8 +1,8 @@
 """Ranks balanced by tokens (``train.balance_ranks`` with ``train.max_tokens_per_microbatch``,
-GRPO on several ranks): the split by hand, each rank's share of a minibatch and its metrics,
-the dry run's line; on two ranks (gloo on 127.0.0.1), in float64, the update of the balanced
-ranks is that of the ``grad_accum_steps`` split for the token mean and the sequence mean, and a
-balanced run SIGKILLed mid-way resumes bitwise."""
+GRPO and PPO on several ranks): the split by hand, each rank's share of a minibatch and its
+metrics, the dry run's line; on two ranks (gloo on 127.0.0.1), in float64, the update of the
+balanced ranks is that of the ``grad_accum_steps`` split (GRPO's token and sequence means, with
+dynamic sampling ahead, PPO), and a balanced run SIGKILLed mid-way resumes bitwise."""
 
 from __future__ import annotations
 
@@ -167,28 +167,32 @@ COMMON = ("rollout.max_new_tokens=6", f"run.max_steps={STEPS}", "data.validation
 # forward's, shared between the ranks for the second epoch; a reference for the KL term
 SETUP = ("algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatches=2",
          "algo.ppo_epochs=2", "algo.kl_beta=0.05", *COMMON)
-# PPO: the critic trained on the same rows, its values and the returns moving with them
-KINDS = {"grpo": (GRPO, SETUP),
-         "ppo": ("recipes/ppo-arith.toml", ("algo.prompts_per_step=8", *COMMON))}
+KINDS = {
+    "grpo-token_mean": (GRPO, (*SETUP, "algo.loss_agg=token_mean")),
+    "grpo-seq_mean": (GRPO, (*SETUP, "algo.loss_agg=seq_mean")),
+    # DAPO's dynamic sampling sampled one step ahead: the kept groups, unevenly many per rank
+    "grpo-dynamic": (GRPO, (*SETUP, "algo.dynamic_sampling=filter",
+                            "algo.max_off_policy_steps=1")),
+    # PPO: the critic trained on the same rows, its values and the returns moving with them
+    "ppo": ("recipes/ppo-arith.toml", ("algo.prompts_per_step=8", *COMMON)),
+}
 BUDGET = "train.max_tokens_per_microbatch=40"
 FILES = ("model/model.safetensors", "optimizer.safetensors")
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
-    """``(kind, mode) -> run folder``: runs on two ranks, made on first use; kind ``grpo-AGG``
-    (GRPO with ``algo.loss_agg = AGG``) or ``ppo``; mode ``balanced`` (the token budget, ranks
-    balanced) or ``equal`` (``grad_accum_steps = 2``)."""
+    """``(kind, mode) -> run folder``: runs on two ranks, made on first use; kind: a key of
+    ``KINDS``; mode ``balanced`` (the token budget, ranks balanced) or ``equal``
+    (``grad_accum_steps = 2``)."""
     made: dict[tuple[str, str], object] = {}
 
     def runs(kind: str, mode: str):
         if (kind, mode) not in made:
             out = tmp_path_factory.mktemp(f"{kind}-{mode}")
             extra = (BUDGET,) if mode == "balanced" else ("train.grad_accum_steps=2",)
-            algo, _, agg = kind.partition("-")
-            recipe, setup = KINDS[algo]
-            done = run_ranks(recipe, out, 2, *setup, *((f"algo.loss_agg={agg}",) if agg else ()),
-                             *extra)
+            recipe, setup = KINDS[kind]
+            done = run_ranks(recipe, out, 2, *setup, *extra)
             assert done.returncode == 0, done.stdout + done.stderr
             made[kind, mode] = out
         return made[kind, mode]
@@ -198,7 +202,7 @@ def two_rank_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", ["grpo-token_mean", "grpo-seq_mean", "ppo"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_balanced_ranks_update_as_the_equal_count_split(kind, two_rank_runs):
     """Every step's loss and gradient norm to 1e-12 relative, the weights of every checkpoint to
     1e-12; the ranks were balanced (less uneven than the data order over the run)."""
@@ -229,12 +233,12 @@ def test_balanced_run_killed_mid_way_resumes_bitwise(two_rank_runs, tmp_path):
     SIGKILLed (driver and ranks) once checkpoint 1 is written, the rerun ends bitwise like
     the straight balanced run."""
     straight = two_rank_runs("grpo-token_mean", "balanced")
-    proc = start_ranks(GRPO, tmp_path, 2, *SETUP, "algo.loss_agg=token_mean", BUDGET)
+    proc = start_ranks(GRPO, tmp_path, 2, *KINDS["grpo-token_mean"][1], BUDGET)
     wait_for_checkpoint(proc, tmp_path, 1)
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and (through it) every rank
     proc.wait(timeout=30)
     time.sleep(0.5)
-    done = run_ranks(GRPO, tmp_path, 2, *SETUP, "algo.loss_agg=token_mean", BUDGET)
+    done = run_ranks(GRPO, tmp_path, 2, *KINDS["grpo-token_mean"][1], BUDGET)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resuming" in done.stdout
     assert_same_run(tmp_path, straight, STEPS, FILES)
