@@ -148,6 +148,12 @@ def test_dry_run_shows_the_balance(run_cli):
                            "launch.num_processes=2")
     assert rc == 0, err
     assert "rank balance" in out and "each optimizer step's 64 sequences split between" in out
+    # a rank's 32 sequences and a prompt's 8 more, of at most 64 tokens: (40 * 64) // 193 + 1
+    rc, out, err = run_cli("--plain", "--dry-run", "recipes/grpo-arith.toml",
+                           "train.max_tokens_per_microbatch=256", "launch.backend=torchrun",
+                           "launch.num_processes=2", "rollout.max_model_len=64")
+    assert rc == 0, err
+    assert "at most 14 per optimizer step" in " ".join(out.replace("│", " ").split())
     rc, out, err = run_cli("--plain", "--dry-run", "recipes/grpo-arith.toml",
                            "train.max_tokens_per_microbatch=256", "launch.backend=torchrun",
                            "launch.num_processes=2", "train.balance_ranks=false")
@@ -242,6 +248,16 @@ def test_balanced_run_killed_mid_way_resumes_bitwise(two_rank_runs, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resuming" in done.stdout
     assert_same_run(tmp_path, straight, STEPS, FILES)
+
+
+def test_most_balanced_docstring_examples():
+    from runner.recipe import plan
+
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+    for test in finder.find(plan.most_balanced, "most_balanced"):
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+    assert runner.summarize(verbose=False).attempted == 1
 
 
 def test_balancing_is_off_on_one_rank_and_without_a_budget():
