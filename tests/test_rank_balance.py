@@ -1,8 +1,8 @@
 """Ranks balanced by tokens (``train.balance_ranks`` with ``train.max_tokens_per_microbatch``,
-GRPO and PPO on several ranks): the split by hand, each rank's share of a minibatch and its
+GRPO, PPO and OPD on several ranks): the split by hand, each rank's share of a minibatch and its
 metrics, the dry run's line; on two ranks (gloo on 127.0.0.1), in float64, the update of the
 balanced ranks is that of the ``grad_accum_steps`` split (GRPO's token and sequence means, with
-dynamic sampling ahead, PPO), and a balanced run SIGKILLed mid-way resumes bitwise."""
+dynamic sampling ahead, PPO, OPD), and a balanced run SIGKILLed mid-way resumes bitwise."""
 
 from __future__ import annotations
 
@@ -181,6 +181,8 @@ KINDS = {
                             "algo.max_off_policy_steps=1")),
     # PPO: the critic trained on the same rows, its values and the returns moving with them
     "ppo": ("recipes/ppo-arith.toml", ("algo.prompts_per_step=8", *COMMON)),
+    # OPD: one optimizer step over the whole batch, the teacher's logprobs moving with the rows
+    "opd": ("recipes/opd-arith.toml", ("algo.prompts_per_step=8", *COMMON)),
 }
 BUDGET = "train.max_tokens_per_microbatch=40"
 FILES = ("model/model.safetensors", "optimizer.safetensors")
