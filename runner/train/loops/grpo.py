@@ -211,7 +211,7 @@ def everyone(run: RunContext, scored: ScoredBatch) -> ScoredBatch:
         [None if g is None else g[:n] for g in grids], device, scored.own_old)
     adv_B, engine_BT, old_BT, ref_BT = joined
     assert adv_B is not None and engine_BT is not None and old_BT is not None
-    return attrs.evolve(scored, batch=batch or scored.batch, adv_B=adv_B,
+    return attrs.evolve(scored, batch=scored.batch if batch is None else batch, adv_B=adv_B,
                         epochs=scored.global_epochs, engine_BT=engine_BT, old_BT=old_BT,
                         ref_BT=ref_BT, own_old=own_old, inputs=tuple(inputs))
 
