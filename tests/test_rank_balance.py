@@ -1,12 +1,14 @@
 """Ranks balanced by tokens (``train.balance_ranks`` with ``train.max_tokens_per_microbatch``,
-GRPO, PPO and OPD on several ranks): the split by hand, each rank's share of a minibatch and its
-metrics, the dry run's line; on two ranks (gloo on 127.0.0.1), in float64, the update of the
-balanced ranks is that of the ``grad_accum_steps`` split (GRPO's token and sequence means, with
-dynamic sampling ahead, PPO, OPD), and a balanced run SIGKILLed mid-way resumes bitwise."""
+GRPO, PPO, OPD and SFT on several ranks): the split by hand, each rank's share of a minibatch
+and its metrics, the dry run's line; on two ranks (gloo on 127.0.0.1), in float64, the update of
+the balanced ranks is that of the ``grad_accum_steps`` split (GRPO's token and sequence means,
+with dynamic sampling ahead, PPO, OPD, SFT), and a balanced run SIGKILLed mid-way resumes
+bitwise."""
 
 from __future__ import annotations
 
 import doctest
+import json
 import os
 import signal
 import time
@@ -183,6 +185,9 @@ KINDS = {
     "ppo": ("recipes/ppo-arith.toml", ("algo.prompts_per_step=8", *COMMON)),
     # OPD: one optimizer step over the whole batch, the teacher's logprobs moving with the rows
     "opd": ("recipes/opd-arith.toml", ("algo.prompts_per_step=8", *COMMON)),
+    # SFT: every rank's conversations, each a unit of its own (a long-tailed file: ``_chats``)
+    "sft": ("recipes/sft-arith.toml", ("algo.examples_per_step=16", *COMMON,
+                                       "data.messages_column=messages")),
 }
 BUDGET = "train.max_tokens_per_microbatch=40"
 FILES = ("model/model.safetensors", "optimizer.safetensors")
@@ -200,12 +205,26 @@ def two_rank_runs(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"{kind}-{mode}")
             extra = (BUDGET,) if mode == "balanced" else ("train.grad_accum_steps=2",)
             recipe, setup = KINDS[kind]
+            if kind == "sft":
+                setup = (*setup, f"data.path={_chats(out / 'chats.jsonl')}")
             done = run_ranks(recipe, out, 2, *setup, *extra)
             assert done.returncode == 0, done.stdout + done.stderr
             made[kind, mode] = out
         return made[kind, mode]
 
     return runs
+
+
+def _chats(path):
+    """64 conversations, one in four with three exchanges and a system prompt, the others
+    one exchange: long-tailed lengths."""
+    short = [{"role": "user", "content": "3+4="}, {"role": "assistant", "content": "7"}]
+    long = [{"role": "system", "content": "Answer briefly."}, *short,
+            {"role": "user", "content": "19-12="}, {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "20+19="}, {"role": "assistant", "content": "39"}]
+    path.write_text("".join(json.dumps({"messages": long if i % 4 == 0 else short}) + "\n"
+                            for i in range(64)))
+    return path
 
 
 @pytest.mark.slow

@@ -178,7 +178,7 @@ def most_balanced(rows: int, unit: int, longest: int, budget: int) -> int:
 
 # The algorithms whose update splits each optimizer step's rows between the ranks by tokens
 # (``train.balance_ranks``); the others train the rows the data order gives each rank.
-BALANCED_KINDS = frozenset({"grpo", "ppo", "opd"})
+BALANCED_KINDS = frozenset({"grpo", "ppo", "opd", "sft"})
 
 
 def most_micro_batches(rows: int, longest: int, budget: int) -> int:

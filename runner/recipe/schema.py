@@ -328,11 +328,12 @@ class TrainConfig:
         "over each rank's rows."
     )
     balance_ranks: bool = key(
-        True, "GRPO, PPO and OPD with train.max_tokens_per_microbatch on several ranks: before "
-        "each step's update the ranks exchange their rows and split every optimizer step's rows "
-        "between them by tokens (a prompt's rows together, largest first, each to the rank with "
-        "the fewest), so every rank trains about as many tokens in about as many micro-batches; "
-        "the update is the same. false: each rank trains the rows the data order gave it."
+        True, "GRPO, PPO, OPD and SFT with train.max_tokens_per_microbatch on several ranks: "
+        "before each step's update the ranks exchange their rows and split every optimizer "
+        "step's rows between them by tokens (a prompt's rows together, largest first, each to "
+        "the rank with the fewest), so every rank trains about as many tokens in about as many "
+        "micro-batches; the update is the same. false: each rank trains the rows the data order "
+        "gave it."
     )
     max_grad_norm: float = key(1.0, "Clip the gradient norm to this; 0 disables clipping.")
     precision: Literal["auto", "no", "bf16", "fp16"] = key(

@@ -162,26 +162,38 @@ def balanced_minibatch(layout: Layout, train: TrainConfig, mb: Minibatch,
                                                           dict[str, float]]:
     """This rank's share of a minibatch ``mb`` of *global* rows (every rank holds all of
     them: ``rows`` and ``weights`` of the whole minibatch) split by tokens between the ranks
-    (``balance_by_tokens`` within ``train.max_tokens_per_microbatch``, the minibatch's rows of
-    one item, a prompt's, kept on one rank; ``lengths``: every global row's tokens, indexed by
-    row): the share as a ``Minibatch`` of global rows (the normaliser stays the whole
-    minibatch's), its micro-batches, how many every rank runs and the ``batch/*`` metrics,
-    with the tokens per rank the data order would have given (``batch/rank_imbalance_before``:
-    the most over the mean) and the split gives (``batch/rank_imbalance``). Needs no
-    collective: the split is computed alike on every rank."""
-    budget, world = train.max_tokens_per_microbatch, layout.world
+    (``split_by_tokens``; the minibatch's rows of one item, a prompt's, kept on one rank;
+    ``lengths``: every global row's tokens, indexed by row; the data order of ``layout`` gave
+    item i to rank i % world)."""
+    return split_by_tokens(layout.rank, layout.world, train, mb, lengths,
+                           owners=[(r // layout.chunk) % layout.world for r in mb.rows],
+                           units=[r // layout.chunk for r in mb.rows])
+
+
+def split_by_tokens(rank: int, world: int, train: TrainConfig, mb: Minibatch,
+                    lengths: Sequence[float], owners: Sequence[int],
+                    units: Sequence[int] | None = None
+                    ) -> tuple[Minibatch, list[list[int]], int, dict[str, float]]:
+    """Rank ``rank``'s share of a minibatch ``mb`` of global rows split between ``world``
+    ranks by tokens (``balance_by_tokens`` within ``train.max_tokens_per_microbatch``, rows of
+    one of ``units`` together; ``owners``: per row of ``mb``, the rank the data order gave it):
+    the share as a ``Minibatch`` of global rows (the normaliser stays the whole minibatch's),
+    its micro-batches, how many every rank runs and the ``batch/*`` metrics, with the tokens
+    per rank the data order gave (``batch/rank_imbalance_before``: the most over the mean) and
+    the split gives (``batch/rank_imbalance``). Needs no collective: every rank computes the
+    same split."""
+    budget = train.max_tokens_per_microbatch
     tokens = [lengths[r] for r in mb.rows]
-    units = [r // layout.chunk for r in mb.rows]  # a prompt's rows (its item's) together
     shares = [[sorted(mb.rows[i] for i in piece) for piece in share]
               for share in balance_by_tokens(tokens, world, budget, units)]
     weights = dict(zip(mb.rows, mb.weights, strict=True))
-    pieces = shares[layout.rank]
+    pieces = shares[rank]
     mine = sorted(r for piece in pieces for r in piece)
     count = max(1, max(len(s) for s in shares))
     after = [sum(lengths[r] for piece in share for r in piece) for share in shares]
     before = [0.0] * world
-    for r in mb.rows:  # the data rule: item i on rank i % world
-        before[(r // layout.chunk) % world] += lengths[r]
+    for r, owner in zip(mb.rows, owners, strict=True):
+        before[owner] += lengths[r]
     sizes = [[sum(lengths[r] for r in piece) for piece in share] for share in shares]
     slots = sum(sum(max(budget, n) for n in s) + (count - len(s)) * budget for s in sizes)
     real = sum(after)
@@ -191,6 +203,21 @@ def balanced_minibatch(layout: Layout, train: TrainConfig, mb: Minibatch,
                "batch/rank_imbalance": _imbalance(after),
                "batch/rank_imbalance_before": _imbalance(before)}
     return (Minibatch(mine, [weights[r] for r in mine], mb.total), pieces, count, packing)
+
+
+def balanced_batch_step(policy: Trainable, comm: Collective, train: TrainConfig,
+                        owners: Sequence[int], weights: Sequence[float], denominator: float,
+                        loss_fn: LossFn, lengths: Sequence[float]) -> dict[str, float]:
+    """``whole_batch_step`` over the rows of every rank (global indices: ``loss_fn`` reads
+    every rank's rows; ``owners[i]``: the rank the data order gave row i) split between the
+    ranks by tokens (``split_by_tokens``, each row a unit of its own)."""
+    whole = Minibatch(list(range(len(weights))), list(weights), denominator)
+    mb, pieces, accum, packing = split_by_tokens(comm.ctx.rank, comm.world, train, whole,
+                                                 lengths, owners)
+    history = [train_minibatch([policy], mb, loss_fn, accum, comm.world, train.max_grad_norm,
+                               pieces)]
+    policy.scheduler.step()
+    return {**reduce_history(comm, history), "lr": policy.scheduler.get_last_lr()[0], **packing}
 
 
 def _imbalance(tokens: Sequence[float]) -> float:
