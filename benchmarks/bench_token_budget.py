@@ -13,6 +13,15 @@ first), the loss of the last step (both sides must agree: the same update) and, 
 micro-batches a step and ``batch/pad_frac``. One torch thread a run.
 
 Run: ``.venv/bin/python benchmarks/bench_token_budget.py [--runs 3] [--steps 40] [--budget 1024]``.
+
+``--ranks 2``: GRPO on two ranks (``recipes/grpo-arith.toml``, 16 prompts of 8 completions a
+step, completions of up to ``--max-new-tokens`` tokens) under the token budget, the ranks
+balanced by tokens (``train.balance_ranks = true``) against each rank training the rows the data
+order gave it (``false``), alternated. Reports per side the median ``time/update`` (steps after
+the first; the slower rank's work plus the faster rank's wait at the all-reduce, so the wait
+that balancing removes shows as the difference), ``batch/rank_imbalance`` (the most tokens any
+rank trains over the ranks' mean, balanced) against ``batch/rank_imbalance_before`` (the data
+order's), the micro-batches a step and the last loss (both sides must agree: the same update).
 """
 
 from __future__ import annotations
@@ -56,12 +65,65 @@ def run(out: Path, chats: Path, steps: int, side: tuple[str, ...]) -> list[dict]
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
 
 
+def run_ranks(out: Path, steps: int, ranks: int, max_new: int, side: tuple[str, ...]
+              ) -> list[dict]:
+    """GRPO on ``ranks`` ranks (torchrun, gloo on 127.0.0.1); the metrics rows."""
+    cmd = [sys.executable, "-m", "runner.cli", "--plain", "recipes/grpo-arith.toml",
+           "launch.backend=torchrun", f"launch.num_processes={ranks}",
+           "data.validation.enabled=false", f"run.max_steps={steps}",
+           "checkpoint.every_steps=100000", "logging.sample_every=0",
+           f"rollout.max_new_tokens={max_new}", f"run.output_dir={out}", *side]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(done.stdout[-3000:] + done.stderr[-3000:])
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def main_ranks(args: argparse.Namespace) -> None:
+    budget = f"train.max_tokens_per_microbatch={args.budget}"
+    sides = {"balance_ranks=true": (budget, "train.balance_ranks=true", *args.set),
+             "balance_ranks=false": (budget, "train.balance_ranks=false", *args.set)}
+    per_side: dict[str, list[list[dict]]] = {name: [] for name in sides}
+    with tempfile.TemporaryDirectory(prefix="bench_token_budget-") as tmp:
+        for i in range(args.runs):
+            for name, side in sides.items():
+                rows = run_ranks(Path(tmp) / f"{i}-{name}", args.steps, args.ranks,
+                                 args.max_new_tokens, side)
+                per_side[name].append([r for r in rows if "loss" in r])
+    print("| ranks | time/update s, median (range over runs) | rank imbalance (data order) | "
+          "micro-batches a step | last loss |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, runs in per_side.items():
+        medians = [statistics.median(r["time/update"] for r in rows[1:] or rows)
+                   for rows in runs]
+        first = runs[0]
+        before = statistics.mean(r["batch/rank_imbalance_before"] for r in first
+                                 if "batch/rank_imbalance_before" in r) if any(
+            "batch/rank_imbalance_before" in r for r in first) else None
+        after = (f"{statistics.mean(r['batch/rank_imbalance'] for r in first):.3f}"
+                 if before is not None else "-")
+        mbs = statistics.median(r["batch/micro_batches"] for r in first)
+        print(f"| `{name}` | {statistics.median(medians):.3f} ({min(medians):.3f}-"
+              f"{max(medians):.3f}) | {after} ({'-' if before is None else f'{before:.3f}'}) "
+              f"| {mbs:g} | {first[-1]['loss']:.6f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="2 or more: GRPO on that many ranks, balanced against not")
+    parser.add_argument("--max-new-tokens", type=int, default=48,
+                        help="with --ranks: the longest completion")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --ranks: a recipe override for both sides (repeatable)")
     args = parser.parse_args()
+    if args.ranks > 1:
+        main_ranks(args)
+        return
     sides = {"grad_accum_steps=4": ("train.grad_accum_steps=4",),
              f"max_tokens_per_microbatch={args.budget}":
                  (f"train.max_tokens_per_microbatch={args.budget}",)}

@@ -67,6 +67,7 @@ class RunPlan:
     max_tokens_per_microbatch: int = 0  # train.max_tokens_per_microbatch (0: off)
     logprob_max_tokens_per_microbatch: int = 0  # train.logprob_max_tokens_per_microbatch
     max_row_tokens: int = 0  # the longest a sampled row may be (rollout.max_model_len; 0: none)
+    balanced: bool = False  # the update's rows split between the ranks by tokens (balances)
 
     def rows(self) -> list[tuple[str, str]]:
         """Rows for the dry-run table."""
@@ -93,9 +94,18 @@ class RunPlan:
         if self.max_tokens_per_microbatch:
             most = most_micro_batches(self.minibatch_size, self.max_row_tokens,
                                       self.max_tokens_per_microbatch)
+            if self.balanced:
+                most = most_balanced(self.minibatch_size, self.samples_per_step
+                                     // max(1, self.items_per_step), self.max_row_tokens,
+                                     self.max_tokens_per_microbatch)
             out.append(("micro-batches", f"up to {self.max_tokens_per_microbatch} tokens each, "
                         "packed best-fit (a longer row alone); as many on every rank as on the "
                         "busiest" + (f"; at most {most} per optimizer step" if most else "")))
+            if self.balanced:
+                rows = self.minibatch_size * self.world_size
+                out.append(("rank balance", f"each optimizer step's {rows} sequences split "
+                            f"between the {self.world_size} ranks by tokens before packing "
+                            "(about equal tokens and micro-batches on every rank)"))
         if self.logprob_max_tokens_per_microbatch:
             out.append(("scoring passes", f"up to {self.logprob_max_tokens_per_microbatch} "
                         "tokens each, packed best-fit; as many on every rank as on the busiest"))
@@ -146,7 +156,29 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         max_tokens_per_microbatch=recipe.train.max_tokens_per_microbatch,
         logprob_max_tokens_per_microbatch=recipe.train.logprob_max_tokens_per_microbatch,
         max_row_tokens=recipe.rollout.max_model_len if spec.samples_online else 0,
+        balanced=(world > 1 and recipe.algo.kind in BALANCED_KINDS
+                  and recipe.train.max_tokens_per_microbatch > 0 and recipe.train.balance_ranks),
     )
+
+
+def most_balanced(rows: int, unit: int, longest: int, budget: int) -> int:
+    """``most_micro_batches`` of a rank whose rows are balanced by tokens in units of ``unit``
+    rows (a prompt's): it holds at most the mean, ``rows`` rows of at most ``longest`` tokens,
+    plus the last unit it took, and every micro-batch but the last more than ``budget -
+    longest`` tokens (0: unknown, no ``longest``, or a row may be over the budget: then the
+    count of short rows a rank takes is not bounded by ``rows``).
+
+    >>> most_balanced(32, 8, 64, 256), most_balanced(32, 8, 0, 256), most_balanced(4, 2, 9, 8)
+    (14, 0, 0)
+    """
+    if not longest or longest > budget:
+        return 0
+    return (rows + unit) * longest // (budget - longest + 1) + 1
+
+
+# The algorithms whose update splits each optimizer step's rows between the ranks by tokens
+# (``train.balance_ranks``); the others train the rows the data order gives each rank.
+BALANCED_KINDS = frozenset({"grpo", "ppo", "opd", "sft"})
 
 
 def most_micro_batches(rows: int, longest: int, budget: int) -> int:

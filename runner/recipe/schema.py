@@ -327,6 +327,14 @@ class TrainConfig:
         "packed like train.max_tokens_per_microbatch; the values are the same. 0: one pass "
         "over each rank's rows."
     )
+    balance_ranks: bool = key(
+        True, "GRPO, PPO, OPD and SFT with train.max_tokens_per_microbatch on several ranks: "
+        "before each step's update the ranks exchange their rows and split every optimizer "
+        "step's rows between them by tokens (a prompt's rows together, largest first, each to "
+        "the rank with the fewest), so every rank trains about as many tokens in about as many "
+        "micro-batches; the update is the same. false: each rank trains the rows the data order "
+        "gave it."
+    )
     max_grad_norm: float = key(1.0, "Clip the gradient norm to this; 0 disables clipping.")
     precision: Literal["auto", "no", "bf16", "fp16"] = key(
         "no", "Mixed precision of the trained and frozen models' forwards (fp32 master weights "

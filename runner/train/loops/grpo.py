@@ -34,7 +34,8 @@ import torch
 
 from runner.algorithms.advantages import AdvantageInputs, abs_sum_count, advantages
 from runner.algorithms.grpo import GRPOLossInputs, engine_is_weights, grpo_loss, row_weights
-from runner.packers.base import PolicyBatch
+from runner.packers.base import PolicyBatch, RLPolicyInput
+from runner.ranks.collective import Collective
 from runner.recipe.schema import GRPOConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
@@ -43,7 +44,10 @@ from runner.train.loops import dynamic
 from runner.train.loops.batches import (
     Layout,
     Minibatch,
+    balanced_minibatch,
+    balances,
     gather_rows,
+    gather_step,
     global_whiten,
     mean_packing,
     minibatch_pieces,
@@ -105,6 +109,10 @@ class ScoredBatch:
     own_old: bool  # the first minibatch's behaviour logprobs are its own forward's
     ignore_prefix: list[int] | None  # shared-prefix tokens left out of the loss, per row
     adv_abs_mean: float  # mean |A| over every rank's sequences (or tokens, per-token A)
+    # With the ranks balanced by tokens (``balances``): this rank's policy inputs (the rows of
+    # ``batch``) and every epoch's minibatches of global rows, which ``everyone`` trains on.
+    inputs: tuple[RLPolicyInput, ...] = ()
+    global_epochs: list[list[Minibatch]] = attrs.field(factory=list)
 
 
 def produce(run: RunContext, algo: GRPOConfig, step: int) -> Trajectory:
@@ -144,6 +152,12 @@ def score_rewarded(run: RunContext, algo: GRPOConfig, traj: Trajectory, step: in
     epochs = [minibatches(layout, weights, algo.minibatches,
                           step_seed(recipe.run.seed, step, salt=1 + epoch))
               for epoch in range(algo.ppo_epochs)]
+    balanced = balances(run.svc.comm, recipe.train)
+    # the same minibatches as sets of global rows (a layout of one rank), split by tokens
+    one = Layout(0, 1, layout.items, layout.chunk)
+    global_epochs = [minibatches(one, weights, algo.minibatches,
+                                 step_seed(recipe.run.seed, step, salt=1 + epoch))
+                     for epoch in range(algo.ppo_epochs)] if balanced else []
     # The first optimizer step trains on freshly sampled data with the weights that sampled it:
     # its rows' behaviour logprobs are that step's own forward (detached). Only the other rows
     # need a separate scoring forward, and none when there is one minibatch. (A batch of no
@@ -177,7 +191,29 @@ def score_rewarded(run: RunContext, algo: GRPOConfig, traj: Trajectory, step: in
     # (A rank holding no row of the first minibatch only takes part with a zero-weighted row.)
     own_old = algo.old_logprobs == "policy" and bool(first_rows)
     return ScoredBatch(traj, layout, batch, rewards_all, adv_B, epochs, engine_BT, old_BT,
-                       ref_BT, own_old, None if ignore is None else ignore[:n], adv_abs_mean)
+                       ref_BT, own_old, None if ignore is None else ignore[:n], adv_abs_mean,
+                       tuple(inputs[:n]) if balanced else (), global_epochs)
+
+
+def everyone(run: RunContext, scored: ScoredBatch) -> ScoredBatch:
+    """``scored`` over the rows of every rank, in global row order, for an update whose
+    optimizer steps split their rows between the ranks by tokens (``balanced_minibatch``):
+    each rank's rows (policy inputs, the engine's, behaviour and reference logprobs, the
+    advantages) cross as plain CPU data, and every rank collates the whole batch. Every row
+    keeps what ``score`` computed for it where it was sampled, so the update is the same; the
+    first minibatch's behaviour logprobs are still its own forward's, on whichever rank trains
+    the row (``consume`` shares them for the later epochs). ``layout`` stays this rank's."""
+    comm, layout, device = run.svc.comm, scored.layout, run.svc.accelerator.device
+    n = layout.local_rows_count
+    grids = (scored.adv_B, scored.engine_BT, scored.old_BT, scored.ref_BT)
+    batch, inputs, joined, own_old = gather_step(
+        comm, layout, run.policy_packer, scored.inputs[:n],
+        [None if g is None else g[:n] for g in grids], device, scored.own_old)
+    adv_B, engine_BT, old_BT, ref_BT = joined
+    assert adv_B is not None and engine_BT is not None and old_BT is not None
+    return attrs.evolve(scored, batch=scored.batch if batch is None else batch, adv_B=adv_B,
+                        epochs=scored.global_epochs, engine_BT=engine_BT, old_BT=old_BT,
+                        ref_BT=ref_BT, own_old=own_old, inputs=tuple(inputs))
 
 
 def advantages_of(run: RunContext, algo: GRPOConfig, layout: Layout, rewards_all: list[float],
@@ -231,28 +267,38 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
     rate and ``rollout/logprob_gap`` (the engine's logprobs against the first optimizer step's
     forward, which runs the weights the engine sampled with: they differ only by numerics, and
     a stale engine shows here)."""
-    recipe, policy = run.svc.recipe, run.policy
-    old_BT = scored.old_BT
+    recipe, policy, comm = run.svc.recipe, run.policy, run.svc.comm
+    # balanced: every rank holds every row, and each optimizer step's are split by tokens
+    balanced = balances(comm, recipe.train)
+    work = everyone(run, scored) if balanced else scored
+    old_BT = work.old_BT
     history: list[dict[str, float]] = []
     packings: list[dict[str, float]] = []
-    lengths = row_tokens(scored.batch, recipe.train)
+    lengths = row_tokens(work.batch, recipe.train)
     gap = torch.zeros(())
-    for epoch, mbs in enumerate(scored.epochs):
+    for epoch, mbs in enumerate(work.epochs):
         for k, mb in enumerate(mbs):
             first = epoch == 0 and k == 0
 
             def loss_fn(idx: torch.Tensor, old_BT: torch.Tensor = old_BT, first: bool = first
                         ) -> tuple[torch.Tensor, dict[str, Any], Kept]:
-                return minibatch_loss(run, algo, scored, old_BT, first, idx)
+                return minibatch_loss(run, algo, work, old_BT, first, idx)
 
-            pieces, accum = minibatch_pieces(run.svc.comm, recipe.train, mb, lengths, packings)
+            if balanced:
+                mb, pieces, accum, packing = balanced_minibatch(scored.layout, recipe.train, mb,
+                                                                lengths)
+                packings.append(packing)
+            else:
+                pieces, accum = minibatch_pieces(comm, recipe.train, mb, lengths, packings)
             metrics, kept = train_minibatch_keeping([policy], mb, loss_fn, accum,
                                                     scored.layout.world, recipe.train.max_grad_norm,
                                                     pieces)
             history.append(metrics)
             if first:
-                gap = _engine_gap(scored.engine_BT, kept, gap)
-                if scored.own_old:  # kept for the later epochs
+                gap = _engine_gap(work.engine_BT, kept, gap)
+                if work.own_old:  # kept for the later epochs
+                    if balanced and len(work.epochs) > 1:  # every rank's, for any rank
+                        kept = _shared(comm, kept, set(mb.rows), old_BT)
                     old_BT = _with_rows(old_BT, kept)
     with warnings.catch_warnings():
         # a dynamic-sampling step that kept no group takes no optimizer step; the schedule
@@ -275,6 +321,16 @@ def _engine_gap(engine_BT: torch.Tensor, kept: list[tuple[torch.Tensor, Kept]],
         w = lp_BT.shape[1]
         gap = torch.maximum(gap, ((engine_BT[rows, :w] - lp_BT).abs() * mask_BT).max())
     return gap
+
+
+def _shared(comm: Collective, kept: list[tuple[torch.Tensor, Kept]], mine: set[int],
+            like: torch.Tensor) -> list[tuple[torch.Tensor, Kept]]:
+    """Every rank's ``kept`` micro-batches of its share ``mine`` (not a pad's row), as CPU
+    tensors crossing the ranks, back on ``like``'s device."""
+    own = [(rows.cpu(), lp_BT.cpu(), mask_BT.cpu()) for rows, (lp_BT, mask_BT) in kept
+           if set(rows.tolist()) <= mine]
+    return [(rows.to(like.device), (lp_BT.to(like.device), mask_BT.to(like.device)))
+            for per_rank in comm.gather(own) for rows, lp_BT, mask_BT in per_rank]
 
 
 def _with_rows(old_BT: torch.Tensor, kept: list[tuple[torch.Tensor, Kept]]) -> torch.Tensor:

@@ -33,14 +33,17 @@ from runner.algorithms.opd import (
     opd_loss,
     sampled_reverse_kl,
 )
-from runner.packers.base import PolicyBatch
+from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import OPDConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
 from runner.train.loops.batches import (
     Layout,
     Minibatch,
+    balanced_minibatch,
+    balances,
     gather_rows,
+    gather_step,
     lockstep,
     mean_packing,
     minibatch_pieces,
@@ -139,6 +142,10 @@ class ScoredOPDBatch:
     whole: Minibatch  # every row of the global batch, token-weighted
     teacher_BT: torch.Tensor | None  # None with full_kl: the loss's teacher forward gives them
     old_BT: torch.Tensor | None  # None with one epoch: the first forward's own are behaviour
+    # With the ranks balanced by tokens (``balances``): this rank's inputs (the rows of
+    # ``batch``) and every row's weight in global row order, which ``everyone`` trains on.
+    inputs: tuple[RLPolicyInput, ...] = ()
+    weights_all: list[float] = attrs.field(factory=list)
 
 
 def produce(run: RunContext, algo: OPDConfig, step: int) -> Trajectory:
@@ -183,7 +190,31 @@ def score(run: RunContext, algo: OPDConfig, teacher: Teacher, rewards: RewardSet
     # One optimizer step per epoch over the whole global batch (token mean).
     whole = Minibatch(list(range(len(tokens))), tokens, run.svc.comm.sum([sum(tokens)])[0])
     rewards_all = gather_rows(run.svc.comm, layout, traj.rewards)
-    return ScoredOPDBatch(traj, layout, batch, rewards_all, whole, teacher_BT, old_BT)
+    balanced = balances(run.svc.comm, train)
+    n = layout.local_rows_count
+    return ScoredOPDBatch(traj, layout, batch, rewards_all, whole, teacher_BT, old_BT,
+                          tuple(inputs[:n]) if balanced else (),
+                          gather_rows(run.svc.comm, layout, tokens[:n]) if balanced else [])
+
+
+def everyone(run: RunContext, scored: ScoredOPDBatch) -> ScoredOPDBatch:
+    """``scored`` over the rows of every rank, in global row order, for an update whose
+    optimizer steps split their rows between the ranks by tokens (``balanced_minibatch``):
+    each rank's rows (inputs, the teacher's and behaviour logprobs computed where they were
+    sampled) cross as CPU data, every rank collates the whole batch, and ``whole`` is every
+    global row. ``layout`` stays this rank's."""
+    comm, layout, device = run.svc.comm, scored.layout, run.svc.accelerator.device
+    n = layout.local_rows_count
+    grids = (scored.teacher_BT, scored.old_BT)
+    batch, inputs, joined, _ = gather_step(comm, layout, run.policy_packer, scored.inputs[:n],
+                                           [None if g is None else g[:n] for g in grids], device)
+    weights = scored.weights_all
+    whole = Minibatch(list(range(len(weights))), list(weights), scored.whole.total)
+    if batch is None:
+        return attrs.evolve(scored, whole=whole)
+    teacher_BT, old_BT = joined
+    return attrs.evolve(scored, batch=batch, whole=whole, teacher_BT=teacher_BT,
+                        old_BT=old_BT, inputs=tuple(inputs))
 
 
 def minibatch_loss(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: ScoredOPDBatch,
@@ -215,14 +246,22 @@ def consume(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: ScoredOP
     """``ppo_epochs`` optimizer steps over the whole batch; the reduced metrics and the
     learning rate."""
     recipe, policy = run.svc.recipe, run.policy
-    loss_fn = partial(minibatch_loss, run, algo, teacher, scored)
-    lengths = row_tokens(scored.batch, recipe.train)
+    # balanced: every rank holds every row, and each optimizer step's are split by tokens
+    balanced = balances(run.svc.comm, recipe.train)
+    work = everyone(run, scored) if balanced else scored
+    loss_fn = partial(minibatch_loss, run, algo, teacher, work)
+    lengths = row_tokens(work.batch, recipe.train)
     history: list[dict[str, float]] = []
     packings: list[dict[str, float]] = []
     for _ in range(algo.ppo_epochs):
-        pieces, accum = minibatch_pieces(run.svc.comm, recipe.train, scored.whole, lengths,
-                                         packings)
-        history.append(train_minibatch([policy], scored.whole, loss_fn, accum,
+        mb = work.whole
+        if balanced:
+            mb, pieces, accum, packing = balanced_minibatch(scored.layout, recipe.train, mb,
+                                                            lengths)
+            packings.append(packing)
+        else:
+            pieces, accum = minibatch_pieces(run.svc.comm, recipe.train, mb, lengths, packings)
+        history.append(train_minibatch([policy], mb, loss_fn, accum,
                                        scored.layout.world, recipe.train.max_grad_norm, pieces))
     policy.scheduler.step()
     return {**rank_mean(run.svc.comm, policy.padding_metrics(scored.batch)),

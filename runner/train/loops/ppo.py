@@ -30,7 +30,7 @@ import torch
 
 from runner.algorithms.grpo import engine_is_weights
 from runner.algorithms.ppo import PPOLossInputs, ppo_advantages, ppo_loss
-from runner.packers.base import PolicyBatch
+from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import PPOConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
@@ -38,7 +38,10 @@ from runner.train.assembly.seeds import step_seed
 from runner.train.loops.batches import (
     Layout,
     Minibatch,
+    balanced_minibatch,
+    balances,
     gather_rows,
+    gather_step,
     global_whiten,
     mean_packing,
     minibatch_pieces,
@@ -96,6 +99,10 @@ class ScoredPPOBatch:
     adv_BT: torch.Tensor
     returns_BT: torch.Tensor
     logprob_gap: float  # this rank's largest |engine - policy| token logprob
+    # With the ranks balanced by tokens (``balances``): this rank's inputs (the rows of
+    # ``batch``) and every epoch's minibatches of global rows, which ``everyone`` trains on.
+    inputs: tuple[RLPolicyInput, ...] = ()
+    global_epochs: list[list[Minibatch]] = attrs.field(factory=list)
 
 
 def produce(run: RunContext, algo: PPOConfig, step: int) -> Trajectory:
@@ -144,8 +151,40 @@ def score(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainabl
                           step_seed(recipe.run.seed, step, salt=1 + epoch))
               for epoch in range(algo.ppo_epochs)]
     rewards_all = gather_rows(run.svc.comm, layout, traj.rewards)
+    balanced = balances(run.svc.comm, recipe.train)
+    # the same minibatches as sets of global rows (a layout of one rank), split by tokens
+    one = Layout(0, 1, layout.items, layout.chunk)
+    global_epochs = [minibatches(one, weights, algo.minibatches,
+                                 step_seed(recipe.run.seed, step, salt=1 + epoch))
+                     for epoch in range(algo.ppo_epochs)] if balanced else []
+    n = layout.local_rows_count
     return ScoredPPOBatch(traj, layout, batch, rewards_all, epochs, old_BT, mask_BT, ref_BT,
-                          is_BT, old_values_BT, adv_BT, returns_BT, gap)
+                          is_BT, old_values_BT, adv_BT, returns_BT, gap,
+                          tuple(inputs[:n]) if balanced else (), global_epochs)
+
+
+def everyone(run: RunContext, scored: ScoredPPOBatch) -> ScoredPPOBatch:
+    """``scored`` over the rows of every rank, in global row order, for an update whose
+    optimizer steps split their rows between the ranks by tokens (``balanced_minibatch``):
+    each rank's rows (inputs, behaviour and reference logprobs, engine weights, the critic's
+    values, advantages and returns, all computed where the rows were sampled) cross as CPU
+    data, and every rank collates the whole batch; a row's values move with it. ``layout``
+    stays this rank's."""
+    comm, layout, device = run.svc.comm, scored.layout, run.svc.accelerator.device
+    n = layout.local_rows_count
+    grids = (scored.old_BT, scored.ref_BT, scored.is_BT, scored.old_values_BT, scored.adv_BT,
+             scored.returns_BT)
+    batch, inputs, joined, _ = gather_step(comm, layout, run.rollout_packer, scored.inputs[:n],
+                                           [None if g is None else g[:n] for g in grids], device)
+    if batch is None:
+        return attrs.evolve(scored, epochs=scored.global_epochs)
+    old_BT, ref_BT, is_BT, old_values_BT, adv_BT, returns_BT = joined
+    assert (old_BT is not None and ref_BT is not None and old_values_BT is not None
+            and adv_BT is not None and returns_BT is not None)
+    return attrs.evolve(scored, batch=batch, epochs=scored.global_epochs, old_BT=old_BT,
+                        mask_BT=batch.loss_mask_BT[:, 1:].bool(), ref_BT=ref_BT, is_BT=is_BT,
+                        old_values_BT=old_values_BT, adv_BT=adv_BT, returns_BT=returns_BT,
+                        inputs=tuple(inputs))
 
 
 def minibatch_loss(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredPPOBatch,
@@ -168,13 +207,22 @@ def consume(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredP
     reduced metrics, the learning rate, ``kl`` (the policy's token KL estimate to the reference
     before the update, over every rank's tokens) and ``rollout/logprob_gap``."""
     recipe, policy = run.svc.recipe, run.policy
-    loss_fn = partial(minibatch_loss, run, algo, critic, scored)
-    lengths = row_tokens(scored.batch, recipe.train)
+    # balanced: every rank holds every row, and each optimizer step's are split by tokens
+    balanced = balances(run.svc.comm, recipe.train)
+    work = everyone(run, scored) if balanced else scored
+    loss_fn = partial(minibatch_loss, run, algo, critic, work)
+    lengths = row_tokens(work.batch, recipe.train)
     history: list[dict[str, float]] = []
     packings: list[dict[str, float]] = []
-    for mbs in scored.epochs:
+    for mbs in work.epochs:
         for mb in mbs:
-            pieces, accum = minibatch_pieces(run.svc.comm, recipe.train, mb, lengths, packings)
+            if balanced:
+                mb, pieces, accum, packing = balanced_minibatch(scored.layout, recipe.train, mb,
+                                                                lengths)
+                packings.append(packing)
+            else:
+                pieces, accum = minibatch_pieces(run.svc.comm, recipe.train, mb, lengths,
+                                                 packings)
             history.append(train_minibatch([policy, critic], mb, loss_fn, accum,
                                            scored.layout.world, recipe.train.max_grad_norm,
                                            pieces))

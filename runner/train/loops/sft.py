@@ -44,6 +44,8 @@ from runner.recipe.schema import SFTConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
 from runner.train.loops.batches import (
+    balanced_batch_step,
+    balances,
     lockstep,
     split_even,
     whole_batch_step,
@@ -162,6 +164,9 @@ def consume(run: SFTRun, ex: Examples) -> dict[str, float]:
     train = ctx.svc.recipe.train
     inputs, tokens = list(ex.inputs), ex.tokens
     total, kept, dropped = ctx.svc.comm.sum([sum(tokens), len(inputs), len(ex.dropped)])
+    if kept and balances(ctx.svc.comm, train):
+        stepped = balanced(run, inputs, tokens, max(total, 1.0))
+        return {**stepped, "sft/tokens": total, "sft/examples": kept, "sft/dropped": dropped}
     if not inputs:
         pad = run.packer.pad_token_id
         inputs, tokens = [RLPolicyInput((pad, pad), (0, 0), 2)], [0.0]
@@ -169,6 +174,23 @@ def consume(run: SFTRun, ex: Examples) -> dict[str, float]:
                                partial(rows_loss, run, inputs),
                                [float(len(x.input_ids)) for x in inputs])
     return {**stepped, "sft/tokens": total, "sft/examples": kept, "sft/dropped": dropped}
+
+
+def balanced(run: SFTRun, inputs: Sequence[RLPolicyInput], tokens: Sequence[float],
+             total: float) -> dict[str, float]:
+    """``consume``'s optimizer step with the ranks balanced by tokens (``balances``): every
+    rank's conversations cross as plain tuples, and each rank trains its share of them
+    (``balanced_batch_step``); the normaliser is every rank's trained tokens, as unbalanced."""
+    ctx = run.run
+    mine = [((x.input_ids, x.loss_mask, x.n_prompt_tokens, x.extra, x.token_extra, x.segments),
+             t) for x, t in zip(inputs, tokens, strict=True)]
+    per_rank = ctx.svc.comm.gather(mine)
+    every = [RLPolicyInput(*x) for rows in per_rank for x, _ in rows]
+    return balanced_batch_step(ctx.policy, ctx.svc.comm, ctx.svc.recipe.train,
+                               [r for r, rows in enumerate(per_rank) for _ in rows],
+                               [t for rows in per_rank for _, t in rows], total,
+                               partial(rows_loss, run, every),
+                               [float(len(x.input_ids)) for x in every])
 
 
 def one_step(run: SFTRun, step: int) -> dict[str, Any]:
