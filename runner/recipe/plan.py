@@ -156,7 +156,7 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         max_tokens_per_microbatch=recipe.train.max_tokens_per_microbatch,
         logprob_max_tokens_per_microbatch=recipe.train.logprob_max_tokens_per_microbatch,
         max_row_tokens=recipe.rollout.max_model_len if spec.samples_online else 0,
-        balanced=(world > 1 and recipe.algo.kind in BALANCED_KINDS
+        balanced=(world > 1 and spec.balances_ranks
                   and recipe.train.max_tokens_per_microbatch > 0 and recipe.train.balance_ranks),
     )
 
@@ -175,10 +175,6 @@ def most_balanced(rows: int, unit: int, longest: int, budget: int) -> int:
         return 0
     return (rows + unit) * longest // (budget - longest + 1) + 1
 
-
-# The algorithms whose update splits each optimizer step's rows between the ranks by tokens
-# (``train.balance_ranks``); the others train the rows the data order gives each rank.
-BALANCED_KINDS = frozenset({"grpo", "ppo", "opd", "sft"})
 
 
 def most_micro_batches(rows: int, longest: int, budget: int) -> int:

@@ -116,4 +116,5 @@ SPEC = AlgoSpec(
     title="GRPO", config=GRPOConfig, stream="prompts", batch_key="algo.prompts_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.grpo", ahead=sampled.ahead,
     owned_keys=sampled.MEDIA_KEYS, trains_on_rewards=True, batches=batches, scoring_passes=True,
+    balances_ranks=True,
 )

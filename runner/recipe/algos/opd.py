@@ -56,5 +56,5 @@ SPEC = AlgoSpec(
     title="OPD", config=OPDConfig, stream="prompts", batch_key="algo.prompts_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.opd", ahead=sampled.ahead,
     owned_keys=(*sampled.MEDIA_KEYS, "data_packer.teacher_model_factory"),
-    sharded=sharded, models=models, scoring_passes=True,
+    sharded=sharded, models=models, scoring_passes=True, balances_ranks=True,
 )

@@ -49,5 +49,5 @@ SPEC = AlgoSpec(
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.ppo", ahead=sampled.ahead,
     owned_keys=(*sampled.MEDIA_KEYS, "data.id_column", "data.metadata_columns"),
     trains_on_rewards=True, needs_fingerprint=True, models=models,
-    scoring_passes=True,
+    scoring_passes=True, balances_ranks=True,
 )

@@ -59,5 +59,5 @@ SPEC = AlgoSpec(
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.sft",
     owned_keys=("data.messages_column", "data.tools_column", "data.image_column"),
     samples_online=False,
-    sharded=sharded,
+    sharded=sharded, balances_ranks=True,
 )

@@ -104,6 +104,8 @@ class AlgoSpec:
       reference or teacher logprobs, critic values), which
       ``train.logprob_max_tokens_per_microbatch`` packs by tokens
       (``runner.train.loops.batches.scored_by_tokens``).
+    - ``balances_ranks``: its update passes split each optimizer step's rows between the ranks
+      by tokens under ``train.balance_ranks`` (``runner.train.loops.batches.balanced_minibatch``).
     - ``loop``: the module of its training loop (its ``run(RunContext)``), imported when a run
       starts, so that the recipe layer stays free of torch.
     """
@@ -126,6 +128,7 @@ class AlgoSpec:
     batches: Callable[[Any], int] = _one_batch
     head: Literal["lm", "score"] = "lm"
     scoring_passes: bool = False
+    balances_ranks: bool = False
 
     @property
     def kind(self) -> str:
