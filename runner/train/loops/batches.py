@@ -22,6 +22,7 @@ import torch
 
 from runner.algorithms.masked import masked_sum
 from runner.ranks.collective import Collective, interleave
+from runner.train.assembly.seeds import step_seed
 from runner.train.roles import FrozenScorer, Trainable, optimizer_step
 
 if TYPE_CHECKING:
@@ -411,18 +412,33 @@ def scored_by_tokens(comm: Collective, budget: int, rows: Sequence[int],
     return out, count
 
 
-def minibatch_pieces(comm: Collective, train: TrainConfig, mb: Minibatch,
+def minibatch_pieces(comm: Collective, layout: Layout, train: TrainConfig, mb: Minibatch,
                      lengths: Sequence[float], packings: list[dict[str, float]]
-                     ) -> tuple[list[list[int]] | None, int]:
-    """The micro-batches of minibatch ``mb`` and how many every rank runs, for
-    ``train_minibatch``: packed by tokens (``packed_minibatch``; its ``batch/*`` metrics
-    appended to ``packings``) with ``train.max_tokens_per_microbatch``, else ``None`` and
-    ``train.grad_accum_steps``."""
+                     ) -> tuple[Minibatch, list[list[int]] | None, int]:
+    """What this rank trains of minibatch ``mb`` for ``train_minibatch``: the minibatch, its
+    micro-batches and how many every rank runs. With the ranks balanced by tokens
+    (``balances``; ``mb`` then holds global rows) this rank's share of them
+    (``balanced_minibatch``); else ``mb`` itself, packed by tokens with
+    ``train.max_tokens_per_microbatch`` (``packed_minibatch``), or ``None`` and
+    ``train.grad_accum_steps``. The ``batch/*`` metrics of a packing are appended to
+    ``packings``."""
     if train.max_tokens_per_microbatch <= 0:
-        return None, train.grad_accum_steps
-    pieces, accum, packing = packed_minibatch(comm, train, mb, lengths)
+        return mb, None, train.grad_accum_steps
+    if balances(comm, train):
+        mb, pieces, accum, packing = balanced_minibatch(layout, train, mb, lengths)
+    else:
+        pieces, accum, packing = packed_minibatch(comm, train, mb, lengths)
     packings.append(packing)
-    return pieces, accum
+    return mb, pieces, accum
+
+
+def epoch_minibatches(layout: Layout, weights: Sequence[float], count: int, seed: int,
+                      step: int, epochs: int) -> list[list[Minibatch]]:
+    """Every epoch's ``count`` minibatches of a step (``minibatches``, each epoch shuffled by
+    its own seed from (run seed, step, epoch)) for ``layout``'s rank; with a layout of one
+    rank, as sets of global rows."""
+    return [minibatches(layout, weights, count, step_seed(seed, step, salt=1 + epoch))
+            for epoch in range(epochs)]
 
 
 def row_tokens(batch: Any, train: TrainConfig) -> list[float]:

@@ -39,19 +39,17 @@ from runner.ranks.collective import Collective
 from runner.recipe.schema import GRPOConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
-from runner.train.assembly.seeds import step_seed
 from runner.train.loops import dynamic
 from runner.train.loops.batches import (
     Layout,
     Minibatch,
-    balanced_minibatch,
     balances,
+    epoch_minibatches,
     gather_rows,
     gather_step,
     global_whiten,
     mean_packing,
     minibatch_pieces,
-    minibatches,
     rank_mean,
     reduce_history,
     row_tokens,
@@ -149,15 +147,13 @@ def score_rewarded(run: RunContext, algo: GRPOConfig, traj: Trajectory, step: in
     temperature = recipe.rollout.temperature
     tokens = [float(t) for t in batch.loss_mask_BT[:n, 1:].sum(-1).tolist()]
     weights = gather_rows(run.svc.comm, layout, row_weights(algo.loss_agg, tokens))
-    epochs = [minibatches(layout, weights, algo.minibatches,
-                          step_seed(recipe.run.seed, step, salt=1 + epoch))
-              for epoch in range(algo.ppo_epochs)]
+    seed = recipe.run.seed
+    epochs = epoch_minibatches(layout, weights, algo.minibatches, seed, step, algo.ppo_epochs)
     balanced = balances(run.svc.comm, recipe.train)
     # the same minibatches as sets of global rows (a layout of one rank), split by tokens
-    one = Layout(0, 1, layout.items, layout.chunk)
-    global_epochs = [minibatches(one, weights, algo.minibatches,
-                                 step_seed(recipe.run.seed, step, salt=1 + epoch))
-                     for epoch in range(algo.ppo_epochs)] if balanced else []
+    global_epochs = epoch_minibatches(Layout(0, 1, layout.items, layout.chunk), weights,
+                                      algo.minibatches, seed, step,
+                                      algo.ppo_epochs) if balanced else []
     # The first optimizer step trains on freshly sampled data with the weights that sampled it:
     # its rows' behaviour logprobs are that step's own forward (detached). Only the other rows
     # need a separate scoring forward, and none when there is one minibatch. (A batch of no
@@ -284,12 +280,8 @@ def consume(run: RunContext, algo: GRPOConfig, scored: ScoredBatch) -> dict[str,
                         ) -> tuple[torch.Tensor, dict[str, Any], Kept]:
                 return minibatch_loss(run, algo, work, old_BT, first, idx)
 
-            if balanced:
-                mb, pieces, accum, packing = balanced_minibatch(scored.layout, recipe.train, mb,
-                                                                lengths)
-                packings.append(packing)
-            else:
-                pieces, accum = minibatch_pieces(comm, recipe.train, mb, lengths, packings)
+            mb, pieces, accum = minibatch_pieces(comm, scored.layout, recipe.train, mb, lengths,
+                                                 packings)
             metrics, kept = train_minibatch_keeping([policy], mb, loss_fn, accum,
                                                     scored.layout.world, recipe.train.max_grad_norm,
                                                     pieces)

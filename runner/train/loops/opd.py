@@ -40,7 +40,6 @@ from runner.train.assembly.run import RunContext
 from runner.train.loops.batches import (
     Layout,
     Minibatch,
-    balanced_minibatch,
     balances,
     gather_rows,
     gather_step,
@@ -254,13 +253,8 @@ def consume(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: ScoredOP
     history: list[dict[str, float]] = []
     packings: list[dict[str, float]] = []
     for _ in range(algo.ppo_epochs):
-        mb = work.whole
-        if balanced:
-            mb, pieces, accum, packing = balanced_minibatch(scored.layout, recipe.train, mb,
-                                                            lengths)
-            packings.append(packing)
-        else:
-            pieces, accum = minibatch_pieces(run.svc.comm, recipe.train, mb, lengths, packings)
+        mb, pieces, accum = minibatch_pieces(run.svc.comm, scored.layout, recipe.train,
+                                             work.whole, lengths, packings)
         history.append(train_minibatch([policy], mb, loss_fn, accum,
                                        scored.layout.world, recipe.train.max_grad_norm, pieces))
     policy.scheduler.step()

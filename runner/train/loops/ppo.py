@@ -34,18 +34,16 @@ from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import PPOConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
-from runner.train.assembly.seeds import step_seed
 from runner.train.loops.batches import (
     Layout,
     Minibatch,
-    balanced_minibatch,
     balances,
+    epoch_minibatches,
     gather_rows,
     gather_step,
     global_whiten,
     mean_packing,
     minibatch_pieces,
-    minibatches,
     rank_mean,
     reduce_history,
     row_tokens,
@@ -147,16 +145,14 @@ def score(run: RunContext, algo: PPOConfig, rewards: RewardSet, critic: Trainabl
     rank = run.svc.rank
     layout = Layout(rank.rank, rank.world_size, algo.prompts_per_step, algo.samples_per_prompt)
     weights = gather_rows(run.svc.comm, layout, [float(t) for t in mask_BT.sum(-1).tolist()])
-    epochs = [minibatches(layout, weights, algo.minibatches,
-                          step_seed(recipe.run.seed, step, salt=1 + epoch))
-              for epoch in range(algo.ppo_epochs)]
+    seed = recipe.run.seed
+    epochs = epoch_minibatches(layout, weights, algo.minibatches, seed, step, algo.ppo_epochs)
     rewards_all = gather_rows(run.svc.comm, layout, traj.rewards)
     balanced = balances(run.svc.comm, recipe.train)
     # the same minibatches as sets of global rows (a layout of one rank), split by tokens
-    one = Layout(0, 1, layout.items, layout.chunk)
-    global_epochs = [minibatches(one, weights, algo.minibatches,
-                                 step_seed(recipe.run.seed, step, salt=1 + epoch))
-                     for epoch in range(algo.ppo_epochs)] if balanced else []
+    global_epochs = epoch_minibatches(Layout(0, 1, layout.items, layout.chunk), weights,
+                                      algo.minibatches, seed, step,
+                                      algo.ppo_epochs) if balanced else []
     n = layout.local_rows_count
     return ScoredPPOBatch(traj, layout, batch, rewards_all, epochs, old_BT, mask_BT, ref_BT,
                           is_BT, old_values_BT, adv_BT, returns_BT, gap,
@@ -216,13 +212,8 @@ def consume(run: RunContext, algo: PPOConfig, critic: Trainable, scored: ScoredP
     packings: list[dict[str, float]] = []
     for mbs in work.epochs:
         for mb in mbs:
-            if balanced:
-                mb, pieces, accum, packing = balanced_minibatch(scored.layout, recipe.train, mb,
-                                                                lengths)
-                packings.append(packing)
-            else:
-                pieces, accum = minibatch_pieces(run.svc.comm, recipe.train, mb, lengths,
-                                                 packings)
+            mb, pieces, accum = minibatch_pieces(run.svc.comm, scored.layout, recipe.train, mb,
+                                                 lengths, packings)
             history.append(train_minibatch([policy, critic], mb, loss_fn, accum,
                                            scored.layout.world, recipe.train.max_grad_norm,
                                            pieces))
