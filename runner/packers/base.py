@@ -51,6 +51,15 @@ class RLPolicyInput:
     def completion_ids(self) -> tuple[int, ...]:
         return self.input_ids[self.n_prompt_tokens:]
 
+    def to_plain(self) -> tuple[Any, ...]:
+        """Its fields as a plain tuple, to cross ranks (``from_plain`` reads it back)."""
+        return (self.input_ids, self.loss_mask, self.n_prompt_tokens, self.extra,
+                self.token_extra, self.segments)
+
+    @classmethod
+    def from_plain(cls, raw: Sequence[Any]) -> RLPolicyInput:
+        return cls(*raw)
+
 
 @attrs.frozen
 class ModelExtras:

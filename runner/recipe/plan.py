@@ -10,7 +10,7 @@ import attrs
 from runner.errors import Problem, RecipeError
 from runner.recipe.algos import spec_of
 from runner.recipe.checks import batch_key
-from runner.recipe.schema import Recipe
+from runner.recipe.schema import Recipe, TrainConfig
 from runner.state.run_folder import RunFolder
 
 # Every role a run can build, in the order the assembly builds them.
@@ -156,9 +156,15 @@ def make_plan(recipe: Recipe, world_size: int | None = None) -> RunPlan:
         max_tokens_per_microbatch=recipe.train.max_tokens_per_microbatch,
         logprob_max_tokens_per_microbatch=recipe.train.logprob_max_tokens_per_microbatch,
         max_row_tokens=recipe.rollout.max_model_len if spec.samples_online else 0,
-        balanced=(world > 1 and spec.balances_ranks
-                  and recipe.train.max_tokens_per_microbatch > 0 and recipe.train.balance_ranks),
+        balanced=spec.balances_ranks and ranks_balanced(recipe.train, world),
     )
+
+
+def ranks_balanced(train: TrainConfig, world: int) -> bool:
+    """Whether an algorithm that can (``AlgoSpec.balances_ranks``) splits each optimizer
+    step's rows between ``world`` ranks by tokens: with a token budget,
+    ``train.balance_ranks`` and several ranks."""
+    return world > 1 and train.max_tokens_per_microbatch > 0 and train.balance_ranks
 
 
 def most_balanced(rows: int, unit: int, longest: int, budget: int) -> int:
@@ -174,7 +180,6 @@ def most_balanced(rows: int, unit: int, longest: int, budget: int) -> int:
     if not longest or longest > budget:
         return 0
     return (rows + unit) * longest // (budget - longest + 1) + 1
-
 
 
 def most_micro_batches(rows: int, longest: int, budget: int) -> int:

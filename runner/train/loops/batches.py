@@ -240,11 +240,11 @@ def gather_step(comm: Collective, layout: Layout, packer: Any, inputs: Sequence[
     ``flag`` is true on any rank."""
     from runner.packers.base import RLPolicyInput
 
-    plain = [(x.input_ids, x.loss_mask, x.n_prompt_tokens, x.extra, x.token_extra, x.segments)
-             for x in inputs]
-    mine = (plain, [None if g is None else g.detach().cpu() for g in grids], flag)
+    mine = ([x.to_plain() for x in inputs],
+            [None if g is None else g.detach().cpu() for g in grids], flag)
     per_rank = comm.gather(mine)
-    every = [RLPolicyInput(*x) for x in interleave([p[0] for p in per_rank], chunk=layout.chunk)]
+    every = [RLPolicyInput.from_plain(x)
+             for x in interleave([p[0] for p in per_rank], chunk=layout.chunk)]
     joined = [None if grid is None else _joined(layout, [p[1][j] for p in per_rank], grid)
               for j, grid in enumerate(grids)]
     batch = packer.collate(every).to(device) if every else None
@@ -264,8 +264,11 @@ def _joined(layout: Layout, per_rank: list[torch.Tensor], like: torch.Tensor) ->
 
 def balances(comm: Collective, train: TrainConfig) -> bool:
     """Whether the update passes split each optimizer step's rows between the ranks by tokens
-    (``balanced_minibatch``): with a token budget, ``train.balance_ranks`` and several ranks."""
-    return comm.world > 1 and train.max_tokens_per_microbatch > 0 and train.balance_ranks
+    (``balanced_minibatch``): with a token budget, ``train.balance_ranks`` and several ranks
+    (``runner.recipe.plan.ranks_balanced``, what the dry run shows)."""
+    from runner.recipe.plan import ranks_balanced
+
+    return ranks_balanced(train, comm.world)
 
 
 @attrs.frozen

@@ -182,10 +182,9 @@ def balanced(run: SFTRun, inputs: Sequence[RLPolicyInput], tokens: Sequence[floa
     rank's conversations cross as plain tuples, and each rank trains its share of them
     (``balanced_batch_step``); the normaliser is every rank's trained tokens, as unbalanced."""
     ctx = run.run
-    mine = [((x.input_ids, x.loss_mask, x.n_prompt_tokens, x.extra, x.token_extra, x.segments),
-             t) for x, t in zip(inputs, tokens, strict=True)]
+    mine = [(x.to_plain(), t) for x, t in zip(inputs, tokens, strict=True)]
     per_rank = ctx.svc.comm.gather(mine)
-    every = [RLPolicyInput(*x) for rows in per_rank for x, _ in rows]
+    every = [RLPolicyInput.from_plain(x) for rows in per_rank for x, _ in rows]
     return balanced_batch_step(ctx.policy, ctx.svc.comm, ctx.svc.recipe.train,
                                [r for r, rows in enumerate(per_rank) for _ in rows],
                                [t for rows in per_rank for _, t in rows], total,
