@@ -37,7 +37,17 @@ from runner.recipe.schema import Recipe
 FROZEN_ROLES = ("reference", "teacher")  # served by a FrozenActor under 'separate'
 
 
-class RolloutActor:
+class _RoleActor:
+    """What every role actor answers the driver's first call with (``ray_env.actor_hello``:
+    its node and package versions)."""
+
+    def hello(self) -> dict[str, Any]:
+        from runner.launch.ray_env import actor_hello
+
+        return actor_hello()
+
+
+class RolloutActor(_RoleActor):
     """The rollout engine of a run, in a Ray actor of its own."""
 
     def __init__(self, index: int, payload: Payload) -> None:
@@ -47,11 +57,6 @@ class RolloutActor:
 
     def __repr__(self) -> str:  # Ray's prefix of this actor's log lines
         return f"rollout actor {self.index}"
-
-    def hello(self) -> dict[str, Any]:
-        from runner.launch.ray_env import actor_hello
-
-        return actor_hello()
 
     def build(self) -> str:
         """Build the engine now (the driver asks at start, so the first rollout does not wait)."""
@@ -80,7 +85,7 @@ class RolloutActor:
         return len(state)
 
 
-class FrozenActor:
+class FrozenActor(_RoleActor):
     """The frozen reference or teacher of a run, in a Ray actor of its own."""
 
     def __init__(self, role: str, payload: Payload) -> None:
@@ -90,11 +95,6 @@ class FrozenActor:
 
     def __repr__(self) -> str:
         return f"{self.role} actor"
-
-    def hello(self) -> dict[str, Any]:
-        from runner.launch.ray_env import actor_hello
-
-        return actor_hello()
 
     def build(self, pad_free: bool = False) -> str:
         if self.model is None:
@@ -122,7 +122,7 @@ class FrozenActor:
         return self.model.logits(batch.to(self.model.device_type)).cpu()
 
 
-class RewardModelActor:
+class RewardModelActor(_RoleActor):
     """One reward model of a run (``reward.functions[i] = "model:PATH"``), in a Ray actor of its
     own: it scores the completions of every rank, on its actor's device."""
 
@@ -132,11 +132,6 @@ class RewardModelActor:
 
     def __repr__(self) -> str:
         return f"reward model actor ({self.key})"
-
-    def hello(self) -> dict[str, Any]:
-        from runner.launch.ray_env import actor_hello
-
-        return actor_hello()
 
     def build(self) -> str:
         if self.reward is None:
