@@ -281,13 +281,14 @@ def launch_torchrun(payload: Payload, world: int, timeout_s: float) -> int:
         cmd = [sys.executable, "-m", "runner.launch.worker", str(path)]
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         procs: list[subprocess.Popen | Adopted] = []
-        logs = Path(payload.cwd) / payload.recipe().run.output_dir / "logs"
+        recipe = payload.recipe()
+        logs = Path(payload.cwd) / recipe.run.output_dir / "logs"
         ranks = _Ranks(procs, logs, timeout_s)
         try:
             for s in old:
                 signal.signal(s, ranks.forward)
             envs = [rank_env(rank, world, port, run_id) for rank in range(world)]
-            procs += fork_ranks(path, payload.cwd, envs, device_type(payload.recipe())) or [
+            procs += fork_ranks(path, payload.cwd, envs, device_type(recipe)) or [
                 subprocess.Popen(cmd, env=env, cwd=payload.cwd, start_new_session=True)
                 for env in envs]
             if ranks.signals:  # a Ctrl-C that came while they started: theirs now

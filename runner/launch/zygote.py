@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -76,12 +77,17 @@ def main(argv: list[str]) -> int:
     pids = []
     sys.stdout.flush()
     sys.stderr.flush()
-    for env in job["envs"]:
-        pid = os.fork()
-        if pid == 0:
-            os.close(report)
-            rank(job["payload"], job["cwd"], env, int(job["driver"]))
-        pids.append(pid)
+    try:
+        for env in job["envs"]:
+            pid = os.fork()
+            if pid == 0:
+                os.close(report)
+                rank(job["payload"], job["cwd"], env, int(job["driver"]))
+            pids.append(pid)
+    except OSError:  # not every rank: none runs (the launcher then starts them afresh)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        raise
     with os.fdopen(report, "w") as out:
         out.write(json.dumps(pids))
     return 0
