@@ -17,15 +17,9 @@ import pytest
 import torch
 
 from runner.recipe import load_recipe
-from runner.train.loops import batches
-from runner.train.loops.batches import (
-    Layout,
-    Minibatch,
-    balance_by_tokens,
-    balanced_minibatch,
-    mean_packing,
-    pack_by_tokens,
-)
+from runner.train.loops import balance
+from runner.train.loops.balance import balance_by_tokens, balanced_minibatch
+from runner.train.loops.batches import Layout, Minibatch, mean_packing, pack_by_tokens
 from tests.conftest import REPO
 from tests.multiproc import run_ranks, start_ranks
 from tests.resume_helpers import assert_same_run, final_weights, rows, wait_for_checkpoint
@@ -289,8 +283,8 @@ def test_most_balanced_docstring_examples():
 def test_balancing_is_off_on_one_rank_and_without_a_budget():
     comm = type("One", (), {"world": 1})()
     two = type("Two", (), {"world": 2})()
-    assert not batches.balances(comm, _train(40))
-    assert batches.balances(two, _train(40))
-    assert not batches.balances(two, _train(0))
+    assert not balance.balances(comm, _train(40))
+    assert balance.balances(two, _train(40))
+    assert not balance.balances(two, _train(0))
     off = load_recipe(REPO / GRPO, [BUDGET, "train.balance_ranks=false"]).train
-    assert not batches.balances(two, off)
+    assert not balance.balances(two, off)

@@ -105,7 +105,7 @@ class AlgoSpec:
       ``train.logprob_max_tokens_per_microbatch`` packs by tokens
       (``runner.train.loops.batches.scored_by_tokens``).
     - ``balances_ranks``: its update passes split each optimizer step's rows between the ranks
-      by tokens under ``train.balance_ranks`` (``runner.train.loops.batches.balanced_minibatch``).
+      by tokens under ``train.balance_ranks`` (``runner.train.loops.balance``).
     - ``loop``: the module of its training loop (its ``run(RunContext)``), imported when a run
       starts, so that the recipe layer stays free of torch.
     """

@@ -37,12 +37,11 @@ from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import OPDConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
+from runner.train.loops.balance import balances, gather_step
 from runner.train.loops.batches import (
     Layout,
     Minibatch,
-    balances,
     gather_rows,
-    gather_step,
     lockstep,
     mean_packing,
     minibatch_pieces,

@@ -34,13 +34,12 @@ from runner.packers.base import PolicyBatch, RLPolicyInput
 from runner.recipe.schema import PPOConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
+from runner.train.loops.balance import balances, gather_step
 from runner.train.loops.batches import (
     Layout,
     Minibatch,
-    balances,
     epoch_minibatches,
     gather_rows,
-    gather_step,
     global_whiten,
     mean_packing,
     minibatch_pieces,

@@ -43,9 +43,8 @@ from runner.ranks.collective import interleave
 from runner.recipe.schema import SFTConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
+from runner.train.loops.balance import balanced_batch_step, balances
 from runner.train.loops.batches import (
-    balanced_batch_step,
-    balances,
     lockstep,
     split_even,
     whole_batch_step,
