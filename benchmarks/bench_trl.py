@@ -27,6 +27,7 @@ OMP_NUM_THREADS is set.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -37,7 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("algo", choices=["grpo", "dpo", "opd"])
+    parser.add_argument("algo", choices=["grpo", "dpo", "opd", "ppo"])
     parser.add_argument("--model", default="builtin:tiny-arith")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--no-score", action="store_true",
+                        help="OPD: skip the held-out scoring of TRL's student (for timing races)")
     args = parser.parse_args()
 
     from datasets import Dataset
@@ -66,8 +69,15 @@ def main() -> None:
         return tok.decode(packer.engine_prompt(packer.get_rollout_input(item)).token_ids)
 
     ends: list[float] = []
+    begins: list[float] = []  # wall-clock (epoch) seconds, for the start-up figure
 
     class Timer(TrainerCallback):
+        def on_train_begin(self, *a, **k):  # PPO's own loop calls no on_step_begin
+            begins.append(time.time())
+
+        def on_step_begin(self, *a, **k):
+            begins.append(time.time())
+
         def on_step_end(self, *a, **k):
             ends.append(time.perf_counter())
 
@@ -107,10 +117,33 @@ def main() -> None:
                                           args=cfg, train_dataset=ds, processing_class=tok,
                                           callbacks=[Timer()])
             trainer.train()
-            trainer.save_model(f"{out}/student")
-            tok.save_pretrained(f"{out}/student")
             per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-            what = f"s per step; held-out exact reverse KL {held_out_kl(f'{out}/student'):.3f}"
+            what = "s per step"
+            if not args.no_score:
+                trainer.save_model(f"{out}/student")
+                tok.save_pretrained(f"{out}/student")
+                what += f"; held-out exact reverse KL {held_out_kl(f'{out}/student'):.3f}"
+        elif args.algo == "ppo":
+            from transformers import AutoModelForSequenceClassification
+            from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+            batch = args.prompts * args.group
+            ds = Dataset.from_list([{"input_ids": tok(prompt(p), add_special_tokens=False)["input_ids"]}
+                                    for p in problems("train", 2000)])
+            cfg = PPOConfig(output_dir=out, per_device_train_batch_size=batch,
+                            local_rollout_forward_batch_size=batch, num_mini_batches=2,
+                            num_ppo_epochs=2, response_length=args.tokens, kl_coef=0.02,
+                            temperature=args.temperature, total_episodes=batch * (args.steps + 1),
+                            num_sample_generations=0, stop_token="eos", **common)
+
+            def scalar_head():
+                return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+
+            PPOTrainer(args=cfg, processing_class=tok, model=load_causal_lm(path),
+                       ref_model=load_causal_lm(path), reward_model=scalar_head(),
+                       value_model=scalar_head(), train_dataset=ds, callbacks=[Timer()]).train()
+            per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+            what = "s per batch (rollout, scoring and both epochs' updates)"
         else:
             from trl import DPOConfig, DPOTrainer
 
@@ -124,13 +157,15 @@ def main() -> None:
                        train_dataset=ds, processing_class=tok, callbacks=[Timer()]).train()
             per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
             what = "s per optimizer step"
+    # one machine-readable line for benchmarks/race_trl.py
+    print("RESULT " + json.dumps({"s_per_step": statistics.median(per[1:]), "steps": per[1:],
+                                  "first_step_at": begins[0]}))
     print(f"| TRL {args.algo} {args.model} {'bf16' if args.bf16 else 'fp32'} | "
           f"{statistics.median(per[1:]):.3f} {what}, median of {len(per) - 1} |")
 
 
 def held_out_kl(student: str) -> float:
     """``eval/reverse_kl_exact`` of ``student`` at step 0 of ``opd-arith`` (nothing trained)."""
-    import json
     import subprocess
     import sys
 
