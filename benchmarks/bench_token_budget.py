@@ -22,6 +22,16 @@ the first; the slower rank's work plus the faster rank's wait at the all-reduce,
 that balancing removes shows as the difference), ``batch/rank_imbalance`` (the most tokens any
 rank trains over the ranks' mean, balanced) against ``batch/rank_imbalance_before`` (the data
 order's), the micro-batches a step and the last loss (both sides must agree: the same update).
+
+``--smollm2``: GRPO on SmolLM2-135M-Instruct with long-tailed completion lengths
+(``recipes/grpo-smollm2-gsm8k-style.toml``: 4 word problems x 8 completions of up to
+``--max-new-tokens`` tokens, default 128, sampled by vLLM at the recipe's own precision), one
+rank, three sides alternated: padded equal-count micro-batches (``train.padding_free = false``,
+``train.grad_accum_steps = 4``), padding-free equal-count micro-batches (``grad_accum_steps =
+4``) and the token budget (``train.max_tokens_per_microbatch = BUDGET``, default 1024 here).
+Reports per side the median ``time/step`` and ``time/update`` (steps after the first), training
+tokens/s, micro-batches a step and the completion lengths (the mean, and the share of completions
+cut at the limit: the long tail).
 """
 
 from __future__ import annotations
@@ -109,6 +119,52 @@ def main_ranks(args: argparse.Namespace) -> None:
               f"| {mbs:g} | {first[-1]['loss']:.6f} |")
 
 
+def run_smollm2(out: Path, steps: int, max_new: int, side: tuple[str, ...]) -> list[dict]:
+    cmd = [sys.executable, "-m", "runner.cli", "--plain",
+           "recipes/grpo-smollm2-gsm8k-style.toml", "rollout.engine=vllm",
+           f"rollout.max_new_tokens={max_new}", "data.validation.enabled=false",
+           f"run.max_steps={steps}", "checkpoint.every_steps=100000", "logging.sample_every=0",
+           f"run.output_dir={out}", *side]
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(done.stdout[-3000:] + done.stderr[-3000:])
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def main_smollm2(args: argparse.Namespace) -> None:
+    budget = 1024 if args.budget == 1024 and args.steps == 40 else args.budget
+    sides = {"padded, grad_accum_steps=4": ("train.padding_free=false",
+                                            "train.grad_accum_steps=4"),
+             "padding-free, grad_accum_steps=4": ("train.grad_accum_steps=4",),
+             f"max_tokens_per_microbatch={budget}":
+                 (f"train.max_tokens_per_microbatch={budget}",)}
+    per_side: dict[str, list[list[dict]]] = {name: [] for name in sides}
+    steps = 4 if args.steps == 40 else args.steps
+    with tempfile.TemporaryDirectory(prefix="bench_token_budget-") as tmp:
+        for i in range(args.runs):
+            for j, (name, side) in enumerate(sides.items()):
+                rows = run_smollm2(Path(tmp) / f"{i}-{j}", steps, args.max_new_tokens,
+                                   (*side, *args.set))
+                per_side[name].append([r for r in rows if "loss" in r])
+                print(f"run {i + 1}, {name}: " + ", ".join(
+                    f"{r['time/step']:.1f}" for r in per_side[name][-1]) + " s", flush=True)
+    print("| micro-batches | s/step, median (range over runs) | update s | train tokens/s | "
+          "micro-batches a step | completion tokens, mean (share cut at the limit) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, runs in per_side.items():
+        steps_med = [statistics.median(r["time/step"] for r in rows[1:]) for rows in runs]
+        upd = [statistics.median(r["time/update"] for r in rows[1:]) for rows in runs]
+        tok = [statistics.median(r["perf/train_tok_s"] for r in rows[1:]) for rows in runs]
+        rows = [r for run_rows in runs for r in run_rows[1:]]
+        mbs = statistics.median(r.get("batch/micro_batches", 8.0) for r in rows)
+        lens = statistics.mean(r["completion_len"] for r in rows)
+        cut = statistics.mean(r["rollout/truncated_frac"] for r in rows)
+        print(f"| `{name}` | {statistics.median(steps_med):.1f} ({min(steps_med):.1f}-"
+              f"{max(steps_med):.1f}) | {statistics.median(upd):.1f} | "
+              f"{statistics.median(tok):.0f} | {mbs:g} | {lens:.0f} ({100 * cut:.0f}%) |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -120,7 +176,14 @@ def main() -> None:
                         help="with --ranks: the longest completion")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="with --ranks: a recipe override for both sides (repeatable)")
+    parser.add_argument("--smollm2", action="store_true",
+                        help="GRPO on SmolLM2-135M with long-tailed completions (see above)")
     args = parser.parse_args()
+    if args.smollm2:
+        if args.max_new_tokens == 48:
+            args.max_new_tokens = 128
+        main_smollm2(args)
+        return
     if args.ranks > 1:
         main_ranks(args)
         return

@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--no-score", action="store_true",
                         help="OPD: skip the held-out scoring of TRL's student (for timing races)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print where a step goes (benchmarks/profile_step.py's summary)")
     args = parser.parse_args()
 
     from datasets import Dataset
@@ -68,100 +70,128 @@ def main() -> None:
         item = ObsBundle(p.question, str(p.answer))
         return tok.decode(packer.engine_prompt(packer.get_rollout_input(item)).token_ids)
 
-    ends: list[float] = []
-    begins: list[float] = []  # wall-clock (epoch) seconds, for the start-up figure
+    def race(steps: int) -> tuple[list[float], list[float], str, int]:
+        """Train ``steps`` steps; the seconds per step, the first step's wall-clock start, what
+        a step is, and how many steps TRL counted (GRPO: two per generation batch)."""
+        ends: list[float] = []
+        begins: list[float] = []  # wall-clock (epoch) seconds, for the start-up figure
 
-    class Timer(TrainerCallback):
-        def on_train_begin(self, *a, **k):  # PPO's own loop calls no on_step_begin
-            begins.append(time.time())
+        class Timer(TrainerCallback):
+            def on_train_begin(self, *a, **k):  # PPO's own loop calls no on_step_begin
+                begins.append(time.time())
 
-        def on_step_begin(self, *a, **k):
-            begins.append(time.time())
+            def on_step_begin(self, *a, **k):
+                begins.append(time.time())
 
-        def on_step_end(self, *a, **k):
-            ends.append(time.perf_counter())
+            def on_step_end(self, *a, **k):
+                ends.append(time.perf_counter())
 
-    common = {"logging_steps": 10_000, "save_strategy": "no", "report_to": [], "use_cpu": True,
-              "bf16": args.bf16, "seed": 0, "dataloader_num_workers": 0, "disable_tqdm": True,
-              "learning_rate": args.lr}
-    with tempfile.TemporaryDirectory() as out:
-        if args.algo == "grpo":
-            from trl import GRPOConfig, GRPOTrainer
+        common = {"logging_steps": 10_000, "save_strategy": "no", "report_to": [], "use_cpu": True,
+                  "bf16": args.bf16, "seed": 0, "dataloader_num_workers": 0, "disable_tqdm": True,
+                  "learning_rate": args.lr}
+        with tempfile.TemporaryDirectory() as out:
+            if args.algo == "grpo":
+                from trl import GRPOConfig, GRPOTrainer
 
-            ds = Dataset.from_list([{"prompt": prompt(p), "answer": str(p.answer)}
-                                    for p in problems("train", 50 * args.prompts)])
+                ds = Dataset.from_list([{"prompt": prompt(p), "answer": str(p.answer)}
+                                        for p in problems("train", 50 * args.prompts)])
 
-            def reward(prompts, completions, answer, **kw):
-                return [1.0 if final_integer(c) == int(a) else 0.0
-                        for c, a in zip(completions, answer, strict=True)]
+                def reward(prompts, completions, answer, **kw):
+                    return [1.0 if final_integer(c) == int(a) else 0.0
+                            for c, a in zip(completions, answer, strict=True)]
 
-            cfg = GRPOConfig(output_dir=out,
-                             per_device_train_batch_size=args.prompts * args.group // 2,
-                             num_generations=args.group, steps_per_generation=2,
-                             max_completion_length=args.tokens, temperature=args.temperature,
-                             max_steps=2 * args.steps, beta=0.0, **common)
-            GRPOTrainer(model=load_causal_lm(path), reward_funcs=reward, args=cfg, train_dataset=ds,
-                        processing_class=tok, callbacks=[Timer()]).train()
-            # one generation batch each
-            per = [b - a for a, b in zip(ends[1::2], ends[3::2], strict=False)]
-            what = "s per generation batch (one runner step)"
-        elif args.algo == "opd":
-            from trl import DistillationConfig, DistillationTrainer
+                cfg = GRPOConfig(output_dir=out,
+                                 per_device_train_batch_size=args.prompts * args.group // 2,
+                                 num_generations=args.group, steps_per_generation=2,
+                                 max_completion_length=args.tokens, temperature=args.temperature,
+                                 max_steps=2 * steps, beta=0.0, **common)
+                GRPOTrainer(model=load_causal_lm(path), reward_funcs=reward, args=cfg,
+                            train_dataset=ds, processing_class=tok, callbacks=[Timer()]).train()
+                # one generation batch each
+                per = [b - a for a, b in zip(ends[1::2], ends[3::2], strict=False)]
+                what = "s per generation batch (one runner step)"
+            elif args.algo == "opd":
+                from trl import DistillationConfig, DistillationTrainer
 
-            ds = Dataset.from_list([{"prompt": prompt(p)} for p in problems("train", 2000)])
-            cfg = DistillationConfig(output_dir=out, per_device_train_batch_size=32, beta=1.0,
-                                     max_completion_length=args.tokens, temperature=1.0,
-                                     gradient_checkpointing=False, max_steps=args.steps, **common)
-            teacher = load_causal_lm(resolve_model_path("builtin:tiny-arith-teacher"))
-            trainer = DistillationTrainer(model=load_causal_lm(path), teacher_model=teacher,
-                                          args=cfg, train_dataset=ds, processing_class=tok,
-                                          callbacks=[Timer()])
-            trainer.train()
-            per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-            what = "s per step"
-            if not args.no_score:
-                trainer.save_model(f"{out}/student")
-                tok.save_pretrained(f"{out}/student")
-                what += f"; held-out exact reverse KL {held_out_kl(f'{out}/student'):.3f}"
-        elif args.algo == "ppo":
-            from transformers import AutoModelForSequenceClassification
-            from trl.experimental.ppo import PPOConfig, PPOTrainer
+                ds = Dataset.from_list([{"prompt": prompt(p)} for p in problems("train", 2000)])
+                cfg = DistillationConfig(output_dir=out, per_device_train_batch_size=32, beta=1.0,
+                                         max_completion_length=args.tokens, temperature=1.0,
+                                         gradient_checkpointing=False, max_steps=steps, **common)
+                teacher = load_causal_lm(resolve_model_path("builtin:tiny-arith-teacher"))
+                trainer = DistillationTrainer(model=load_causal_lm(path), teacher_model=teacher,
+                                              args=cfg, train_dataset=ds, processing_class=tok,
+                                              callbacks=[Timer()])
+                trainer.train()
+                per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+                what = "s per step"
+                if not args.no_score:
+                    trainer.save_model(f"{out}/student")
+                    tok.save_pretrained(f"{out}/student")
+                    what += f"; held-out exact reverse KL {held_out_kl(f'{out}/student'):.3f}"
+            elif args.algo == "ppo":
+                from transformers import AutoModelForSequenceClassification
+                from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-            batch = args.prompts * args.group
-            ds = Dataset.from_list([{"input_ids": tok(prompt(p), add_special_tokens=False)["input_ids"]}
-                                    for p in problems("train", 2000)])
-            cfg = PPOConfig(output_dir=out, per_device_train_batch_size=batch,
-                            local_rollout_forward_batch_size=batch, num_mini_batches=2,
-                            num_ppo_epochs=2, response_length=args.tokens, kl_coef=0.02,
-                            temperature=args.temperature, total_episodes=batch * (args.steps + 1),
-                            num_sample_generations=0, stop_token="eos", **common)
+                batch = args.prompts * args.group
+                ids = [tok(prompt(p), add_special_tokens=False)["input_ids"]
+                       for p in problems("train", 2000)]
+                ds = Dataset.from_list([{"input_ids": x} for x in ids])
+                cfg = PPOConfig(output_dir=out, per_device_train_batch_size=batch,
+                                local_rollout_forward_batch_size=batch, num_mini_batches=2,
+                                num_ppo_epochs=2, response_length=args.tokens, kl_coef=0.02,
+                                temperature=args.temperature, total_episodes=batch * (steps + 1),
+                                num_sample_generations=0, stop_token="eos", **common)
 
-            def scalar_head():
-                return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+                def scalar_head():
+                    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
 
-            PPOTrainer(args=cfg, processing_class=tok, model=load_causal_lm(path),
-                       ref_model=load_causal_lm(path), reward_model=scalar_head(),
-                       value_model=scalar_head(), train_dataset=ds, callbacks=[Timer()]).train()
-            per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-            what = "s per batch (rollout, scoring and both epochs' updates)"
-        else:
-            from trl import DPOConfig, DPOTrainer
+                PPOTrainer(args=cfg, processing_class=tok, model=load_causal_lm(path),
+                           ref_model=load_causal_lm(path), reward_model=scalar_head(),
+                           value_model=scalar_head(), train_dataset=ds, callbacks=[Timer()]).train()
+                per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+                what = "s per batch (rollout, scoring and both epochs' updates)"
+            else:
+                from trl import DPOConfig, DPOTrainer
 
-            ds = Dataset.from_list([{"prompt": prompt(p), "chosen": str(p.answer),
-                                     "rejected": str(p.answer + 1)}
-                                    for p in problems("train", 1000)])
-            cfg = DPOConfig(output_dir=out, per_device_train_batch_size=16, beta=0.3,
-                            loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0],
-                            max_steps=3 * args.steps, **common)
-            DPOTrainer(model=load_causal_lm(path), ref_model=load_causal_lm(path), args=cfg,
-                       train_dataset=ds, processing_class=tok, callbacks=[Timer()]).train()
-            per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-            what = "s per optimizer step"
+                ds = Dataset.from_list([{"prompt": prompt(p), "chosen": str(p.answer),
+                                         "rejected": str(p.answer + 1)}
+                                        for p in problems("train", 1000)])
+                cfg = DPOConfig(output_dir=out, per_device_train_batch_size=16, beta=0.3,
+                                loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0],
+                                max_steps=3 * steps, **common)
+                DPOTrainer(model=load_causal_lm(path), ref_model=load_causal_lm(path), args=cfg,
+                           train_dataset=ds, processing_class=tok, callbacks=[Timer()]).train()
+                per = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+                what = "s per optimizer step"
+        return per, begins, what, len(ends)
+
+    if args.profile:
+        profiled(args, race)
+        return
+    per, begins, what, _ = race(args.steps)
     # one machine-readable line for benchmarks/race_trl.py
     print("RESULT " + json.dumps({"s_per_step": statistics.median(per[1:]), "steps": per[1:],
                                   "first_step_at": begins[0]}))
     print(f"| TRL {args.algo} {args.model} {'bf16' if args.bf16 else 'fp32'} | "
           f"{statistics.median(per[1:]):.3f} {what}, median of {len(per) - 1} |")
+
+
+def profiled(args: argparse.Namespace, race) -> None:
+    """``profile_step.py``'s summary of TRL's step: two profiled trainings ``steps`` and
+    ``2 * steps`` long, differenced so the set-up cancels."""
+    from profile_step import line, summarize, totals
+    from torch.profiler import ProfilerActivity, profile
+
+    seen, walls, counted = [], [], []
+    for steps in (args.steps, 2 * args.steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            counted.append(race(steps)[3])
+            walls.append(time.perf_counter() - start)
+        seen.append(totals(prof))
+    units = (counted[1] - counted[0]) / (2 if args.algo == "grpo" else 1)
+    print(line(f"TRL {args.algo} {args.model}", summarize(seen[0], seen[1], units,
+                                                         walls[1] - walls[0]), None))
 
 
 def held_out_kl(student: str) -> float:

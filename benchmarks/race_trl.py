@@ -22,7 +22,7 @@ last release with a PPO trainer), then
 ``--smollm2`` adds GRPO on SmolLM2-135M-Instruct (``grpo-smollm2-arith``'s 6 prompts x 8, <= 16
 new tokens): the runner at its own precision (``train.precision = "auto"``) with the hf and the
 vLLM engine, TRL in bf16 and in fp32. Medians and ranges over the rounds are printed as a table
-and every run is kept in ``benchmarks/results/race_trl-<cpu kind>.json``.
+and every run is merged into ``benchmarks/results/race_trl-<cpu kind>.json`` (by work).
 """
 
 from __future__ import annotations
@@ -148,8 +148,10 @@ def main() -> None:
     flags = cpu_flags()
     kind = kind_name(flags, avx2_kernels=os.environ.get("ATEN_CPU_CAPABILITY") == "avx2")
     result = HERE / "results" / f"race_trl-{kind}.json"
-    result.write_text(json.dumps({"cpu_flags": flags, "rounds": args.rounds, "runs": runs},
-                                 indent=1) + "\n")
+    kept = json.loads(result.read_text())["works"] if result.exists() else {}
+    stamp = time.strftime("%Y-%m-%d")
+    kept.update({label: {"date": stamp, "rounds": rs} for label, rs in runs.items()})
+    result.write_text(json.dumps({"cpu_flags": flags, "works": kept}, indent=1) + "\n")
     print(f"\n{args.rounds} rounds on {kind}, alternated; median (range); every run in {result}\n")
     print("| work | TRL s/step | runner s/step | ratio (medians) | start-up runner / TRL s | "
           "peak RSS runner / TRL MiB |")

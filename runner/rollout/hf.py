@@ -54,6 +54,28 @@ class RowSampler:
         return out.scatter(1, choice.to(scores.device), 0.0)
 
 
+class ChosenLogprobs:
+    """The last logits processor: keeps, step by step, each row's log-probability (at
+    ``temperature``, from the raw logits) of the token greedy decoding emits, so ``generate``
+    need not hold every step's full-vocabulary logits until the end."""
+
+    def __init__(self, inner: RowSampler | None, temperature: float) -> None:
+        self.inner = inner
+        self.temperature = temperature
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = scores if self.inner is None else self.inner(input_ids, scores)
+        chosen = out.argmax(-1, keepdim=True)
+        lp = torch.log_softmax(scores.float().cpu() / self.temperature, dim=-1)
+        self.steps.append(lp.gather(-1, chosen.cpu()).squeeze(-1))
+        return out
+
+    def logprobs(self) -> torch.Tensor:
+        """The kept log-probabilities, rows x steps."""
+        return torch.stack(self.steps, dim=1)
+
+
 def left_padded_inputs(prompts: Sequence[EnginePrompt], width: int) -> dict[str, torch.Tensor]:
     """The prompts' processor inputs as one batch: ``hf_token_inputs`` left-padded with 0 to
     ``width`` like the ids, ``hf_inputs`` (pixel values, grids) concatenated along dim 0 in row
@@ -140,15 +162,14 @@ class HFEngine:
                   for k, v in left_padded_inputs([p for p, _ in rows], width).items()}
         config = GenerationConfig(
             do_sample=False, max_new_tokens=s.max_new_tokens, pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_id, output_logits=True, return_dict_in_generate=True)
-        processors = LogitsProcessorList([] if s.greedy else [RowSampler([r for _, r in rows], s)])
+            eos_token_id=self.eos_token_id, return_dict_in_generate=True)
+        kept = ChosenLogprobs(None if s.greedy else RowSampler([r for _, r in rows], s),
+                              1.0 if s.greedy else s.temperature)
         out = self.model.generate(input_ids=input_ids.to(device),
-                                  attention_mask=attention.to(device),
-                                  generation_config=config, logits_processor=processors, **extras)
+                                  attention_mask=attention.to(device), generation_config=config,
+                                  logits_processor=LogitsProcessorList([kept]), **extras)
         new_BT = out.sequences[:, width:].cpu()
-        temperature = 1.0 if s.greedy else s.temperature
-        logits_BTV = torch.stack(out.logits, dim=1).float().cpu() / temperature
-        lp_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, new_BT.unsqueeze(-1)).squeeze(-1)
+        lp_BT = kept.logprobs()
         result = []
         for row in range(len(batch)):
             ids, finish = trim_at_eos(new_BT[row].tolist(), self.eos_token_id)
