@@ -5,7 +5,8 @@ and prints, per step (the difference of a run of N and one of 2N steps, so the s
 cancels): the number of torch operations, the milliseconds spent inside them by
 kind (matrix products, attention, the optimizer, copies/allocation/views, the rest:
 elementwise work and reductions) and the rest of the step's wall time (Python, tokenisation,
-collation, host bookkeeping). The profiler adds a few microseconds to every operation, so the
+collation, host bookkeeping: the profiled run's median step less the time inside the
+operations). The profiler adds a few microseconds to every operation, so the
 profiled step is slower than ``time/step`` of an unprofiled run, which is printed beside it
 (the median of the same recipe's steps after the second, run first without the profiler).
 ``bench_trl.py --profile`` prints the same summary for TRL's trainer on the same work.
@@ -21,7 +22,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -53,10 +53,11 @@ def kind_of(name: str) -> str:
     return "elementwise/other"
 
 
-def totals(prof) -> tuple[int, dict[str, float]]:
-    """The aten operations a finished ``torch.profiler.profile`` saw, and their self time in
-    milliseconds by kind."""
+def totals(prof) -> tuple[int, dict[str, float], dict[str, tuple[int, float]]]:
+    """The aten operations a finished ``torch.profiler.profile`` saw, their self time in
+    milliseconds by kind, and (calls, milliseconds) by operation."""
     by_kind: dict[str, float] = {}
+    by_op: dict[str, tuple[int, float]] = {}
     calls = 0
     for e in prof.key_averages():
         if not e.key.startswith("aten::"):
@@ -64,28 +65,33 @@ def totals(prof) -> tuple[int, dict[str, float]]:
         calls += e.count
         kind = kind_of(e.key)
         by_kind[kind] = by_kind.get(kind, 0.0) + e.self_cpu_time_total / 1e3
-    return calls, by_kind
+        by_op[e.key] = (e.count, e.self_cpu_time_total / 1e3)
+    return calls, by_kind, by_op
 
 
-def summarize(short: tuple, long: tuple, steps: int, wall_s: float) -> dict:
-    """Per step, from the ``totals`` of two runs ``steps`` steps apart and the difference of
-    their wall times (so set-up cancels): operations, milliseconds by kind and the wall time
-    outside the operations."""
+def summarize(short: tuple, long: tuple, steps: float, step_ms: float) -> dict:
+    """Per step, from the ``totals`` of two runs ``steps`` steps apart (so set-up cancels) and
+    the profiled step's median wall time ``step_ms``: operations, milliseconds by kind, the
+    wall time outside the operations, and the operations called most."""
     calls = long[0] - short[0]
     by_kind = {k: v - short[1].get(k, 0.0) for k, v in long[1].items()}
     inside = sum(by_kind.values())
+    ops = {k: ((n - short[2].get(k, (0, 0.0))[0]) / steps,
+               (ms - short[2].get(k, (0, 0.0))[1]) / steps) for k, (n, ms) in long[2].items()}
     return {"ops_per_step": calls / steps,
+            "top_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1][0])[:25]),
             "ms_per_step": {k: v / steps for k, v in sorted(by_kind.items())},
-            "inside_ops_ms": inside / steps, "profiled_step_ms": 1e3 * wall_s / steps,
-            "outside_ops_ms": (1e3 * wall_s - inside) / steps}
+            "inside_ops_ms": inside / steps, "profiled_step_ms": step_ms,
+            "outside_ops_ms": step_ms - inside / steps}
 
 
 def line(label: str, summary: dict, unprofiled_ms: float | None) -> str:
     kinds = ", ".join(f"{k} {v:.1f}" for k, v in summary["ms_per_step"].items())
     base = f"{unprofiled_ms:.1f} ms unprofiled; " if unprofiled_ms is not None else ""
+    top = "; ".join(f"{k[6:]} {n:.0f}" for k, (n, _) in summary["top_ops"].items())
     return (f"{label}: {base}profiled {summary['profiled_step_ms']:.1f} ms = inside "
             f"{summary['ops_per_step']:.0f} torch operations {summary['inside_ops_ms']:.1f} "
-            f"({kinds}) + outside them {summary['outside_ops_ms']:.1f}")
+            f"({kinds}) + outside them {summary['outside_ops_ms']:.1f}\n  calls a step: {top}")
 
 
 def main() -> None:
@@ -118,14 +124,13 @@ def main() -> None:
         phases = {k: 1e3 * statistics.median(r[k] for r in rows if r["step"] > 2)
                   for k in rows[-1] if k.startswith("time/") and k != "time/step"}
         # two profiled runs, N and 2N steps: their difference is N steps without the set-up
-        seen, walls = [], []
+        seen = []
         for i, steps in enumerate((args.steps, 2 * args.steps)):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                start = time.perf_counter()
-                run(f"{out}/profiled-{i}", steps)
-                walls.append(time.perf_counter() - start)
+                rows = run(f"{out}/profiled-{i}", steps)
             seen.append(totals(prof))
-        summary = summarize(seen[0], seen[1], args.steps, walls[1] - walls[0])
+        step_ms = 1e3 * statistics.median(r["time/step"] for r in rows if r["step"] > 2)
+        summary = summarize(seen[0], seen[1], args.steps, step_ms)
     print(f"torch {torch.__version__}, {os.environ['OMP_NUM_THREADS']} threads; phases (ms, "
           "unprofiled medians): " + ", ".join(f"{k[5:]} {v:.1f}" for k, v in phases.items()))
     print(line(args.recipe, summary, unprofiled))

@@ -153,11 +153,10 @@ class HFEngine:
         device = next(self.model.parameters()).device
         batch = [p.full_ids for p, _ in rows]
         width = max(len(p) for p in batch)
-        input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, p in enumerate(batch):
-            input_ids[row, width - len(p):] = torch.tensor(p)
-            attention[row, width - len(p):] = 1
+        input_ids = torch.tensor([[*[self.pad_token_id] * (width - len(p)), *p] for p in batch],
+                                 dtype=torch.long)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                                 dtype=torch.long)
         extras = {k: v.to(device)
                   for k, v in left_padded_inputs([p for p, _ in rows], width).items()}
         config = GenerationConfig(
@@ -168,14 +167,13 @@ class HFEngine:
         out = self.model.generate(input_ids=input_ids.to(device),
                                   attention_mask=attention.to(device), generation_config=config,
                                   logits_processor=LogitsProcessorList([kept]), **extras)
-        new_BT = out.sequences[:, width:].cpu()
-        lp_BT = kept.logprobs()
+        new_rows = out.sequences[:, width:].cpu().tolist()
+        lp_rows = kept.logprobs().tolist()
         result = []
-        for row in range(len(batch)):
-            ids, finish = trim_at_eos(new_BT[row].tolist(), self.eos_token_id)
+        for new, lps in zip(new_rows, lp_rows, strict=True):
+            ids, finish = trim_at_eos(new, self.eos_token_id)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            result.append(Completion(tuple(ids), text, tuple(lp_BT[row, :len(ids)].tolist()),
-                                     finish))
+            result.append(Completion(tuple(ids), text, tuple(lps[:len(ids)]), finish))
         return result
 
     @torch.no_grad()

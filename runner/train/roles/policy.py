@@ -94,12 +94,15 @@ def completion_grid(inputs: Sequence[RLPolicyInput], values: Sequence[Sequence[f
     Completion token j of sequence b sits at input position n_prompt + j, i.e. grid column
     n_prompt + j - 1 (its logit is produced by the previous token).
     """
-    grid = torch.zeros(len(inputs), width, dtype=torch.float32)
-    for b, (x, vals) in enumerate(zip(inputs, values, strict=True)):
+    rows = []  # one tensor from padded lists (a write per row costs more on short rows)
+    for x, vals in zip(inputs, values, strict=True):
         n = min(len(vals), len(x.input_ids) - x.n_prompt_tokens)
         start = x.n_prompt_tokens - 1
-        grid[b, start:start + n] = torch.tensor(list(vals[:n]), dtype=torch.float32)
-    return grid
+        if start < 0 or start + n > width:
+            raise ValueError(f"completion values at columns {start}..{start + n} do not fit a "
+                             f"grid {width} wide")
+        rows.append([*[0.0] * start, *vals[:n], *[0.0] * (width - start - n)])
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(inputs), width)
 
 
 def make_optimizer(model: Any, cfg: TrainConfig, lr: float | None = None,
