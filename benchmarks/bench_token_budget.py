@@ -133,14 +133,14 @@ def run_smollm2(out: Path, steps: int, max_new: int, side: tuple[str, ...]) -> l
 
 
 def main_smollm2(args: argparse.Namespace) -> None:
-    budget = 1024 if args.budget == 1024 and args.steps == 40 else args.budget
+    budget = args.budget
     sides = {"padded, grad_accum_steps=4": ("train.padding_free=false",
                                             "train.grad_accum_steps=4"),
              "padding-free, grad_accum_steps=4": ("train.grad_accum_steps=4",),
              f"max_tokens_per_microbatch={budget}":
                  (f"train.max_tokens_per_microbatch={budget}",)}
     per_side: dict[str, list[list[dict]]] = {name: [] for name in sides}
-    steps = 4 if args.steps == 40 else args.steps
+    steps = 3 if args.steps == 40 else args.steps  # the default 40 is the tiny SFT's
     with tempfile.TemporaryDirectory(prefix="bench_token_budget-") as tmp:
         for i in range(args.runs):
             for j, (name, side) in enumerate(sides.items()):
