@@ -227,7 +227,7 @@ def _chats(path):
 # (-m extended runs them)
 @pytest.mark.parametrize("kind", [
     pytest.param(k, marks=pytest.mark.extended)
-    if k in ("grpo-seq_mean", "grpo-dynamic", "opd") else k
+    if k in ("grpo-seq_mean", "grpo-dynamic", "opd", "sft") else k
     for k in sorted(KINDS)])
 def test_balanced_ranks_update_as_the_equal_count_split(kind, two_rank_runs):
     """Every step's loss and gradient norm to 1e-12 relative, the weights of every checkpoint to
