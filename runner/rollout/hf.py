@@ -67,13 +67,13 @@ class ChosenLogprobs:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         out = scores if self.inner is None else self.inner(input_ids, scores)
         chosen = out.argmax(-1, keepdim=True)
-        lp = torch.log_softmax(scores.float().cpu() / self.temperature, dim=-1)
-        self.steps.append(lp.gather(-1, chosen.cpu()).squeeze(-1))
+        lp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        self.steps.append(lp.gather(-1, chosen).squeeze(-1))  # stays on the device
         return out
 
     def logprobs(self) -> torch.Tensor:
-        """The kept log-probabilities, rows x steps."""
-        return torch.stack(self.steps, dim=1)
+        """The kept log-probabilities, rows x steps, on the CPU."""
+        return torch.stack(self.steps, dim=1).cpu()
 
 
 def left_padded_inputs(prompts: Sequence[EnginePrompt], width: int) -> dict[str, torch.Tensor]:
