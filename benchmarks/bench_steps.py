@@ -42,15 +42,22 @@ def on_thread(row: dict, key: str) -> float:
     return seconds - row.get("time/reward_ahead", 0.0) if key == "time/reward" else seconds
 
 
+def recipe_args(recipe: str, out: str, steps: int, overrides: list[str],
+                checkpoint_every: int | None = None) -> list[str]:
+    """``posttrain-run``'s arguments for a timed run: ``steps`` steps of ``recipe`` into
+    ``out``, plain output, evaluation off, one checkpoint at the end (or every
+    ``checkpoint_every`` steps), then ``overrides``."""
+    return ["--plain", recipe, f"run.output_dir={out}", f"run.max_steps={steps}",
+            "data.validation.enabled=false", f"checkpoint.every_steps={checkpoint_every or steps}",
+            *overrides]
+
+
 def recipe_rows(recipe: str, steps: int, overrides: list[str], env: dict[str, str] | None = None
                 ) -> list[dict]:
     """The metrics rows of ``steps`` steps of ``recipe`` run by ``posttrain-run --plain`` in a
-    fresh output folder (evaluation off, one checkpoint at the end); exits with the run's output
-    when it fails."""
+    fresh output folder (``recipe_args``); exits with the run's output when it fails."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "runner.cli", "--plain", recipe, f"run.output_dir={out}",
-               f"run.max_steps={steps}", "data.validation.enabled=false",
-               f"checkpoint.every_steps={steps}", *overrides]
+        cmd = [sys.executable, "-m", "runner.cli", *recipe_args(recipe, out, steps, overrides)]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             sys.exit(done.stdout + done.stderr)

@@ -62,32 +62,34 @@ def write_chats(path: Path, n: int = 2000, seed: int = 0) -> None:
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
-def run(out: Path, chats: Path, steps: int, side: tuple[str, ...]) -> list[dict]:
-    cmd = [sys.executable, "-m", "runner.cli", "--plain", "recipes/sft-arith.toml",
-           "model.path=builtin:tiny-arith-tools", f"data.path={chats}",
-           "data.messages_column=messages", "data.validation.enabled=false",
-           f"run.max_steps={steps}", "checkpoint.every_steps=100000", "logging.sample_every=0",
-           "algo.examples_per_step=64", f"run.output_dir={out}", *side]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def metrics_of(out: Path, recipe: str, steps: int, threads: int, args: tuple[str, ...]
+               ) -> list[dict]:
+    """The metrics rows of ``steps`` steps of ``recipe`` with ``args`` (no evaluation, no
+    checkpoint, no samples) into ``out``, ``threads`` torch threads a process; exits with the
+    run's output when it fails."""
+    cmd = [sys.executable, "-m", "runner.cli", "--plain", f"recipes/{recipe}.toml",
+           "data.validation.enabled=false", f"run.max_steps={steps}",
+           "checkpoint.every_steps=100000", "logging.sample_every=0", f"run.output_dir={out}",
+           *args]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(done.stdout[-3000:] + done.stderr[-3000:])
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def run(out: Path, chats: Path, steps: int, side: tuple[str, ...]) -> list[dict]:
+    return metrics_of(out, "sft-arith", steps, 1, (
+        "model.path=builtin:tiny-arith-tools", f"data.path={chats}",
+        "data.messages_column=messages", "algo.examples_per_step=64", *side))
 
 
 def run_ranks(out: Path, steps: int, ranks: int, max_new: int, side: tuple[str, ...]
               ) -> list[dict]:
     """GRPO on ``ranks`` ranks (torchrun, gloo on 127.0.0.1); the metrics rows."""
-    cmd = [sys.executable, "-m", "runner.cli", "--plain", "recipes/grpo-arith.toml",
-           "launch.backend=torchrun", f"launch.num_processes={ranks}",
-           "data.validation.enabled=false", f"run.max_steps={steps}",
-           "checkpoint.every_steps=100000", "logging.sample_every=0",
-           f"rollout.max_new_tokens={max_new}", f"run.output_dir={out}", *side]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(done.stdout[-3000:] + done.stderr[-3000:])
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    return metrics_of(out, "grpo-arith", steps, 1, (
+        "launch.backend=torchrun", f"launch.num_processes={ranks}",
+        f"rollout.max_new_tokens={max_new}", *side))
 
 
 def main_ranks(args: argparse.Namespace) -> None:
@@ -120,25 +122,16 @@ def main_ranks(args: argparse.Namespace) -> None:
 
 
 def run_smollm2(out: Path, steps: int, max_new: int, side: tuple[str, ...]) -> list[dict]:
-    cmd = [sys.executable, "-m", "runner.cli", "--plain",
-           "recipes/grpo-smollm2-gsm8k-style.toml", "rollout.engine=vllm",
-           f"rollout.max_new_tokens={max_new}", "data.validation.enabled=false",
-           f"run.max_steps={steps}", "checkpoint.every_steps=100000", "logging.sample_every=0",
-           f"run.output_dir={out}", *side]
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(done.stdout[-3000:] + done.stderr[-3000:])
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    return metrics_of(out, "grpo-smollm2-gsm8k-style", steps, 2, (
+        "rollout.engine=vllm", f"rollout.max_new_tokens={max_new}", *side))
 
 
 def main_smollm2(args: argparse.Namespace) -> None:
-    budget = args.budget
     sides = {"padded, grad_accum_steps=4": ("train.padding_free=false",
                                             "train.grad_accum_steps=4"),
              "padding-free, grad_accum_steps=4": ("train.grad_accum_steps=4",),
-             f"max_tokens_per_microbatch={budget}":
-                 (f"train.max_tokens_per_microbatch={budget}",)}
+             f"max_tokens_per_microbatch={args.budget}":
+                 (f"train.max_tokens_per_microbatch={args.budget}",)}
     per_side: dict[str, list[list[dict]]] = {name: [] for name in sides}
     steps = 3 if args.steps == 40 else args.steps  # the default 40 is the tiny SFT's
     with tempfile.TemporaryDirectory(prefix="bench_token_budget-") as tmp:

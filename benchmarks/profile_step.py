@@ -101,16 +101,18 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
+    from bench_steps import recipe_args
     from torch.profiler import ProfilerActivity, profile
 
     from runner.cli import main as cli
 
     def run(out: str, steps: int) -> list[dict]:
-        argv = ["--plain", f"recipes/{args.recipe}.toml", f"run.output_dir={out}",
-                f"run.max_steps={steps}", "data.validation.enabled=false",
-                f"checkpoint.every_steps={10 * steps}", "logging.sample_every=0", *args.overrides]
-        sys.argv = ["posttrain-run", *argv]
+        sys.argv = ["posttrain-run",
+                    *recipe_args(f"recipes/{args.recipe}.toml", out, steps,
+                                 ["logging.sample_every=0", *args.overrides],
+                                 checkpoint_every=10 * steps)]
         try:
             cli()
         except SystemExit as stop:

@@ -41,6 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+from bench_steps import recipe_args  # noqa: E402
 from seed_ranges import cpu_flags, kind_name  # noqa: E402
 
 SMOLLM2_TRL = ["grpo", "--model", "builtin:smollm2-135m-instruct", "--prompts", "6", "--tokens",
@@ -93,9 +94,9 @@ def launched(cmd: list[str], env: dict[str, str], metrics: Path | None = None) -
 
 def runner_side(recipe: str, steps: int, overrides: list[str], env: dict[str, str]) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "runner.cli", "--plain", f"recipes/{recipe}.toml",
-               f"run.output_dir={out}", f"run.max_steps={steps}", "data.validation.enabled=false",
-               f"checkpoint.every_steps={steps}", "logging.sample_every=0", *overrides]
+        cmd = [sys.executable, "-m", "runner.cli",
+               *recipe_args(f"recipes/{recipe}.toml", out, steps,
+                            ["logging.sample_every=0", *overrides])]
         done = launched(cmd, env, Path(out) / "metrics.jsonl")
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     steps_s = [r["time/step"] for r in rows if r.get("step", 0) > 2]

@@ -94,14 +94,16 @@ def completion_grid(inputs: Sequence[RLPolicyInput], values: Sequence[Sequence[f
     Completion token j of sequence b sits at input position n_prompt + j, i.e. grid column
     n_prompt + j - 1 (its logit is produced by the previous token).
     """
-    rows = []  # one tensor from padded lists (a write per row costs more on short rows)
+    rows = []  # one tensor from lists (a write per row costs more on short rows)
     for x, vals in zip(inputs, values, strict=True):
         n = min(len(vals), len(x.input_ids) - x.n_prompt_tokens)
         start = x.n_prompt_tokens - 1
-        if start < 0 or start + n > width:
+        row = [0.0] * width
+        row[start:start + n] = vals[:n]
+        if len(row) != width:
             raise ValueError(f"completion values at columns {start}..{start + n} do not fit a "
                              f"grid {width} wide")
-        rows.append([*[0.0] * start, *vals[:n], *[0.0] * (width - start - n)])
+        rows.append(row)
     return torch.tensor(rows, dtype=torch.float32).reshape(len(inputs), width)
 
 
