@@ -182,6 +182,11 @@ KINDS = {
     # SFT: every rank's conversations, each a unit of its own (a long-tailed file: ``_chats``)
     "sft": ("recipes/sft-arith.toml", ("algo.examples_per_step=16", *COMMON,
                                        "data.messages_column=messages")),
+    # DPO and the reward model: every rank's pairs, a pair's answers together, the reference's
+    # logprobs (DPO) and the given margins (RM) moving with them (a long-tailed file: ``_pairs``)
+    "dpo": ("recipes/dpo-arith.toml", ("algo.pairs_per_step=16", *COMMON)),
+    "rm": ("recipes/rm-arith.toml", ("algo.pairs_per_step=16", *COMMON,
+                                     "data.margin_column=gap")),
 }
 BUDGET = "train.max_tokens_per_microbatch=40"
 FILES = ("model/model.safetensors", "optimizer.safetensors")
@@ -201,6 +206,9 @@ def two_rank_runs(tmp_path_factory):
             recipe, setup = KINDS[kind]
             if kind == "sft":
                 setup = (*setup, f"data.path={_chats(out / 'chats.jsonl')}")
+            if kind in ("dpo", "rm"):
+                setup = (*setup, "data.synthetic_pairs=0",
+                         f"data.jsonl_path={_pairs(out / 'pairs.jsonl')}")
             done = run_ranks(recipe, out, 2, *setup, *extra)
             assert done.returncode == 0, done.stdout + done.stderr
             made[kind, mode] = out
@@ -221,13 +229,29 @@ def _chats(path):
     return path
 
 
+def _pairs(path):
+    """64 pairs, one in four with a long prompt and long answers, the others short: long-tailed
+    lengths; each with its own margin under "gap"."""
+    rows = []
+    for i in range(64):
+        a, b = i % 50, (7 * i) % 50
+        question = (f"What is {a} + {b}?" if i % 4 else
+                    f"Add {a} and {b}, then check the sum by counting up: what is {a} + {b}?")
+        chosen, rejected = str(a + b), str(a + b + 1)
+        if i % 4 == 0:
+            chosen, rejected = f"{a} + {b} = {chosen}", f"{a} + {b} = {rejected}, I think"
+        rows.append({"prompt": question, "chosen": chosen, "rejected": rejected, "gap": i / 64})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 # seq_mean, DAPO ahead and OPD passed when added; left out of `make test` for its time
 # (-m extended runs them)
 @pytest.mark.parametrize("kind", [
     pytest.param(k, marks=pytest.mark.extended)
-    if k in ("grpo-seq_mean", "grpo-dynamic", "opd", "sft") else k
+    if k in ("grpo-seq_mean", "grpo-dynamic", "opd", "sft", "rm") else k
     for k in sorted(KINDS)])
 def test_balanced_ranks_update_as_the_equal_count_split(kind, two_rank_runs):
     """Every step's loss and gradient norm to 1e-12 relative, the weights of every checkpoint to

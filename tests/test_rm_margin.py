@@ -19,7 +19,7 @@ from runner.data.preference import DatasetPreferenceEnv, PreferencePair, build_p
 from runner.errors import ExtensionError, RecipeError, ResumeError
 from runner.recipe import load_recipe
 from runner.recipe.schema import DataConfig, ValidationConfig
-from runner.train.loops.rm import PackedPairs
+from runner.train.loops.rm import PackedPairs, given_margins
 from tests.conftest import REPO
 from tests.resume_helpers import rows
 from tests.test_rm import by_hand as bt_by_hand
@@ -59,7 +59,7 @@ def test_margin_loss_and_gradient_by_hand(center):
 def test_packed_pairs_give_the_margins_of_the_rows_asked_for():
     pairs = tuple(PreferencePair(f"p{i}", "a", "b", f"train-{i}", margin=i + 0.5)
                   for i in range(4))
-    packed = PackedPairs(pairs, ())
+    packed = PackedPairs((), given_margins(pairs))
     assert packed.margins(torch.tensor([2, 0, 3])).tolist() == [2.5, 0.5, 3.5]
 
 

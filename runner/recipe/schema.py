@@ -328,9 +328,10 @@ class TrainConfig:
         "over each rank's rows."
     )
     balance_ranks: bool = key(
-        True, "GRPO, PPO, OPD and SFT with train.max_tokens_per_microbatch on several ranks: "
-        "before each step's update the ranks exchange their rows and split every optimizer "
-        "step's rows between them by tokens (a prompt's rows together, largest first, each to "
+        True, "Every algorithm with train.max_tokens_per_microbatch on several ranks: before each "
+        "step's update the ranks exchange their rows and split every optimizer step's rows "
+        "between them by tokens (a prompt's rows or a pair's answers together, largest first, "
+        "each to "
         "the rank with the fewest), so every rank trains about as many tokens in about as many "
         "micro-batches; the update is the same. false: each rank trains the rows the data order "
         "gave it."

@@ -43,5 +43,5 @@ SPEC = AlgoSpec(
     title="DPO", config=DPOConfig, stream="pairs", batch_key="algo.pairs_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.dpo",
     owned_keys=PAIR_KEYS,
-    samples_online=False, scoring_passes=True,
+    samples_online=False, scoring_passes=True, balances_ranks=True,
 )

@@ -58,5 +58,5 @@ def checks(r: Recipe) -> list[Problem]:
 SPEC = AlgoSpec(
     title="RM", config=RMConfig, stream="pairs", batch_key="algo.pairs_per_step",
     shape=shape, roles=roles, checks=checks, loop="runner.train.loops.rm",
-    owned_keys=RM_KEYS, samples_online=False, sharded=sharded, head="score",
+    owned_keys=RM_KEYS, samples_online=False, sharded=sharded, head="score", balances_ranks=True,
 )

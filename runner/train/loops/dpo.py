@@ -35,6 +35,7 @@ from runner.ranks.collective import interleave
 from runner.recipe.schema import DPOConfig
 from runner.rewards import RewardSet
 from runner.train.assembly.run import RunContext
+from runner.train.loops.balance import balanced_batch_step, balances
 from runner.train.loops.batches import (
     lockstep,
     micro_pieces,
@@ -141,14 +142,14 @@ def precompute(run: DPORun, reporter: Reporter) -> None:
 class ScoredPairs:
     """A step's pairs, packed, with the reference's summed logprobs of each answer: [pairs]."""
 
-    pairs: tuple[PreferencePair, ...]  # this rank's
+    pairs: tuple[PreferencePair, ...]  # this rank's (none when gathered from every rank)
     inputs: tuple[RLPolicyInput, ...]  # [chosen_0 .. chosen_n, rejected_0 .. rejected_n]
     ref_chosen_B: torch.Tensor
     ref_rejected_B: torch.Tensor
 
     def rows(self, idx: torch.Tensor) -> list[RLPolicyInput]:
         """The packed inputs of pairs ``idx``: their chosen answers, then their rejected ones."""
-        n, picked = len(self.pairs), idx.tolist()
+        n, picked = len(self.inputs) // 2, idx.tolist()
         return [self.inputs[i] for i in picked] + [self.inputs[n + i] for i in picked]
 
 
@@ -217,11 +218,34 @@ def minibatch_loss(run: DPORun, scored: ScoredPairs, idx: torch.Tensor
 
 def consume(run: DPORun, scored: ScoredPairs) -> dict[str, float]:
     """One optimizer step over the global batch of pairs (a mean over all of them); the
-    reduced metrics and the learning rate."""
+    reduced metrics and the learning rate. With the ranks balanced by tokens (``balances``)
+    each rank trains its share of every rank's pairs (``balanced``)."""
     ctx = run.run
+    if balances(ctx.svc.comm, ctx.svc.recipe.train):
+        return balanced(run, scored)
     return whole_batch_step(ctx.policy, ctx.svc.comm, ctx.svc.recipe.train,
                             [1.0] * len(scored.pairs), float(run.algo.pairs_per_step),
                             partial(minibatch_loss, run, scored), pair_tokens(scored.inputs))
+
+
+def balanced(run: DPORun, scored: ScoredPairs) -> dict[str, float]:
+    """``consume``'s optimizer step with the ranks balanced by tokens: every rank's pairs cross
+    (packed inputs as plain tuples, the reference's logprobs as CPU tensors, bit for bit), and
+    each rank trains its share of them (``balanced_batch_step``, a pair's answers together)
+    under the mean over every rank's pairs, as unbalanced."""
+    ctx = run.run
+    mine = ([x.to_plain() for x in scored.inputs], scored.ref_chosen_B.cpu(),
+            scored.ref_rejected_B.cpu())
+    per_rank = ctx.svc.comm.gather(mine)
+    halves = [(rows[:len(rows) // 2], rows[len(rows) // 2:]) for rows, _, _ in per_rank]
+    every = ScoredPairs((), tuple(RLPolicyInput.from_plain(x)
+                                  for side in (0, 1) for h in halves for x in h[side]),
+                        torch.cat([c for _, c, _ in per_rank]).to(run.device),
+                        torch.cat([r for _, _, r in per_rank]).to(run.device))
+    owners = [rank for rank, (chosen, _) in enumerate(halves) for _ in chosen]
+    return balanced_batch_step(ctx.policy, ctx.svc.comm, ctx.svc.recipe.train, owners,
+                               [1.0] * len(owners), float(run.algo.pairs_per_step),
+                               partial(minibatch_loss, run, every), pair_tokens(every.inputs))
 
 
 def one_step(run: DPORun, step: int) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from runner.packers.base import RLPolicyInput
 from runner.ranks.collective import interleave
 from runner.recipe.schema import RMConfig
 from runner.train.assembly.run import RunContext
+from runner.train.loops.balance import balanced_batch_step, balances
 from runner.train.loops.batches import (
     lockstep,
     split_even,
@@ -56,19 +57,20 @@ class RMRun:
 
 @attrs.frozen(eq=False)
 class PackedPairs:
-    """A step's pairs (this rank's), packed: [chosen_0 .. chosen_n, rejected_0 .. rejected_n]."""
+    """A step's pairs, packed: [chosen_0 .. chosen_n, rejected_0 .. rejected_n], with each
+    pair's given margin ([n], float64; 0 without a margin column)."""
 
-    pairs: tuple[PreferencePair, ...]
     inputs: tuple[RLPolicyInput, ...]
+    margins_B: torch.Tensor
 
     def rows(self, idx: torch.Tensor) -> list[RLPolicyInput]:
         """The packed inputs of pairs ``idx``: their chosen answers, then their rejected ones."""
-        n, picked = len(self.pairs), idx.tolist()
+        n, picked = len(self.inputs) // 2, idx.tolist()
         return [self.inputs[i] for i in picked] + [self.inputs[n + i] for i in picked]
 
     def margins(self, idx: torch.Tensor) -> torch.Tensor:
-        """The given margins of pairs ``idx`` ([len(idx)], float64; 0 without a margin column)."""
-        return given_margins([self.pairs[i] for i in idx.tolist()])
+        """The given margins of pairs ``idx`` ([len(idx)], float64)."""
+        return self.margins_B[idx]
 
 
 def given_margins(pairs: Sequence[PreferencePair]) -> torch.Tensor:
@@ -93,7 +95,7 @@ def produce(run: RMRun) -> list[PreferencePair]:
 
 def score(run: RMRun, pairs: Sequence[PreferencePair]) -> PackedPairs:
     """The pairs packed once, each answer behind its prompt's encoding."""
-    return PackedPairs(tuple(pairs), tuple(pack_pairs(run.run.policy_packer, pairs)))
+    return PackedPairs(tuple(pack_pairs(run.run.policy_packer, pairs)), given_margins(pairs))
 
 
 def minibatch_loss(run: RMRun, packed: PackedPairs, idx: torch.Tensor
@@ -106,11 +108,31 @@ def minibatch_loss(run: RMRun, packed: PackedPairs, idx: torch.Tensor
 def consume(run: RMRun, packed: PackedPairs) -> dict[str, float]:
     """One optimizer step over the global batch of pairs (a mean over all of them); the
     reduced metrics and the learning rate. A pair counts its chosen and rejected sequences'
-    tokens towards ``train.max_tokens_per_microbatch``."""
+    tokens towards ``train.max_tokens_per_microbatch``; with the ranks balanced by tokens
+    (``balances``) each rank trains its share of every rank's pairs (``balanced``)."""
     ctx = run.run
+    if balances(ctx.svc.comm, ctx.svc.recipe.train):
+        return balanced(run, packed)
     return whole_batch_step(ctx.policy, ctx.svc.comm, ctx.svc.recipe.train,
-                            [1.0] * len(packed.pairs), float(run.algo.pairs_per_step),
+                            [1.0] * (len(packed.inputs) // 2), float(run.algo.pairs_per_step),
                             partial(minibatch_loss, run, packed), pair_tokens(packed.inputs))
+
+
+def balanced(run: RMRun, packed: PackedPairs) -> dict[str, float]:
+    """``consume``'s optimizer step with the ranks balanced by tokens: every rank's pairs cross
+    (packed inputs as plain tuples, with their margins), and each rank trains its share of
+    them (``balanced_batch_step``, a pair's answers together) under the mean over every rank's
+    pairs, as unbalanced."""
+    ctx = run.run
+    per_rank = ctx.svc.comm.gather(([x.to_plain() for x in packed.inputs], packed.margins_B))
+    halves = [(rows[:len(rows) // 2], rows[len(rows) // 2:]) for rows, _ in per_rank]
+    every = PackedPairs(tuple(RLPolicyInput.from_plain(x)
+                              for side in (0, 1) for h in halves for x in h[side]),
+                        torch.cat([m for _, m in per_rank]))
+    owners = [rank for rank, (chosen, _) in enumerate(halves) for _ in chosen]
+    return balanced_batch_step(ctx.policy, ctx.svc.comm, ctx.svc.recipe.train, owners,
+                               [1.0] * len(owners), float(run.algo.pairs_per_step),
+                               partial(minibatch_loss, run, every), pair_tokens(every.inputs))
 
 
 def one_step(run: RMRun, step: int) -> dict[str, Any]:
