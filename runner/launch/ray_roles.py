@@ -117,9 +117,9 @@ class FrozenActor(_RoleActor):
         lp, mask = self.model.logprobs(batch.to(self.model.device_type), temperature)
         return lp.cpu(), mask.cpu()
 
-    def logits(self, batch: Any, pad_free: bool) -> Any:
+    def logits(self, batch: Any, pad_free: bool, keep_from: int = 0) -> Any:
         self.build(pad_free)
-        return self.model.logits(batch.to(self.model.device_type)).cpu()
+        return self.model.logits(batch.to(self.model.device_type), keep_from).cpu()
 
 
 class RewardModelActor(_RoleActor):
@@ -190,8 +190,8 @@ class RemoteFrozen:
         lp, mask = _get(ref, "scoring", f"the {self.role} actor", self.timeout_s)
         return lp.to(self.device), mask.to(self.device)
 
-    def logits(self, batch: Any) -> Any:
-        ref = self.actor.logits.remote(batch.to("cpu"), self.pad_free)
+    def logits(self, batch: Any, keep_from: int = 0) -> Any:
+        ref = self.actor.logits.remote(batch.to("cpu"), self.pad_free, keep_from)
         return _get(ref, "scoring", f"the {self.role} actor", self.timeout_s).to(self.device)
 
 

@@ -192,7 +192,10 @@ class RolloutConfig:
     temperature: float = key(1.0, "Sampling temperature.")
     top_p: float = key(1.0, "Nucleus sampling threshold.")
     top_k: int = key(0, "Top-k sampling; 0 disables it.")
-    batch_size: int = key(64, "Prompts per generate call (hf engine).")
+    batch_size: int = key(
+        128, "hf engine: sequences (prompts x samples) per generate call; more run each decoding "
+        "step's forward over more rows at once, fewer hold a smaller KV cache."
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = key(
         "auto", "Weight dtype of the rollout engine. auto: the policy's compute dtype (bf16 "
         "under bf16 training, only where bf16 is native; else float32)."

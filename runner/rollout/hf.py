@@ -101,7 +101,7 @@ class HFEngine:
     name = "hf"
     shared = False  # one engine per rank
 
-    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64,
+    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 128,
                  max_model_len: int | None = None) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -112,7 +112,7 @@ class HFEngine:
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
 
     @classmethod
-    def from_path(cls, model_path: str, *, dtype: str = "float32", batch_size: int = 64,
+    def from_path(cls, model_path: str, *, dtype: str = "float32", batch_size: int = 128,
                   trust_remote_code: bool = False, max_model_len: int | None = None) -> HFEngine:
         from runner.models import load_causal_lm, load_tokenizer
 

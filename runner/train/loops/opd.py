@@ -65,7 +65,7 @@ from runner.train.loops.rollouts import (
     stages,
     step_metrics,
 )
-from runner.train.roles.policy import completion_grid
+from runner.train.roles.policy import completion_grid, first_loss_column
 from runner.train.roles.teacher import Teacher
 
 
@@ -109,9 +109,11 @@ def held_out_reverse_kl(run: RunContext, teacher: Teacher) -> dict[str, float]:
             batch = run.policy_packer.collate(inputs).to(device)
             mask_BT = batch.loss_mask_BT[:, 1:].bool()
             if teacher.mode == "same_tokenizer":  # one forward each: the logits give both numbers
-                labels_BT = batch.input_ids_BT[:, 1:]
-                student = run.policy.logits(batch) / temperature
-                teacher_logits = teacher.logits(batch, temperature)
+                start = first_loss_column(batch)  # the LM heads skip the prompts' columns
+                mask_BT = mask_BT[:, start:]
+                labels_BT = batch.input_ids_BT[:, 1 + start:]
+                student = run.policy.logits(batch, start) / temperature
+                teacher_logits = teacher.logits(batch, temperature, start)
                 student_BT = token_logprobs(student, labels_BT)
                 teacher_BT = token_logprobs(teacher_logits, labels_BT)
                 exact = float(full_reverse_kl(student, teacher_logits[..., :student.shape[-1]],
@@ -220,11 +222,13 @@ def minibatch_loss(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: S
     """The OPD loss of rows ``rows`` and its metrics."""
     temperature = run.svc.recipe.rollout.temperature
     sub = select_rows(scored.batch, rows)
-    labels_BT = sub.input_ids_BT[:, 1:]
+    start = 0  # the first column of the shifted grid the loss reads
     if algo.full_kl:  # the full-vocabulary KL needs every logit of the completion positions
-        logits = run.policy.logits(sub) / temperature
+        start = first_loss_column(sub)  # both LM heads skip the columns of prompts only
+        labels_BT = sub.input_ids_BT[:, 1 + start:]
+        logits = run.policy.logits(sub, start) / temperature
         lp_BT = token_logprobs(logits, labels_BT)
-        teacher_logits = teacher.logits(sub, temperature)
+        teacher_logits = teacher.logits(sub, temperature, start)
         teacher_lp_BT = token_logprobs(teacher_logits, labels_BT)  # its whole vocabulary
         teacher_logits = teacher_logits[..., :logits.shape[-1]]
     else:
@@ -232,10 +236,10 @@ def minibatch_loss(run: RunContext, algo: OPDConfig, teacher: Teacher, scored: S
         lp_BT, logits, teacher_logits = run.policy.logprobs(sub, temperature)[0], None, None
         teacher_lp_BT = scored.teacher_BT[rows, :lp_BT.shape[1]]
     old_BT = scored.old_BT
-    old = lp_BT.detach() if old_BT is None else old_BT[rows, :lp_BT.shape[1]]
+    old = lp_BT.detach() if old_BT is None else old_BT[rows, start:start + lp_BT.shape[1]]
     return opd_loss(OPDLossInputs(
         logprobs_BT=lp_BT, old_logprobs_BT=old, teacher_logprobs_BT=teacher_lp_BT,
-        mask_BT=sub.loss_mask_BT[:, 1:].bool(), student_logits_BTV=logits,
+        mask_BT=sub.loss_mask_BT[:, 1 + start:].bool(), student_logits_BTV=logits,
         teacher_logits_BTV=teacher_logits), algo)
 
 

@@ -51,10 +51,12 @@ class Trainable:
         with self._attention():
             return batch_logprobs(self.model, batch, temperature, self.pad_free)
 
-    def logits(self, batch: PolicyBatch) -> torch.Tensor:
-        """Next-token logits on the shifted grid [B, T-1, V] (a language model)."""
+    def logits(self, batch: PolicyBatch, keep_from: int = 0) -> torch.Tensor:
+        """Next-token logits on the shifted grid's columns ``keep_from ..`` (a language model):
+        [B, T-1-keep_from, V]; the LM head runs on those positions only
+        (``forward_logits``)."""
         with self._attention():
-            return forward_logits(self.model, batch)
+            return forward_logits(self.model, batch, keep_from)
 
     def scores(self, batch: PolicyBatch) -> torch.Tensor:
         """A score model's scalar per row [B] (float32 or wider): its forward as transformers
@@ -267,8 +269,9 @@ class FrozenScorer(Protocol):
         """Token logprobs at ``temperature`` and their mask, on the shifted grid [B, T-1]."""
         ...
 
-    def logits(self, batch: PolicyBatch) -> torch.Tensor:
-        """Next-token logits on the shifted grid [B, T-1, V]."""
+    def logits(self, batch: PolicyBatch, keep_from: int = 0) -> torch.Tensor:
+        """Next-token logits on the shifted grid's columns ``keep_from ..``: [B, T-1-keep_from,
+        V]."""
         ...
 
 
@@ -328,10 +331,11 @@ class Frozen:
             return batch_logprobs(self.model, batch, temperature, self.pad_free)
 
     @torch.no_grad()
-    def logits(self, batch: PolicyBatch) -> torch.Tensor:
-        """Next-token logits on the shifted grid [B, T-1, V] (OPD's full KL; outside autocast,
-        as the teacher's logits have always been computed)."""
-        return forward_logits(self.model, batch)
+    def logits(self, batch: PolicyBatch, keep_from: int = 0) -> torch.Tensor:
+        """Next-token logits on the shifted grid's columns ``keep_from ..``: [B, T-1-keep_from,
+        V] (OPD's full KL; outside autocast, as the teacher's logits have always been
+        computed)."""
+        return forward_logits(self.model, batch, keep_from)
 
 
 class Rollout:

@@ -52,10 +52,12 @@ class Teacher:
         return completion_grid(inputs, values, width).to(self.device)
 
     @torch.no_grad()
-    def logits(self, batch: PolicyBatch, temperature: float) -> torch.Tensor:
-        """Teacher logits over the teacher's whole vocabulary at ``temperature`` (callers cut a
-        padded one to the student's width for the KL)."""
-        return self.frozen.logits(batch) / temperature
+    def logits(self, batch: PolicyBatch, temperature: float, keep_from: int = 0
+               ) -> torch.Tensor:
+        """Teacher logits over the teacher's whole vocabulary at ``temperature``, on the shifted
+        grid's columns ``keep_from ..`` (callers cut a padded one to the student's width for the
+        KL)."""
+        return self.frozen.logits(batch, keep_from) / temperature
 
     def _aligned(self, item: Any, completion: Any, temperature: float) -> list[float]:
         """Teacher logprobs (at the sampling temperature, like the student's) of one completion's
