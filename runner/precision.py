@@ -101,6 +101,23 @@ def resolve(recipe: Recipe, device: str | None = None) -> Precision:
     return Precision(train, engine, f"{why}; {ewhy}")
 
 
+def shares_policy(recipe: Recipe, p: Precision) -> bool:
+    """Whether a local hf engine generates with the policy's own module instead of a copy
+    (``rollout.share_policy``): only where a copy would hold the same numbers and nothing needs
+    it to differ: the policy trains without autocast in the engine's dtype, is neither sharded
+    nor LoRA (an engine reads merged weights), and no rollout overlaps training (a producer
+    sampling ahead reads the last synced weights while the policy changes). A Ray rollout actor
+    (``launch.placement = "separate"``) holds its own."""
+    from runner.recipe.algos import spec_of
+
+    r = recipe
+    separate = r.launch.backend == "ray" and r.launch.placement == "separate"
+    return (r.rollout.share_policy and r.rollout.engine == "hf" and not separate
+            and r.train.sharding == "none"
+            and r.model.lora.rank == 0 and not spec_of(r).ahead(r.algo) and p.train == "no"
+            and p.engine_dtype == r.model.dtype)
+
+
 def training_attention(device_type: str, bf16: bool) -> Any:
     """The attention kernels of a forward that will be differentiated, as a context manager.
 

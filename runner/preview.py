@@ -69,12 +69,16 @@ def pipeline_rows(recipe: Recipe) -> list[tuple[str, str]]:
 
 def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:
     """What the trained models and the engine compute in on this machine, and why."""
-    from runner.precision import resolve
+    from runner.precision import resolve, shares_policy
 
     p = resolve(recipe)
     rows = [("precision", p.train_label)]
     if spec_of(recipe).samples_online:
         rows.append(("rollout dtype", p.engine_dtype))
+        if recipe.rollout.engine == "hf":
+            rows.append(("rollout weights", "the policy's own model (rollout.share_policy)"
+                         if shares_policy(recipe, p) else "a copy, given the policy's weights "
+                         "after each update"))
     return rows + [("precision chosen because", p.why)]
 
 

@@ -196,6 +196,13 @@ class RolloutConfig:
         128, "hf engine: sequences (prompts x samples) per generate call; more run each decoding "
         "step's forward over more rows at once, fewer hold a smaller KV cache."
     )
+    share_policy: bool = key(
+        True, "hf engine: generate with the policy's own model instead of a copy of it when the "
+        "policy trains in the engine's dtype without autocast (fp32: train.precision 'no', or "
+        "'auto' where bf16 is not native), is neither sharded nor LoRA, and no rollout overlaps "
+        "training (algo.max_off_policy_steps = 0): one model in memory and no weight copy after "
+        "each step, the same completions. false: always a copy."
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = key(
         "auto", "Weight dtype of the rollout engine. auto: the policy's compute dtype (bf16 "
         "under bf16 training, only where bf16 is native; else float32)."

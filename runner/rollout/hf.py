@@ -9,7 +9,8 @@ work), and no global RNG (CPU or CUDA) is read or changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -102,8 +103,12 @@ class HFEngine:
     shared = False  # one engine per rank
 
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 128,
-                 max_model_len: int | None = None) -> None:
-        self.model = model.eval()
+                 max_model_len: int | None = None, shares_weights: bool = False) -> None:
+        """``shares_weights``: ``model`` is the trained policy's own module (not a copy): it is
+        put in eval mode for each generate call and back in the mode it had after, and
+        ``update_weights`` has nothing to copy."""
+        self.shares_weights = shares_weights
+        self.model = model if shares_weights else model.eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_model_len = max_model_len
@@ -129,11 +134,24 @@ class HFEngine:
         flat = [(p, row_seed(seed, j)) for p, seed in zip(prompts, per_prompt, strict=True)
                 for j in range(sampling.n)]
         completions: list[Completion] = []
-        for start in range(0, len(flat), self.batch_size):
-            completions += self._generate_batch(flat[start:start + self.batch_size], sampling)
+        with self._evaluating():
+            for start in range(0, len(flat), self.batch_size):
+                completions += self._generate_batch(flat[start:start + self.batch_size],
+                                                    sampling)
         n = sampling.n
         return [RolloutOutput(p.token_ids, tuple(completions[i * n:(i + 1) * n]))
                 for i, p in enumerate(prompts)]
+
+    @contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        """The model in eval mode while it generates (a shared policy goes back to training
+        mode after)."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(training)
 
     def _check_lengths(self, prompts: Sequence[EnginePrompt], max_new_tokens: int) -> None:
         """Refuse a prompt that leaves no room for ``max_new_tokens`` in ``max_model_len`` (as
@@ -179,7 +197,10 @@ class HFEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the policy's tensors in; a name this model does not have is an error (a stale
-        engine must never go unnoticed)."""
+        engine must never go unnoticed). An engine that generates with the policy's own module
+        (``shares_weights``) has them already."""
+        if self.shares_weights:
+            return
         params = dict(self.model.named_parameters())
         unknown = []
         for name, tensor in named_tensors:

@@ -246,8 +246,8 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
         ckpt_scheduler=ckpt.state.scheduler if ckpt else None,
         sharded="policy" in plan.sharded, rank=ctx.rank, world=ctx.world_size, weights=weights,
         head_lr=getattr(recipe.algo, "head_lr", 0.0) or None)
-    rollout = (rollout_for(recipe, ctx, actors, model_dir, precision, engine_packer, limit)
-               if generates else None)
+    rollout = (rollout_for(recipe, ctx, actors, model_dir, precision, engine_packer, limit,
+                           policy) if generates else None)
     svc = RunServices(recipe=recipe, plan=plan, rank=ctx, comm=comm, reporter=reporter,
                       metrics=_metrics_log(plan, ctx, ckpt), precision=precision,
                       accelerator=accelerator, stop_poll=stop, lock=start.lock)

@@ -22,14 +22,14 @@ from safetensors import SafetensorError
 from runner.envs.build import build_env_runner
 from runner.errors import RecipeError, RunnerError
 from runner.packers.base import DataPacker
-from runner.precision import Precision
+from runner.precision import Precision, shares_policy
 from runner.ranks.context import RankContext
 from runner.recipe.algos import spec_of
 from runner.recipe.schema import Recipe
 from runner.rollout.lengths import PromptLimit
 from runner.state.fit import ModelShapes, misfit, shapes_of
 from runner.train.assembly.streams import OpenedData, Streamed
-from runner.train.roles import RoleProvider, Rollout
+from runner.train.roles import RoleProvider, Rollout, Trainable
 
 
 class BuildSteps:
@@ -108,13 +108,22 @@ def serves_rollout(actors: RoleProvider | None) -> bool:
 
 
 def rollout_for(recipe: Recipe, ctx: RankContext, actors: RoleProvider | None, model_dir: Path,
-                precision: Precision, packer: DataPacker, limit: PromptLimit | None) -> Rollout:
+                precision: Precision, packer: DataPacker, limit: PromptLimit | None,
+                policy: Trainable | None = None) -> Rollout:
     """This rank's rollout: the engine (this process's, or a handle on the launcher's rollout
-    actor), the rollout-side packer, the prompt limit and, with ``[env]``, the episode
-    player."""
+    actor; an hf engine on ``policy``'s own module where ``shares_policy``), the rollout-side
+    packer, the prompt limit and, with ``[env]``, the episode player."""
     if serves_rollout(actors):
         assert actors is not None
         engine = actors.rollout_engine(ctx)
+    elif policy is not None and shares_policy(recipe, precision):
+        from runner.models import load_tokenizer
+        from runner.rollout.hf import HFEngine
+
+        engine = HFEngine(policy.unwrapped(), load_tokenizer(
+            str(model_dir), trust_remote_code=recipe.model.trust_remote_code),
+            batch_size=recipe.rollout.batch_size,
+            max_model_len=limit.max_model_len if limit else None, shares_weights=True)
     else:
         engine = engine_for(recipe, model_dir, precision, limit)
     return Rollout(engine, packer, limit, build_env_runner(recipe, packer))
