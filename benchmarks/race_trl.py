@@ -17,11 +17,12 @@ TRL is not part of this project's set-up: install it beside the venv's packages,
 last release with a PPO trainer), then
 
     .venv/bin/python benchmarks/race_trl.py --trl DIR --trl-ppo DIR2 [--rounds 3]
-        [--works grpo,dpo,opd,ppo] [--smollm2]
+        [--works grpo,dpo,opd,ppo,smollm2,smollm2-fp32] [--smollm2]
 
 ``--smollm2`` adds GRPO on SmolLM2-135M-Instruct (``grpo-smollm2-arith``'s 6 prompts x 8, <= 16
 new tokens): the runner at its own precision (``train.precision = "auto"``) with the hf and the
-vLLM engine, TRL in bf16 and in fp32. Medians and ranges over the rounds are printed as a table
+vLLM engine, TRL in bf16 and in fp32, and both sides in fp32 (what ``auto`` picks on a CPU without
+native bf16). Medians and ranges over the rounds are printed as a table
 and every run is merged into ``benchmarks/results/race_trl-<cpu kind>.json`` (by work).
 """
 
@@ -62,6 +63,12 @@ WORKS = {
          [], [*SMOLLM2_TRL, "--bf16"], "trl"),
         ("GRPO SmolLM2-135M, runner auto (hf engine) vs TRL fp32", "grpo-smollm2-arith", 5,
          ["rollout.engine=hf"], SMOLLM2_TRL, "trl"),
+    ],
+    # what auto picks on a CPU without native bf16: the hf engine on the policy's own model
+    "smollm2-fp32": [
+        ("GRPO SmolLM2-135M, both fp32 (runner hf engine on the policy's model)",
+         "grpo-smollm2-arith", 5, ["rollout.engine=hf", "train.precision=no"], SMOLLM2_TRL,
+         "trl"),
     ],
 }
 
@@ -129,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     names = [w for w in args.works.split(",") if w]
     if args.smollm2:
-        names.append("smollm2")
+        names += ["smollm2", "smollm2-fp32"]
     if "ppo" in names and not args.trl_ppo:
         sys.exit("--trl-ppo DIR is needed for ppo (TRL 1.16 has no PPO trainer)")
     base = {**os.environ, "OMP_NUM_THREADS": "2", "TRL_EXPERIMENTAL_SILENCE": "1"}
