@@ -32,6 +32,9 @@ rank, three sides alternated: padded equal-count micro-batches (``train.padding_
 Reports per side the median ``time/step`` and ``time/update`` (steps after the first), training
 tokens/s, micro-batches a step and the completion lengths (the mean, and the share of completions
 cut at the limit: the long tail).
+
+``--smollm2 --ranks 2``: the ``--ranks`` comparison on that SmolLM2 workload (its hf engine,
+one torch thread a rank, 3 steps unless ``--steps``).
 """
 
 from __future__ import annotations
@@ -84,10 +87,10 @@ def run(out: Path, chats: Path, steps: int, side: tuple[str, ...]) -> list[dict]
         "data.messages_column=messages", "algo.examples_per_step=64", *side))
 
 
-def run_ranks(out: Path, steps: int, ranks: int, max_new: int, side: tuple[str, ...]
-              ) -> list[dict]:
+def run_ranks(out: Path, steps: int, ranks: int, max_new: int, side: tuple[str, ...],
+              recipe: str = "grpo-arith") -> list[dict]:
     """GRPO on ``ranks`` ranks (torchrun, gloo on 127.0.0.1); the metrics rows."""
-    return metrics_of(out, "grpo-arith", steps, 1, (
+    return metrics_of(out, recipe, steps, 1, (
         "launch.backend=torchrun", f"launch.num_processes={ranks}",
         f"rollout.max_new_tokens={max_new}", *side))
 
@@ -97,12 +100,16 @@ def main_ranks(args: argparse.Namespace) -> None:
     sides = {"balance_ranks=true": (budget, "train.balance_ranks=true", *args.set),
              "balance_ranks=false": (budget, "train.balance_ranks=false", *args.set)}
     per_side: dict[str, list[list[dict]]] = {name: [] for name in sides}
+    recipe = "grpo-smollm2-gsm8k-style" if args.smollm2 else "grpo-arith"
+    steps = 3 if args.smollm2 and args.steps == 40 else args.steps
     with tempfile.TemporaryDirectory(prefix="bench_token_budget-") as tmp:
         for i in range(args.runs):
             for name, side in sides.items():
-                rows = run_ranks(Path(tmp) / f"{i}-{name}", args.steps, args.ranks,
-                                 args.max_new_tokens, side)
+                rows = run_ranks(Path(tmp) / f"{i}-{name}", steps, args.ranks,
+                                 args.max_new_tokens, side, recipe)
                 per_side[name].append([r for r in rows if "loss" in r])
+                print(f"run {i + 1}, {name}: time/update " + ", ".join(
+                    f"{r['time/update']:.2f}" for r in per_side[name][-1]) + " s", flush=True)
     print("| ranks | time/update s, median (range over runs) | rank imbalance (data order) | "
           "micro-batches a step | last loss |")
     print("| --- | --- | --- | --- | --- |")
@@ -175,6 +182,9 @@ def main() -> None:
     if args.smollm2:
         if args.max_new_tokens == 48:
             args.max_new_tokens = 128
+        if args.ranks > 1:
+            main_ranks(args)
+            return
         main_smollm2(args)
         return
     if args.ranks > 1:
