@@ -302,9 +302,11 @@ def _server_for(cmd: Sequence[str], env: dict[str, str], cwd: Path) -> Server | 
 
 # Variables a run may set apart from the server's: read by the runner while it runs, never by
 # the preloaded libraries on import (PYTEST_CURRENT_TEST changes with every test). The trackers'
-# libraries (W&B, MLflow) are imported by the run itself, never preloaded.
+# libraries (W&B, MLflow) and Ray are imported by the run itself, never preloaded: a Ray driver
+# forks from the same server as the torchrun runs, whatever cluster, token or session folder
+# its RAY_* variables name.
 _RUN_TIME_ONLY = ("COLUMNS", "LINES", "POSTTRAIN_HOME", "POSTTRAIN_RANK_START")
-_RUN_TIME_PREFIXES = ("PYTEST_", "WANDB_", "MLFLOW_")
+_RUN_TIME_PREFIXES = ("PYTEST_", "WANDB_", "MLFLOW_", "RAY_")
 
 
 def _key(env: dict[str, str]) -> str:

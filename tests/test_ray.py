@@ -5,8 +5,10 @@ One Ray cluster (``ray start --head --node-ip-address 127.0.0.1``) with Ray's de
 authentication serves the module through ``launch.ray_address``: the runs find its token as a
 user's driver would (``RAY_AUTH_TOKEN_PATH`` here, ~/.ray/auth_token on a user's machine), with
 ``RAY_AUTH_MODE`` unset. One run starts its own local cluster instead, with
-``RAY_AUTH_MODE=disabled``, the other mode. Every run is the CLI in a subprocess with one
-intra-op thread, like the torchrun runs it is compared with.
+``RAY_AUTH_MODE=disabled``, the other mode. Every run is the CLI in a process of its own with one
+intra-op thread, forked like the torchrun runs it is compared with from the test worker's warm
+interpreter (``tests/forkserver.py``: the driver skips importing torch and transformers again;
+Ray itself is imported by the run). The module's cluster is stopped in ``ray stop``'s order.
 
 - Ray colocated, 2 ranks, is bitwise equal to torchrun with 2 ranks: GRPO with the example
   extension module's packer subclass and the policy sharded (``train.sharding = "fsdp"``: every
@@ -44,6 +46,7 @@ import pytest
 import torch
 
 from runner.state.layout import checkpoint_step, complete_checkpoints
+from tests import forkserver
 from tests.conftest import REPO
 from tests.multiproc import alive, descendants, listeners_of, run_ranks
 from tests.resume_helpers import (
@@ -118,14 +121,14 @@ def _env_for(address: str) -> dict[str, str]:
 
 
 def run_ray(recipe: str, out: Path, address: str, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(ray_cli(recipe, out, address, *overrides), cwd=REPO,
-                          capture_output=True, text=True, timeout=240, env=_env_for(address))
+    return forkserver.run(ray_cli(recipe, out, address, *overrides), cwd=REPO, timeout=240,
+                          env=_env_for(address))
 
 
-def start_ray(recipe: str, out: Path, address: str, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(ray_cli(recipe, out, address, *overrides), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env_for(address), start_new_session=True)
+def start_ray(recipe: str, out: Path, address: str, *overrides: str, env: dict | None = None
+              ) -> subprocess.Popen | forkserver.ForkedRun:
+    return forkserver.popen(ray_cli(recipe, out, address, *overrides), cwd=REPO,
+                            env=env or _env_for(address), start_new_session=True)
 
 
 def _free_port() -> int:
@@ -178,16 +181,33 @@ class Cluster:
         return set().union(*(descendants(p) for p in roots)) if roots else set()
 
     def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in self.pids():
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+        """SIGTERM in the order ``ray stop`` uses: the raylet, then the other processes, the GCS
+        last; so each exits within a second. (All at once, the GCS, the raylet and the
+        autoscaler's monitor outlived SIGTERM by more than 5 s: every stop waited out its 3 s
+        and killed them.) Whatever still runs then, or was started meanwhile, gets SIGTERM, then
+        SIGKILL 3 s later."""
+        pids = {pid: _cmdline(pid).split(" ", 1)[0] for pid in self.pids()}
+        last = {pid for pid, exe in pids.items() if exe.endswith("/gcs_server")}
+        first = {pid for pid, exe in pids.items() if exe.endswith("/raylet")}
+        for group in (first, set(pids) - first - last, last):
+            _signal(group, signal.SIGTERM)
             deadline = time.monotonic() + 3
-            while self.pids() and time.monotonic() < deadline:
+            while alive(group) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # and what was started meanwhile
+            _signal(self.pids(), sig)
+            deadline = time.monotonic() + 3
+            while alive(self.pids()) and time.monotonic() < deadline:
                 time.sleep(0.1)
         shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _signal(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -257,9 +277,7 @@ def test_dpo_local_cluster_and_reference_actor_equal_torchrun_on_loopback(cluste
     stale = RAY_TMP / "ray" / "ray_current_cluster"
     stale.parent.mkdir(parents=True, exist_ok=True)
     stale.write_text(cluster.address)
-    proc = subprocess.Popen(ray_cli(DPO, out, "", *DPO_SMALL), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**_env_for(""), "RAY_ADDRESS": cluster.address})
+    proc = start_ray(DPO, out, "", *DPO_SMALL, env={**_env_for(""), "RAY_ADDRESS": cluster.address})
     seen: set[str] = set()
     pids: set[int] = set()
     while proc.poll() is None:  # every listener of the driver and the cluster it started
