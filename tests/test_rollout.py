@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from runner.packers import build_packer
+from runner.packers.base import as_engine_prompt
 from runner.rollout.base import SamplingConfig
 from runner.rollout.hf import HFEngine
 from runner.train.roles.policy import batch_logprobs, completion_grid
@@ -69,6 +70,40 @@ def test_hf_logprobs_match_policy(tiny_path, packer, prompts):
                               SamplingConfig(n=3, max_new_tokens=6, temperature=0.7, seed=3))
     policy, engine_lp = _policy_logprobs(engine.model, packer, outputs, 0.7)
     assert (policy - engine_lp).abs().max() < LOGPROB_ATOL
+
+
+def test_hf_samples_of_a_prompt_share_one_prefill(tiny_path, packer, prompts, monkeypatch):
+    """A prompt's samples read one key/value cache of the prompt, computed once per distinct
+    prompt (here 5 prompts of two lengths, so left padding, x 4 samples): the first forward
+    sees the 5 distinct prompts less their last token, and the completions are the ones
+    generate's own prefill of all 20 rows samples (the logprobs to float32 rounding: the
+    prompt positions are computed in another batch)."""
+    longer = ObsBundle("What is 123 + 456?", "579")
+    batch = [*prompts, packer.encode_rollout_input(packer.get_rollout_input(longer))]
+    engine = HFEngine.from_path(tiny_path)
+    s = SamplingConfig(n=4, max_new_tokens=6, temperature=1.0, seed=5)
+    shapes = []
+    engine.model.register_forward_pre_hook(
+        lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    shared = engine.generate(batch, s)
+    width = max(len(p.full_ids) for p in map(as_engine_prompt, batch))
+    assert shapes[0] == (5, width - 1) and shapes[1] == (20, 1)
+    monkeypatch.setattr(engine, "_shared_prefill", lambda *a: None)
+    shapes.clear()
+    own = engine.generate(batch, s)
+    assert shapes[0] == (20, width)
+    assert ([c.token_ids for o in shared for c in o.completions]
+            == [c.token_ids for o in own for c in o.completions])
+    assert [c.finish_reason for o in shared for c in o.completions] == \
+        [c.finish_reason for o in own for c in o.completions]
+    diff = max(abs(a - b) for o, q in zip(shared, own, strict=True)
+               for x, y in zip(o.completions, q.completions, strict=True)
+               for a, b in zip(x.logprobs, y.logprobs, strict=True))
+    assert diff < LOGPROB_ATOL
+    monkeypatch.undo()  # distinct prompts (n = 1): no cache to share
+    distinct = [as_engine_prompt(p) for p in prompts[:2]]
+    assert engine._shared_prefill([p.full_ids for p in distinct], torch.zeros(2, 12).long(),
+                                  torch.ones(2, 12).long()) is None
 
 
 def test_hf_weight_update_changes_generations(tiny_path, prompts):

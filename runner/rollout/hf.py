@@ -182,8 +182,10 @@ class HFEngine:
             eos_token_id=self.eos_token_id, return_dict_in_generate=True)
         kept = ChosenLogprobs(None if s.greedy else RowSampler([r for _, r in rows], s),
                               1.0 if s.greedy else s.temperature)
-        out = self.model.generate(input_ids=input_ids.to(device),
-                                  attention_mask=attention.to(device), generation_config=config,
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        cache = None if extras else self._shared_prefill(batch, input_ids, attention)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention,
+                                  generation_config=config, past_key_values=cache,
                                   logits_processor=LogitsProcessorList([kept]), **extras)
         new_rows = out.sequences[:, width:].cpu().tolist()
         lp_rows = kept.logprobs().tolist()
@@ -193,6 +195,34 @@ class HFEngine:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             result.append(Completion(tuple(ids), text, tuple(lps[:len(ids)]), finish))
         return result
+
+    def _shared_prefill(self, batch: list[tuple[int, ...]], input_ids: torch.Tensor,
+                        attention: torch.Tensor) -> Any:
+        """The key/value cache of every row's prompt but its last token, computed once per
+        distinct prompt (a group's samples share theirs) and copied to the rows that repeat it;
+        None when no two rows share a prompt (or the prompts are one token wide). ``generate``
+        then feeds each row's last prompt token and samples on. Text-only prompts: a prompt
+        with processor inputs (images) takes ``generate``'s own prefill."""
+        from transformers import DynamicCache
+
+        first: dict[tuple[int, ...], int] = {}  # a prompt -> its row among the distinct
+        distinct: list[int] = []  # the batch row each distinct prompt is first seen in
+        index = []  # every batch row's distinct prompt
+        for n, ids in enumerate(map(tuple, batch)):
+            if ids not in first:
+                first[ids] = len(distinct)
+                distinct.append(n)
+            index.append(first[ids])
+        if len(distinct) == len(batch) or input_ids.shape[1] < 2:
+            return None
+        rows = torch.tensor(distinct, device=input_ids.device)
+        ids, mask = input_ids[rows, :-1], attention[rows, :-1]
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=ids, attention_mask=mask,
+                   position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
+                   use_cache=True, logits_to_keep=1)
+        cache.reorder_cache(torch.tensor(index, device=input_ids.device))
+        return cache
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
