@@ -1,7 +1,9 @@
 """The ``hf`` engine: transformers ``generate`` in this process, batched with left padding.
 
-It keeps its own copy of the model in eval mode; ``update_weights`` copies the policy's tensors
-into it in place. Sampling draws every row's tokens from that row's own ``torch.Generator``,
+It keeps its own copy of the model in eval mode (``update_weights`` copies the policy's tensors
+into it in place), or generates with the policy's own module (``shares_weights``). A prompt's
+samples share one prefill: its key/value cache is computed once and copied into their rows.
+Sampling draws every row's tokens from that row's own ``torch.Generator``,
 seeded from its prompt's seed and its sample index: a completion depends on its prompt, its
 seed and the weights, not on the other rows of the batch (or on how many ranks share the
 work), and no global RNG (CPU or CUDA) is read or changed.
