@@ -247,11 +247,11 @@ def _pairs(path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-# seq_mean, DAPO ahead and OPD passed when added; left out of `make test` for its time
-# (-m extended runs them)
+# seq_mean, DAPO ahead, OPD, PPO, SFT and RM passed when added; left out of `make test` for
+# its time (-m extended runs them)
 @pytest.mark.parametrize("kind", [
     pytest.param(k, marks=pytest.mark.extended)
-    if k in ("grpo-seq_mean", "grpo-dynamic", "opd", "sft", "rm") else k
+    if k in ("grpo-seq_mean", "grpo-dynamic", "opd", "ppo", "sft", "rm") else k
     for k in sorted(KINDS)])
 def test_balanced_ranks_update_as_the_equal_count_split(kind, two_rank_runs):
     """Every step's loss and gradient norm to 1e-12 relative, the weights of every checkpoint to
