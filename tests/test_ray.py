@@ -258,6 +258,14 @@ def torchrun_grpo(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def torchrun_dpo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torchrun-dpo")
+    done = run_ranks(DPO, out, 2, *DPO_SMALL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
 def test_colocated_on_an_existing_cluster_equals_torchrun(cluster, torchrun_grpo, tmp_path):
     done = run_ray(GRPO, tmp_path, cluster.address, *GRPO_SMALL)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -267,10 +275,7 @@ def test_colocated_on_an_existing_cluster_equals_torchrun(cluster, torchrun_grpo
     assert listening and all(_loopback(a) for a in listening), listening
 
 
-def test_dpo_on_a_local_cluster_equals_torchrun_on_loopback(cluster, tmp_path):
-    torchrun = tmp_path / "torchrun"
-    done = run_ranks(DPO, torchrun, 2, *DPO_SMALL)
-    assert done.returncode == 0, done.stdout + done.stderr
+def test_dpo_on_a_local_cluster_equals_torchrun_on_loopback(cluster, torchrun_dpo, tmp_path):
     out = tmp_path / "ray"
     # Another job's cluster file, left where Ray looks for one (and RAY_ADDRESS set): the run
     # still starts a cluster of its own, it neither joins that one nor fails on it.
@@ -288,7 +293,7 @@ def test_dpo_on_a_local_cluster_equals_torchrun_on_loopback(cluster, tmp_path):
     assert proc.returncode == 0, output
     assert len(seen) >= 5, seen  # GCS, raylet, object manager, workers were seen
     assert all(_loopback(a) for a in seen), seen
-    assert_same_run(out, torchrun, 2, DDP_FILES)
+    assert_same_run(out, torchrun_dpo, 2, DDP_FILES)
     deadline = time.monotonic() + 15
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -296,15 +301,12 @@ def test_dpo_on_a_local_cluster_equals_torchrun_on_loopback(cluster, tmp_path):
 
 
 @pytest.mark.extended  # passed when added; left out of `make test` for its time
-def test_dpo_reference_actor_equals_torchrun(cluster, tmp_path):
+def test_dpo_reference_actor_equals_torchrun(cluster, torchrun_dpo, tmp_path):
     """DPO with the reference in a Ray actor of its own: bitwise the torchrun run."""
-    torchrun = tmp_path / "torchrun"
-    done = run_ranks(DPO, torchrun, 2, *DPO_SMALL)
-    assert done.returncode == 0, done.stdout + done.stderr
     separate = tmp_path / "separate"
     done = run_ray(DPO, separate, cluster.address, *DPO_SMALL, *SEPARATE)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_same_run(separate, torchrun, 2, DDP_FILES)
+    assert_same_run(separate, torchrun_dpo, 2, DDP_FILES)
 
 
 def _rollout_actor_pid(cluster: Cluster) -> int:

@@ -210,7 +210,7 @@ class HFEngine:
         first: dict[tuple[int, ...], int] = {}  # a prompt -> its row among the distinct
         distinct: list[int] = []  # the batch row each distinct prompt is first seen in
         index = []  # every batch row's distinct prompt
-        for n, ids in enumerate(map(tuple, batch)):
+        for n, ids in enumerate(batch):
             if ids not in first:
                 first[ids] = len(distinct)
                 distinct.append(n)
