@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--compile", action="store_true",
+                        help="TRL's torch_compile (the model compiled by the Trainer)")
     parser.add_argument("--no-score", action="store_true",
                         help="OPD: skip the held-out scoring of TRL's student (for timing races)")
     parser.add_argument("--profile", action="store_true",
@@ -87,8 +89,8 @@ def main() -> None:
                 ends.append(time.perf_counter())
 
         common = {"logging_steps": 10_000, "save_strategy": "no", "report_to": [], "use_cpu": True,
-                  "bf16": args.bf16, "seed": 0, "dataloader_num_workers": 0, "disable_tqdm": True,
-                  "learning_rate": args.lr}
+                  "bf16": args.bf16, "torch_compile": args.compile, "seed": 0,
+                  "dataloader_num_workers": 0, "disable_tqdm": True, "learning_rate": args.lr}
         with tempfile.TemporaryDirectory() as out:
             if args.algo == "grpo":
                 from trl import GRPOConfig, GRPOTrainer

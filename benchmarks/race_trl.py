@@ -19,6 +19,11 @@ last release with a PPO trainer), then
     .venv/bin/python benchmarks/race_trl.py --trl DIR --trl-ppo DIR2 [--rounds 3]
         [--works grpo,dpo,opd,ppo,smollm2,smollm2-fp32] [--smollm2]
 
+``--floor`` also runs, in every round, the tiny GRPO, DPO and OPD steps written as bare eager
+torch and transformers calls (``floor_step.py``: the same models and shapes, padded batches,
+nothing around them) and prints them beside both sides: a trainer that makes these calls takes
+at least that long; only less torch work (fewer positions, fewer operations) goes below it.
+
 ``--smollm2`` adds GRPO on SmolLM2-135M-Instruct (``grpo-smollm2-arith``'s 6 prompts x 8, <= 16
 new tokens): the runner at its own precision (``train.precision = "auto"``) with the hf and the
 vLLM engine, TRL in bf16 and in fp32, and both sides in fp32 (what ``auto`` picks on a CPU without
@@ -47,6 +52,10 @@ from seed_ranges import cpu_flags, kind_name  # noqa: E402
 
 SMOLLM2_TRL = ["grpo", "--model", "builtin:smollm2-135m-instruct", "--prompts", "6", "--tokens",
                "16", "--lr", "1e-5", "--temperature", "0.8", "--steps", "5"]
+
+# work -> floor_step.py's arguments (the works that have a floor)
+FLOORS = {"grpo": ["grpo", "--steps", "12"], "dpo": ["dpo", "--steps", "40"],
+          "opd": ["opd", "--steps", "20"]}
 
 # work -> (label, runner recipe, runner steps, runner overrides, TRL args, which TRL)
 WORKS = {
@@ -119,6 +128,12 @@ def trl_side(args: list[str], env: dict[str, str]) -> dict:
             "startup_s": result["first_step_at"] - done["start"], "rss_mib": done["rss_mib"]}
 
 
+def floor_side(args: list[str], env: dict[str, str]) -> dict:
+    done = launched([sys.executable, str(HERE / "floor_step.py"), *args], env)
+    ms = json.loads(done["output"].strip().splitlines()[-1])["ms"]
+    return {"s_per_step": ms["step"] / 1000, "phases_ms": ms, "rss_mib": done["rss_mib"]}
+
+
 def spread(values: list[float], digits: int) -> str:
     med = statistics.median(values)
     if len(values) == 1:
@@ -133,6 +148,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--works", default="grpo,dpo,opd,ppo")
     parser.add_argument("--smollm2", action="store_true")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the tiny steps as bare torch calls (floor_step.py)")
     args = parser.parse_args()
     names = [w for w in args.works.split(",") if w]
     if args.smollm2:
@@ -148,7 +165,12 @@ def main() -> None:
                 env_trl = {**base, "PYTHONPATH": f"{paths[which]}:{ROOT}"}
                 ours = runner_side(recipe, steps, overrides, base)
                 theirs = trl_side(trl_args, env_trl)
-                runs.setdefault(label, []).append({"round": rnd, "runner": ours, "trl": theirs})
+                run = {"round": rnd, "runner": ours, "trl": theirs}
+                if args.floor and name in FLOORS:
+                    run["floor"] = floor_side(FLOORS[name], base)
+                    print(f"round {rnd + 1}: {label}: floor "
+                          f"{run['floor']['s_per_step']:.3f} s/step", flush=True)
+                runs.setdefault(label, []).append(run)
                 print(f"round {rnd + 1}: {label}: runner {ours['s_per_step']:.3f} s/step, "
                       f"TRL {theirs['s_per_step']:.3f}; start-up {ours['startup_s']:.1f} / "
                       f"{theirs['startup_s']:.1f} s; RSS {ours['rss_mib']:.0f} / "
@@ -176,6 +198,18 @@ def main() -> None:
               f"{spread([x['startup_s'] for x in theirs], 1)} | "
               f"{spread([x['rss_mib'] for x in ours], 0)} / "
               f"{spread([x['rss_mib'] for x in theirs], 0)} |")
+    floored = {label: rs for label, rs in runs.items() if "floor" in rs[0]}
+    if floored:
+        print("\n| work | eager floor s/step | runner s/step | TRL s/step | floor / TRL | "
+              "runner / floor |")
+        print("| --- | --- | --- | --- | --- | --- |")
+    for label, rs in floored.items():
+        med = {side: statistics.median(r[side]["s_per_step"] for r in rs)
+               for side in ("floor", "runner", "trl")}
+        print(f"| {label} | {spread([r['floor']['s_per_step'] for r in rs], 4)} | "
+              f"{spread([r['runner']['s_per_step'] for r in rs], 4)} | "
+              f"{spread([r['trl']['s_per_step'] for r in rs], 4)} | "
+              f"{med['floor'] / med['trl']:.2f} | {med['runner'] / med['floor']:.2f} |")
 
 
 if __name__ == "__main__":
