@@ -368,6 +368,12 @@ class TrainConfig:
         True, "Set every dropout probability of the trained models to 0, so the logprobs the "
         "loss compares (old and new, policy and engine) differ by the update only."
     )
+    gradient_checkpointing: bool = key(
+        False, "Keep only each transformer layer's input in the trained models' forwards and "
+        "recompute the layer in the backward pass (transformers' gradient checkpointing, the "
+        "non-reentrant form): activation memory falls from every layer's to about one layer's, "
+        "the update computes each layer's forward twice. The numbers are the same."
+    )
 
 
 @attrs.frozen

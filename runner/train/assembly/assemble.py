@@ -54,7 +54,7 @@ from runner.train.loops.pipeline import (
     refuse_in_flight,
 )
 from runner.train.loops.rollouts import sample_ahead
-from runner.train.roles import RoleProvider, disable_dropout, prepare_trainable
+from runner.train.roles import RoleProvider, prepare_trainable, trained_model
 from runner.train.roles.teacher import Teacher
 from runner.ui import MetricsLog, Reporter
 from runner.ui.trackers import Trackers, TrackerSetup
@@ -199,7 +199,8 @@ def load_policy_model(recipe: Recipe, plan: RunPlan, ckpt: LoadedCheckpoint | No
         return load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust, head=head), None
 
     model, weights = step("policy", load) or (None, None)
-    model = _trained(model, recipe) if model is not None else None
+    model = step("policy", lambda: trained_model(model, recipe.train)) if model is not None \
+        else None
     if lora and model is not None:
         model = step("policy", lambda: _with_adapters(model, recipe, ckpt, reporter))
     return model, weights, model_dir
@@ -380,8 +381,6 @@ def _with_adapters(model: Any, recipe: Recipe, ckpt: LoadedCheckpoint | None,
     return model
 
 
-def _trained(model: Any, recipe: Recipe) -> Any:
-    return disable_dropout(model) if recipe.train.disable_dropout else model
 
 
 def _model_folders(recipe: Recipe, roles: Sequence[str], base: Path) -> dict[str, Path]:

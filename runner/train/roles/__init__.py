@@ -18,9 +18,9 @@ import torch
 
 from runner.envs import EpisodePlayer
 from runner.envs.episodes import EpisodeResult
-from runner.errors import NonFiniteUpdate
+from runner.errors import NonFiniteUpdate, Problem, RecipeError
 from runner.packers.base import DataPacker, PolicyBatch
-from runner.recipe.schema import Recipe
+from runner.recipe.schema import Recipe, TrainConfig
 from runner.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from runner.rollout.lengths import PromptLimit
 from runner.train.roles.policy import batch_logprobs, forward_logits, make_optimizer, make_scheduler
@@ -251,6 +251,31 @@ def disable_dropout(model: Any) -> Any:
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
+    return model
+
+
+def checkpoint_activations(model: Any) -> Any:
+    """Turn on ``model``'s gradient checkpointing (``train.gradient_checkpointing``): in a
+    training forward each transformer layer keeps its input only and runs again in the backward
+    pass (torch's non-reentrant checkpoint, which restores the RNG state, so the recomputation
+    gives the same numbers). Eval-mode forwards (generation, scoring) are unchanged. A model
+    class without transformers' support is a RecipeError naming it."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise RecipeError([Problem(
+            "train.gradient_checkpointing",
+            f"{type(model).__name__} does not support transformers' gradient checkpointing",
+            hint="set train.gradient_checkpointing = false")])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def trained_model(model: Any, train: TrainConfig) -> Any:
+    """A model the run trains, as ``train`` asks: dropout off (``disable_dropout``), gradient
+    checkpointing on (``gradient_checkpointing``)."""
+    if train.disable_dropout:
+        disable_dropout(model)
+    if train.gradient_checkpointing:
+        checkpoint_activations(model)
     return model
 
 

@@ -11,7 +11,7 @@ import torch
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import PPOConfig, Recipe
 from runner.state.load import LoadedCheckpoint
-from runner.train.roles import Trainable, disable_dropout, prepare_trainable
+from runner.train.roles import Trainable, prepare_trainable, trained_model
 
 CRITIC = "critic"  # its name in checkpoints
 
@@ -77,8 +77,7 @@ def build_critic(recipe: Recipe, model_path: Path, accelerator: Any,
         else model_path
     lm = load_causal_lm(path, dtype=recipe.model.dtype,
                         trust_remote_code=recipe.model.trust_remote_code)
-    if recipe.train.disable_dropout:
-        disable_dropout(lm)
+    trained_model(lm, recipe.train)
     critic = ValueModel(critic_backbone(lm), text_hidden_size(lm.config))
     if ckpt is not None:
         critic.load_state_dict(ckpt.extra_state(CRITIC))
