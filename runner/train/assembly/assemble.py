@@ -119,12 +119,19 @@ def resume_cursor(recipe: Recipe, ckpt: LoadedCheckpoint | None, parts_now: dict
                         seed=recipe.run.seed)
 
 
-def make_accelerator(device: str, precision: Precision, ctx: RankContext) -> Accelerator:
+def make_accelerator(device: str, precision: Precision, ctx: RankContext,
+                     checkpointing: bool = False) -> Accelerator:
     """Accelerate's view of this rank, which must see the launcher's world (DDP otherwise
-    trains the ranks apart)."""
+    trains the ranks apart). With gradient checkpointing (``checkpointing``) autocast keeps no
+    cache of its casts: a layer recomputed in the backward must save the tensors its forward
+    saved, which a cast already cached in the forward (by an earlier layer call of the same
+    autocast region) would not be; the casts give the same values either way."""
     from accelerate import Accelerator
+    from accelerate.utils import AutocastKwargs
 
-    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision.train)
+    handlers = [AutocastKwargs(cache_enabled=False)] if checkpointing else []
+    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision.train,
+                              kwargs_handlers=handlers)
     if accelerator.num_processes != ctx.world_size:
         raise RunnerError(f"Accelerate sees {accelerator.num_processes} process(es) but this is "
                           f"rank {ctx.rank} of {ctx.world_size}: the launcher did not set RANK, "
@@ -238,7 +245,7 @@ def assemble(recipe: Recipe, plan: RunPlan, *, ctx: RankContext, comm: Collectiv
     assert folder is not None and start.streamed is not None and data is not None
     if plan.sharded and ctx.world_size > 1:
         check_shared_folder(comm, ctx, plan.checkpoint_dir)
-    accelerator = make_accelerator(device, precision, ctx)
+    accelerator = make_accelerator(device, precision, ctx, recipe.train.gradient_checkpointing)
     ckpt = start.ckpt
     policy = prepare_trainable(
         accelerator, model, recipe,
