@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--no-checkpointing", action="store_true",
+                        help="GRPO, DPO, PPO: gradient_checkpointing=False (TRL's default: True)")
     parser.add_argument("--compile", action="store_true",
                         help="TRL's torch_compile (the model compiled by the Trainer)")
     parser.add_argument("--no-score", action="store_true",
@@ -106,7 +108,8 @@ def main() -> None:
                                  per_device_train_batch_size=args.prompts * args.group // 2,
                                  num_generations=args.group, steps_per_generation=2,
                                  max_completion_length=args.tokens, temperature=args.temperature,
-                                 max_steps=2 * steps, beta=0.0, **common)
+                                 max_steps=2 * steps, beta=0.0,
+                                 gradient_checkpointing=not args.no_checkpointing, **common)
                 GRPOTrainer(model=load_causal_lm(path), reward_funcs=reward, args=cfg,
                             train_dataset=ds, processing_class=tok, callbacks=[Timer()]).train()
                 # one generation batch each
@@ -142,7 +145,8 @@ def main() -> None:
                                 local_rollout_forward_batch_size=batch, num_mini_batches=2,
                                 num_ppo_epochs=2, response_length=args.tokens, kl_coef=0.02,
                                 temperature=args.temperature, total_episodes=batch * (steps + 1),
-                                num_sample_generations=0, stop_token="eos", **common)
+                                num_sample_generations=0, stop_token="eos",
+                                gradient_checkpointing=not args.no_checkpointing, **common)
 
                 def scalar_head():
                     return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
@@ -160,7 +164,8 @@ def main() -> None:
                                         for p in problems("train", 1000)])
                 cfg = DPOConfig(output_dir=out, per_device_train_batch_size=16, beta=0.3,
                                 loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0],
-                                max_steps=3 * steps, **common)
+                                max_steps=3 * steps,
+                                gradient_checkpointing=not args.no_checkpointing, **common)
                 DPOTrainer(model=load_causal_lm(path), ref_model=load_causal_lm(path), args=cfg,
                            train_dataset=ds, processing_class=tok, callbacks=[Timer()]).train()
                 per = [b - a for a, b in zip(ends, ends[1:], strict=False)]

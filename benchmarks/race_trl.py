@@ -17,7 +17,13 @@ TRL is not part of this project's set-up: install it beside the venv's packages,
 last release with a PPO trainer), then
 
     .venv/bin/python benchmarks/race_trl.py --trl DIR --trl-ppo DIR2 [--rounds 3]
-        [--works grpo,dpo,opd,ppo,smollm2,smollm2-fp32] [--smollm2]
+        [--works grpo,dpo,opd,ppo,smollm2,smollm2-fp32] [--smollm2] [--floor]
+
+TRL's GRPO, DPO and PPO trainers checkpoint gradients by default (each layer recomputed in the
+backward pass), the runner does not: ``grpo``, ``dpo``, ``ppo`` and ``smollm2`` race those
+defaults; ``grpo-nockpt``, ``dpo-nockpt``, ``ppo-nockpt`` and ``smollm2-nockpt`` race with
+neither side checkpointing, ``grpo-ckpt``, ``dpo-ckpt`` and ``smollm2-ckpt`` with both
+(``train.gradient_checkpointing = true``).
 
 ``--floor`` also runs, in every round, the tiny GRPO, DPO and OPD steps written as bare eager
 torch and transformers calls (``floor_step.py``: the same models and shapes, padded batches,
@@ -55,16 +61,30 @@ SMOLLM2_TRL = ["grpo", "--model", "builtin:smollm2-135m-instruct", "--prompts", 
 
 # work -> floor_step.py's arguments (the works that have a floor)
 FLOORS = {"grpo": ["grpo", "--steps", "12"], "dpo": ["dpo", "--steps", "40"],
-          "opd": ["opd", "--steps", "20"]}
+          "opd": ["opd", "--steps", "20"], "grpo-nockpt": ["grpo", "--steps", "12"],
+          "dpo-nockpt": ["dpo", "--steps", "40"]}
 
 # work -> (label, runner recipe, runner steps, runner overrides, TRL args, which TRL)
 WORKS = {
     "grpo": [("GRPO tiny (`grpo-arith`, 16 prompts x 8)", "grpo-arith", 14, [], ["grpo"], "trl")],
+    # TRL's GRPOConfig checkpoints gradients by default, the runner does not: the same
+    # choice on both sides, each way
+    "grpo-nockpt": [("GRPO tiny, neither side checkpointing", "grpo-arith", 14, [],
+                     ["grpo", "--no-checkpointing"], "trl")],
+    "grpo-ckpt": [("GRPO tiny, both sides checkpointing", "grpo-arith", 14,
+                   ["train.gradient_checkpointing=true"], ["grpo"], "trl")],
     "dpo": [("DPO tiny (`dpo-arith`, 16 pairs)", "dpo-arith", 40, [], ["dpo"], "trl")],
+    "dpo-nockpt": [("DPO tiny, neither side checkpointing", "dpo-arith", 40, [],
+                    ["dpo", "--no-checkpointing"], "trl")],
+    "dpo-ckpt": [("DPO tiny, both sides checkpointing", "dpo-arith", 40,
+                  ["train.gradient_checkpointing=true"], ["dpo"], "trl")],
     "opd": [("OPD tiny (`opd-arith`, 16 x 2, exact KL)", "opd-arith", 20, [],
              ["opd", "--lr", "1e-4", "--steps", "20", "--no-score"], "trl")],
     "ppo": [("PPO tiny (`ppo-arith`, 32 x 2, critic; TRL 1.12's PPO)", "ppo-arith", 10, [],
              ["ppo", "--prompts", "32", "--group", "2", "--steps", "8"], "trl_ppo")],
+    "ppo-nockpt": [("PPO tiny, neither side checkpointing (TRL 1.12's PPO)", "ppo-arith", 10, [],
+                    ["ppo", "--prompts", "32", "--group", "2", "--steps", "8",
+                     "--no-checkpointing"], "trl_ppo")],
     "smollm2": [
         ("GRPO SmolLM2-135M, runner auto (hf engine) vs TRL bf16", "grpo-smollm2-arith", 5,
          ["rollout.engine=hf"], [*SMOLLM2_TRL, "--bf16"], "trl"),
@@ -72,6 +92,16 @@ WORKS = {
          [], [*SMOLLM2_TRL, "--bf16"], "trl"),
         ("GRPO SmolLM2-135M, runner auto (hf engine) vs TRL fp32", "grpo-smollm2-arith", 5,
          ["rollout.engine=hf"], SMOLLM2_TRL, "trl"),
+    ],
+    "smollm2-nockpt": [
+        ("GRPO SmolLM2-135M, both bf16, neither checkpointing (runner auto, hf engine)",
+         "grpo-smollm2-arith", 5, ["rollout.engine=hf"], [*SMOLLM2_TRL, "--bf16",
+                                                           "--no-checkpointing"], "trl"),
+    ],
+    "smollm2-ckpt": [
+        ("GRPO SmolLM2-135M, both bf16 and checkpointing (runner auto, hf engine)",
+         "grpo-smollm2-arith", 5, ["rollout.engine=hf", "train.gradient_checkpointing=true"],
+         [*SMOLLM2_TRL, "--bf16"], "trl"),
     ],
     # what auto picks on a CPU without native bf16: the hf engine on the policy's own model
     "smollm2-fp32": [
@@ -92,7 +122,9 @@ def launched(cmd: list[str], env: dict[str, str], metrics: Path | None = None) -
     reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
     reader.start()
     first = None
-    while metrics is not None and first is None and proc.poll() is None:
+    # waitid(WNOWAIT) sees the exit without reaping the child: wait4 below collects its rusage
+    while metrics is not None and first is None and os.waitid(
+            os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
         if metrics.exists():
             for line in metrics.read_text().splitlines():
                 row = json.loads(line) if line.endswith("}") else {}
