@@ -79,7 +79,10 @@ def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:
             rows.append(("rollout weights", "the policy's own model (rollout.share_policy)"
                          if shares_policy(recipe, p) else "a copy, given the policy's weights "
                          "after each update"))
-    return rows + [("precision chosen because", p.why)]
+    activations = ("recomputed in the backward pass, one layer at a time "
+                   "(train.gradient_checkpointing)" if recipe.train.gradient_checkpointing
+                   else "kept for the backward pass (train.gradient_checkpointing = false)")
+    return rows + [("precision chosen because", p.why), ("activations", activations)]
 
 
 def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None

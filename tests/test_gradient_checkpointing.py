@@ -52,6 +52,17 @@ def test_checkpointed_layers_run_again_in_the_backward_and_give_the_same_gradien
     assert count[0] == layers
 
 
+def test_the_dry_run_says_what_becomes_of_the_activations(run_cli):
+    for on, shown in (("true", "recomputed in the backward pass, one layer at a time "
+                               "(train.gradient_checkpointing)"),
+                      ("false", "kept for the backward pass (train.gradient_checkpointing = "
+                                "false)")):
+        rc, out, err = run_cli("--plain", "--dry-run", "recipes/grpo-arith.toml",
+                               f"train.gradient_checkpointing={on}")
+        assert rc == 0, err
+        assert shown in " ".join(out.replace("│", " ").split())
+
+
 def test_the_recipe_key_turns_it_on_and_a_model_without_support_is_refused_naming_it():
     from runner.models import load_causal_lm
 
