@@ -103,6 +103,11 @@ WORKS = {
          "grpo-smollm2-arith", 5, ["rollout.engine=hf", "train.gradient_checkpointing=true"],
          [*SMOLLM2_TRL, "--bf16"], "trl"),
     ],
+    "smollm2-vllm-ckpt": [
+        ("GRPO SmolLM2-135M, both bf16, both checkpointing (runner auto, vLLM engine)",
+         "grpo-smollm2-arith", 5, ["train.gradient_checkpointing=true"],
+         [*SMOLLM2_TRL, "--bf16"], "trl"),
+    ],
     # what auto picks on a CPU without native bf16: the hf engine on the policy's own model
     "smollm2-fp32": [
         ("GRPO SmolLM2-135M, both fp32 (runner hf engine on the policy's model)",
