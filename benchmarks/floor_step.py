@@ -38,6 +38,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
@@ -51,183 +52,193 @@ def _shifted(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, start: int) -> torc
         -1, ids_BT[:, start + 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def _load(*args: object, **kwargs: object) -> torch.nn.Module:
-    """``load_causal_lm``, its forward compiled under ``--compile``."""
-    from runner.models import load_causal_lm
-
-    model = load_causal_lm(*args, **kwargs)
-    if COMPILE:
-        model.forward = torch.compile(model.forward, dynamic=True)
-    return model
-
-
-COMPILE = False
-
-
 def _positions(mask_BT: torch.Tensor) -> torch.Tensor:
     return (mask_BT.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def dpo(args: argparse.Namespace) -> dict[str, float]:
-    from runner.data.arithmetic import problems
-    from runner.models import read_model_type, resolve_model_path
+COMPILE = False  # --compile
+
+
+def _models(*names: str) -> tuple[Any, list[torch.nn.Module]]:
+    """The first model's packer and the models ``names`` (forwards compiled under
+    ``--compile``)."""
+    from runner.models import load_causal_lm, read_model_type, resolve_model_path
     from runner.packers import build_packer
+
+    paths = [resolve_model_path(n) for n in names]
+    models = [load_causal_lm(p) for p in paths]
+    if COMPILE:
+        for m in models:
+            m.forward = torch.compile(m.forward, dynamic=True)
+    return build_packer(paths[0], read_model_type(paths[0])), models
+
+
+def _adamw(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                             fused=True)
+
+
+def _problems(args: argparse.Namespace, per_step: int) -> list[list[Any]]:
+    """Each step's ``per_step`` arithmetic problems, warm-up steps first."""
+    from runner.data.arithmetic import problems
+
+    items = problems("train", per_step * (args.warmup + args.steps))
+    return [items[i:i + per_step] for i in range(0, len(items), per_step)]
+
+
+def _left_padded(packer: Any, part: list[Any], repeat: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rendered prompts of problems ``part`` (each ``repeat`` times), left-padded as
+    ``generate`` reads a batch: ids and attention mask."""
     from runner.types import ObsBundle
 
-    path = resolve_model_path("builtin:tiny-arith")
-    packer = build_packer(path, read_model_type(path))
-    policy, reference = _load(path), _load(path)
+    rows = [list(packer.engine_prompt(packer.get_rollout_input(ObsBundle(p.question)))
+                 .token_ids) for p in part for _ in range(repeat)]
+    width = max(map(len, rows))
+    return (torch.tensor([[packer.pad_token_id] * (width - len(r)) + r for r in rows]),
+            torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows]))
+
+
+def _completion_mask(new_BT: torch.Tensor, eos: int) -> torch.Tensor:
+    """The generated tokens up to and with each row's first EOS."""
+    is_eos = (new_BT == eos).long()
+    return (is_eos.cumsum(-1) - is_eos) == 0
+
+
+def _completion_logprobs(model: torch.nn.Module, seq: torch.Tensor, mask: torch.Tensor,
+                         pos: torch.Tensor, P: int, rows: slice) -> torch.Tensor:
+    """Rows ``rows`` of ``seq``: the logprobs of the tokens after the ``P`` prompt columns."""
+    logits = model(input_ids=seq[rows], attention_mask=mask[rows], position_ids=pos[rows],
+                   use_cache=False, logits_to_keep=seq.shape[1] - P + 1).logits
+    return _shifted(logits[:, :-1], seq[rows], P - 1)
+
+
+class Clock:
+    """Each step's phases: ``lap(name)`` adds the seconds since the last lap to ``name``;
+    ``end()`` closes the step. Steps after ``warmup`` are kept; ``ms()`` gives the medians (and
+    the warm-up's own milliseconds, compilation included with ``--compile``)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.step = warmup, 0
+        self.times: dict[str, list[float]] = defaultdict(list)
+        self.begin = self.last = self.start = time.perf_counter()
+        self.phases: dict[str, float] = defaultdict(float)
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] += now - self.last
+        self.last = now
+
+    def end(self) -> None:
+        now = time.perf_counter()
+        if self.step == self.warmup - 1:
+            self.times["warmup"].append(now - self.begin)
+        if self.step >= self.warmup:
+            for k, v in {**self.phases, "step": now - self.start}.items():
+                self.times[k].append(v)
+        self.step, self.start, self.last, self.phases = self.step + 1, now, now, defaultdict(float)
+
+    def ms(self) -> dict[str, float]:
+        return {k: 1000 * statistics.median(v) for k, v in self.times.items()}
+
+
+def _update(opt: torch.optim.Optimizer, loss: torch.Tensor, clock: Clock, forward: str,
+            backward: str) -> None:
+    """Backward and the optimizer step; the laps ``forward`` (up to now), ``backward`` and
+    "optimizer"."""
+    clock.lap(forward)
+    loss.backward()
+    clock.lap(backward)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    clock.lap("optimizer")
+
+
+def dpo(args: argparse.Namespace) -> dict[str, float]:
+    from runner.types import ObsBundle
+
+    packer, (policy, reference) = _models("builtin:tiny-arith", "builtin:tiny-arith")
     reference.eval()
     policy.train()
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=3e-4,
-                            fused=True)
+    opt = _adamw(policy, 3e-4)
     n, beta = 16, 0.3
-    steps = args.warmup + args.steps
-    items = problems("train", n * steps)
     batches = []
-    for s in range(steps):
-        part = items[s * n:(s + 1) * n]
+    for part in _problems(args, n):
         both = [packer.get_preference_input(ObsBundle(p.question, id=str(i)), str(p.answer),
                                             str(p.answer + 1)) for i, p in enumerate(part)]
-        inputs = [c for c, _ in both] + [r for _, r in both]
-        batch = packer.collate(inputs)
+        batch = packer.collate([c for c, _ in both] + [r for _, r in both])
         start = int(batch.loss_mask_BT[:, 1:].any(0).nonzero()[0])
         batches.append((batch.input_ids_BT, batch.attention_mask_BT,
                         batch.loss_mask_BT[:, 1 + start:].float(), start))
-    times: dict[str, list[float]] = defaultdict(list)
-    begin = time.perf_counter()
-    for s, (ids, am, mask, start) in enumerate(batches):
-        keep = ids.shape[1] - start
-        t0 = time.perf_counter()
+
+    def seq_logprobs(model: torch.nn.Module, ids: torch.Tensor, am: torch.Tensor,
+                     mask: torch.Tensor, start: int) -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=am, use_cache=False,
+                       logits_to_keep=ids.shape[1] - start).logits[:, :-1]
+        return (_shifted(logits, ids, start) * mask).sum(-1)
+
+    clock = Clock(args.warmup)
+    for ids, am, mask, start in batches:
         with torch.no_grad():
-            ref = (_shifted(reference(input_ids=ids, attention_mask=am, use_cache=False,
-                                      logits_to_keep=keep).logits[:, :-1], ids, start)
-                   * mask).sum(-1)
-        t1 = time.perf_counter()
-        lp_all = _shifted(policy(input_ids=ids, attention_mask=am, use_cache=False,
-                                 logits_to_keep=keep).logits[:, :-1], ids, start)
-        lp = (lp_all * mask).sum(-1)
+            ref = seq_logprobs(reference, ids, am, mask, start)
+        clock.lap("reference")
+        lp = seq_logprobs(policy, ids, am, mask, start)
         margin = beta * ((lp[:n] - ref[:n]) - (lp[n:] - ref[n:]))
-        loss = -F.logsigmoid(margin).mean() - (lp[:n] / mask[:n].sum(-1)).mean()
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t4 = time.perf_counter()
-        if s == args.warmup - 1:  # the warm-up's seconds (compilation with --compile)
-            times["warmup"].append(time.perf_counter() - begin)
-        if s >= args.warmup:
-            for k, v in (("reference", t1 - t0), ("policy forward and loss", t2 - t1),
-                         ("backward", t3 - t2), ("optimizer", t4 - t3), ("step", t4 - t0)):
-                times[k].append(v)
-    return {k: 1000 * statistics.median(v) for k, v in times.items()}
+        _update(opt, -F.logsigmoid(margin).mean() - (lp[:n] / mask[:n].sum(-1)).mean(), clock,
+                "policy forward and loss", "backward")
+        clock.end()
+    return clock.ms()
 
 
 def opd(args: argparse.Namespace) -> dict[str, float]:
-    from runner.data.arithmetic import problems
-    from runner.models import read_model_type, resolve_model_path
-    from runner.packers import build_packer
-    from runner.types import ObsBundle
-
-    path = resolve_model_path("builtin:tiny-arith")
-    packer = build_packer(path, read_model_type(path))
-    student = _load(path)
-    teacher = _load(resolve_model_path("builtin:tiny-arith-teacher"))
+    packer, (student, teacher) = _models("builtin:tiny-arith", "builtin:tiny-arith-teacher")
     teacher.eval()
     student.train()
-    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-4,
-                            fused=True)
+    opt = _adamw(student, 1e-4)
     prompts, samples, new = 16, 2, 6
-    pad, eos = packer.pad_token_id, packer.eos_token_id
-    steps = args.warmup + args.steps
-    items = problems("train", prompts * steps)
-    batches = []
-    for s in range(steps):
-        rows = [list(packer.engine_prompt(packer.get_rollout_input(ObsBundle(p.question)))
-                     .token_ids) for p in items[s * prompts:(s + 1) * prompts]
-                for _ in range(samples)]
-        width = max(map(len, rows))  # left-padded, as generate reads a batch
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-        am = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        batches.append((ids, am))
+    eos = packer.eos_token_id
+    batches = [_left_padded(packer, part, samples) for part in _problems(args, prompts)]
     torch.manual_seed(0)
-    times: dict[str, list[float]] = defaultdict(list)
-    begin = time.perf_counter()
-    for s, (ids, am) in enumerate(batches):
+    clock = Clock(args.warmup)
+    for ids, am in batches:
         P = ids.shape[1]
-        t0 = time.perf_counter()
         with torch.no_grad():
             seq = student.generate(input_ids=ids, attention_mask=am, do_sample=True,
                                    max_new_tokens=new, temperature=1.0, top_k=0, top_p=1.0,
-                                   pad_token_id=pad, eos_token_id=eos)
-        done = (seq[:, P:] == eos).long().cumsum(-1)
-        comp = (done - (seq[:, P:] == eos).long()) == 0  # tokens up to and with the first EOS
+                                   pad_token_id=packer.pad_token_id, eos_token_id=eos)
+        comp = _completion_mask(seq[:, P:], eos)
         full_am = torch.cat([am, comp.long()], 1)
-        pos = _positions(full_am)
-        keep = seq.shape[1] - P + 1
-        t1 = time.perf_counter()
+        kwargs = {"input_ids": seq, "attention_mask": full_am, "position_ids": _positions(full_am),
+                  "use_cache": False, "logits_to_keep": seq.shape[1] - P + 1}
+        clock.lap("generate")
         with torch.no_grad():
-            t_logp = torch.log_softmax(teacher(input_ids=seq, attention_mask=full_am,
-                                               position_ids=pos, use_cache=False,
-                                               logits_to_keep=keep).logits[:, :-1].float(), -1)
-        t2 = time.perf_counter()
-        s_logp = torch.log_softmax(student(input_ids=seq, attention_mask=full_am,
-                                           position_ids=pos, use_cache=False,
-                                           logits_to_keep=keep).logits[:, :-1].float(), -1)
+            t_logp = torch.log_softmax(teacher(**kwargs).logits[:, :-1].float(), -1)
+        clock.lap("teacher")
+        s_logp = torch.log_softmax(student(**kwargs).logits[:, :-1].float(), -1)
         kl = (s_logp.exp() * (s_logp - t_logp)).sum(-1)
         mask = comp.float()
-        loss = (kl * mask).sum() / mask.sum().clamp(min=1)
-        t3 = time.perf_counter()
-        loss.backward()
-        t4 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t5 = time.perf_counter()
-        if s == args.warmup - 1:  # the warm-up's seconds (compilation with --compile)
-            times["warmup"].append(time.perf_counter() - begin)
-        if s >= args.warmup:
-            for k, v in (("generate", t1 - t0), ("teacher", t2 - t1),
-                         ("student forward and loss", t3 - t2), ("backward", t4 - t3),
-                         ("optimizer", t5 - t4), ("step", t5 - t0)):
-                times[k].append(v)
-    return {k: 1000 * statistics.median(v) for k, v in times.items()}
+        _update(opt, (kl * mask).sum() / mask.sum().clamp(min=1), clock,
+                "student forward and loss", "backward")
+        clock.end()
+    return clock.ms()
 
 
 def grpo(args: argparse.Namespace) -> dict[str, float]:
     from transformers import DynamicCache
 
-    from runner.data.arithmetic import problems
-    from runner.models import read_model_type, resolve_model_path
-    from runner.packers import build_packer
     from runner.rewards.builtin import final_integer
-    from runner.types import ObsBundle
 
-    path = resolve_model_path("builtin:tiny-arith")
-    packer = build_packer(path, read_model_type(path))
-    policy = _load(path)
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=5e-5,
-                            fused=True)
+    packer, (policy,) = _models("builtin:tiny-arith")
+    opt = _adamw(policy, 5e-5)
     prompts, group, new, minibatches, clip = 16, 8, 6, 2, 0.2
-    pad, eos = packer.pad_token_id, packer.eos_token_id
-    steps = args.warmup + args.steps
-    items = problems("train", prompts * steps)
-    batches = []
-    for s in range(steps):
-        part = items[s * prompts:(s + 1) * prompts]
-        rows = [list(packer.engine_prompt(packer.get_rollout_input(ObsBundle(p.question)))
-                     .token_ids) for p in part]
-        width = max(map(len, rows))
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-        am = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        batches.append((ids, am, [p.answer for p in part]))
+    eos = packer.eos_token_id
+    batches = [(*_left_padded(packer, part), [p.answer for p in part])
+               for part in _problems(args, prompts)]
     torch.manual_seed(0)
-    times: dict[str, list[float]] = defaultdict(list)
     index = torch.arange(prompts).repeat_interleave(group)
-    begin = time.perf_counter()
-    for s, (ids, am, answers) in enumerate(batches):
+    clock = Clock(args.warmup)
+    for ids, am, answers in batches:
         P = ids.shape[1]
-        t0 = time.perf_counter()
         policy.eval()
         with torch.no_grad():
             cache = DynamicCache(config=policy.config)
@@ -237,57 +248,33 @@ def grpo(args: argparse.Namespace) -> dict[str, float]:
             cache.reorder_cache(index)
             seq = policy.generate(input_ids=ids[index], attention_mask=am[index],
                                   past_key_values=cache, do_sample=True, max_new_tokens=new,
-                                  temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad,
-                                  eos_token_id=eos)
+                                  temperature=1.0, top_k=0, top_p=1.0,
+                                  pad_token_id=packer.pad_token_id, eos_token_id=eos)
         policy.train()
-        t1 = time.perf_counter()
-        is_eos = (seq[:, P:] == eos).long()
-        comp = (is_eos.cumsum(-1) - is_eos) == 0  # tokens up to and with the first EOS
+        clock.lap("rollout")
+        comp = _completion_mask(seq[:, P:], eos)
         texts = packer.tokenizer.batch_decode(seq[:, P:], skip_special_tokens=True)
         reward = torch.tensor([float(final_integer(t) == answers[i // group])
                                for i, t in enumerate(texts)]).view(prompts, group)
         adv = ((reward - reward.mean(-1, keepdim=True))
                / (reward.std(-1, keepdim=True) + 1e-6)).view(-1, 1)
         full_am = torch.cat([am[index], comp.long()], 1)
-        pos, keep, mask = _positions(full_am), seq.shape[1] - P + 1, comp.float()
-        labels = seq[:, P:]
+        pos, mask = _positions(full_am), comp.float()
         per = len(seq) // minibatches
+
+        rows = [slice(m * per, (m + 1) * per) for m in range(minibatches)]
         with torch.no_grad():  # the later minibatches' old logprobs, before any update
-            rest = slice(per, None)
-            old_rest = torch.log_softmax(policy(
-                input_ids=seq[rest], attention_mask=full_am[rest], position_ids=pos[rest],
-                use_cache=False, logits_to_keep=keep).logits[:, :-1].float(), -1).gather(
-                -1, labels[rest].unsqueeze(-1)).squeeze(-1)
-        t2 = time.perf_counter()
-        forward = backward = optimizer = 0.0
-        for m in range(minibatches):
-            r = slice(m * per, (m + 1) * per)
-            u0 = time.perf_counter()
-            lp = torch.log_softmax(policy(
-                input_ids=seq[r], attention_mask=full_am[r], position_ids=pos[r],
-                use_cache=False, logits_to_keep=keep).logits[:, :-1].float(), -1).gather(
-                -1, labels[r].unsqueeze(-1)).squeeze(-1)
+            old_rest = _completion_logprobs(policy, seq, full_am, pos, P, slice(per, None))
+        clock.lap("reward and old logprobs")
+        for m, r in enumerate(rows):
+            lp = _completion_logprobs(policy, seq, full_am, pos, P, r)
             old = lp.detach() if m == 0 else old_rest[(m - 1) * per:m * per]
             ratio = torch.exp(lp - old)
             surrogate = torch.minimum(ratio * adv[r], ratio.clamp(1 - clip, 1 + clip) * adv[r])
-            loss = -(surrogate * mask[r]).sum() / mask[r].sum().clamp(min=1)
-            u1 = time.perf_counter()
-            loss.backward()
-            u2 = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            u3 = time.perf_counter()
-            forward, backward, optimizer = (forward + u1 - u0, backward + u2 - u1,
-                                            optimizer + u3 - u2)
-        t3 = time.perf_counter()
-        if s == args.warmup - 1:  # the warm-up's seconds (compilation with --compile)
-            times["warmup"].append(time.perf_counter() - begin)
-        if s >= args.warmup:
-            for k, v in (("rollout", t1 - t0), ("reward and old logprobs", t2 - t1),
-                         ("forwards and losses", forward), ("backwards", backward),
-                         ("optimizer", optimizer), ("step", t3 - t0)):
-                times[k].append(v)
-    return {k: 1000 * statistics.median(v) for k, v in times.items()}
+            _update(opt, -(surrogate * mask[r]).sum() / mask[r].sum().clamp(min=1), clock,
+                    "forwards and losses", "backwards")
+        clock.end()
+    return clock.ms()
 
 
 def main() -> None:

@@ -250,20 +250,22 @@ def _loopback(address: str) -> bool:
     return address.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:"))
 
 
-@pytest.fixture(scope="module")
-def torchrun_grpo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("torchrun-grpo")
-    done = run_ranks(GRPO, out, 2, *GRPO_SMALL)
+def _torchrun_baseline(factory, recipe: str, overrides: tuple[str, ...]) -> Path:
+    """Two torchrun ranks of ``recipe``: the run the module's Ray runs are compared with."""
+    out = factory.mktemp("torchrun")
+    done = run_ranks(recipe, out, 2, *overrides)
     assert done.returncode == 0, done.stdout + done.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def torchrun_grpo(tmp_path_factory):
+    return _torchrun_baseline(tmp_path_factory, GRPO, GRPO_SMALL)
 
 
 @pytest.fixture(scope="module")
 def torchrun_dpo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("torchrun-dpo")
-    done = run_ranks(DPO, out, 2, *DPO_SMALL)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return out
+    return _torchrun_baseline(tmp_path_factory, DPO, DPO_SMALL)
 
 
 def test_colocated_on_an_existing_cluster_equals_torchrun(cluster, torchrun_grpo, tmp_path):

@@ -388,8 +388,6 @@ def _with_adapters(model: Any, recipe: Recipe, ckpt: LoadedCheckpoint | None,
     return model
 
 
-
-
 def _model_folders(recipe: Recipe, roles: Sequence[str], base: Path) -> dict[str, Path]:
     """The model folders every rank must hold identically, by role: the policy's, and those of
     the algorithm's other models (``AlgoSpec.models``: the teacher, a critic with a folder of

@@ -8,6 +8,7 @@ process (``RoleProvider``: the launcher's role actors) without the loops changin
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -163,18 +164,13 @@ def optimizer_step(trainables: Sequence[Trainable],
     for i, loss_fn in enumerate(micro_losses):
         loss = loss_fn()
         losses_finite = losses_finite and bool(torch.isfinite(loss.detach()).all())
-        # The backward under the forwards' attention kernels: a layer that gradient
-        # checkpointing recomputes in it must take the kernel its forward took.
-        with trainables[0]._attention():
-            if i < len(micro_losses) - 1:
-                with _no_sync(acc, trainables[0]):
-                    if len(trainables) > 1:
-                        with _no_sync_all(acc, trainables[1:]):
-                            acc.backward(loss)
-                    else:
-                        acc.backward(loss)
-            else:
-                acc.backward(loss)
+        # The backward under the forwards' attention kernels (a layer that gradient
+        # checkpointing recomputes in it must take the kernel its forward took), synchronising
+        # gradients on the last micro-batch only.
+        last = i == len(micro_losses) - 1
+        with (trainables[0]._attention(),
+              contextlib.nullcontext() if last else _no_sync_all(acc, trainables)):
+            acc.backward(loss)
     norms = [_clip(acc, t, max_grad_norm) if max_grad_norm > 0 else _grad_norm(t)
              for t in trainables]
     # Gradients are averaged over ranks by now, so every rank sees the same norms and stops
