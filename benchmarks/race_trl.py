@@ -23,7 +23,11 @@ TRL's GRPO, DPO and PPO trainers checkpoint gradients by default (each layer rec
 backward pass), the runner does not: ``grpo``, ``dpo``, ``ppo`` and ``smollm2`` race those
 defaults; ``grpo-nockpt``, ``dpo-nockpt``, ``ppo-nockpt`` and ``smollm2-nockpt`` race with
 neither side checkpointing, ``grpo-ckpt``, ``dpo-ckpt`` and ``smollm2-ckpt`` with both
-(``train.gradient_checkpointing = true``).
+(``train.gradient_checkpointing = true``). ``grpo-compile``, ``dpo-compile``, ``opd-compile`` and
+``ppo-compile`` race the runner with ``train.compile = true`` against TRL eager,
+``grpo-compile-both``, ``dpo-compile-both`` and ``opd-compile-both`` against TRL's
+``torch_compile`` (neither side checkpointing); their compilation, in the first steps, is printed
+apart (the runner's first two steps, each side's whole run).
 
 ``--floor`` also runs, in every round, the tiny GRPO, DPO and OPD steps written as bare eager
 torch and transformers calls (``floor_step.py``: the same models and shapes, padded batches,
@@ -85,6 +89,26 @@ WORKS = {
     "ppo-nockpt": [("PPO tiny, neither side checkpointing (TRL 1.12's PPO)", "ppo-arith", 10, [],
                     ["ppo", "--prompts", "32", "--group", "2", "--steps", "8",
                      "--no-checkpointing"], "trl_ppo")],
+    # train.compile (torch.compile of the models' forwards) against TRL eager and against
+    # TRL's torch_compile; neither side checkpointing. The compilation falls in the first
+    # steps, which the medians leave out (the runs' first steps are printed beside them).
+    "grpo-compile": [("GRPO tiny, runner compiled vs TRL eager", "grpo-arith", 14,
+                      ["train.compile=true"], ["grpo", "--no-checkpointing"], "trl")],
+    "grpo-compile-both": [("GRPO tiny, both compiled", "grpo-arith", 14, ["train.compile=true"],
+                           ["grpo", "--no-checkpointing", "--compile"], "trl")],
+    "dpo-compile": [("DPO tiny, runner compiled vs TRL eager", "dpo-arith", 40,
+                     ["train.compile=true"], ["dpo", "--no-checkpointing"], "trl")],
+    "dpo-compile-both": [("DPO tiny, both compiled", "dpo-arith", 40, ["train.compile=true"],
+                          ["dpo", "--no-checkpointing", "--compile"], "trl")],
+    "opd-compile": [("OPD tiny, runner compiled vs TRL eager", "opd-arith", 20,
+                     ["train.compile=true"], ["opd", "--lr", "1e-4", "--steps", "20",
+                                              "--no-score"], "trl")],
+    "opd-compile-both": [("OPD tiny, both compiled", "opd-arith", 20, ["train.compile=true"],
+                          ["opd", "--lr", "1e-4", "--steps", "20", "--no-score", "--compile"],
+                          "trl")],
+    "ppo-compile": [("PPO tiny, runner compiled vs TRL 1.12 eager", "ppo-arith", 10,
+                     ["train.compile=true"], ["ppo", "--prompts", "32", "--group", "2", "--steps",
+                                              "8", "--no-checkpointing"], "trl_ppo")],
     "smollm2": [
         ("GRPO SmolLM2-135M, runner auto (hf engine) vs TRL bf16", "grpo-smollm2-arith", 5,
          ["rollout.engine=hf"], [*SMOLLM2_TRL, "--bf16"], "trl"),
@@ -142,7 +166,8 @@ def launched(cmd: list[str], env: dict[str, str], metrics: Path | None = None) -
     text = "".join(out)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{text[-4000:]}")
-    return {"start": start, "first": first, "rss_mib": usage.ru_maxrss / 1024, "output": text}
+    return {"start": start, "first": first, "wall_s": time.time() - start,
+            "rss_mib": usage.ru_maxrss / 1024, "output": text}
 
 
 def runner_side(recipe: str, steps: int, overrides: list[str], env: dict[str, str]) -> dict:
@@ -154,7 +179,9 @@ def runner_side(recipe: str, steps: int, overrides: list[str], env: dict[str, st
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     steps_s = [r["time/step"] for r in rows if r.get("step", 0) > 2]
     return {"s_per_step": statistics.median(steps_s), "steps": steps_s,
-            "startup_s": done["first"] - done["start"], "rss_mib": done["rss_mib"]}
+            "startup_s": done["first"] - done["start"], "rss_mib": done["rss_mib"],
+            "wall_s": done["wall_s"], "first_steps_s": [r["time/step"] for r in rows
+                                                         if 0 < r.get("step", 0) <= 2]}
 
 
 def trl_side(args: list[str], env: dict[str, str]) -> dict:
@@ -162,7 +189,8 @@ def trl_side(args: list[str], env: dict[str, str]) -> dict:
     line = next(x for x in done["output"].splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
     return {"s_per_step": result["s_per_step"], "steps": result["steps"],
-            "startup_s": result["first_step_at"] - done["start"], "rss_mib": done["rss_mib"]}
+            "startup_s": result["first_step_at"] - done["start"], "rss_mib": done["rss_mib"],
+            "wall_s": done["wall_s"]}
 
 
 def floor_side(args: list[str], env: dict[str, str]) -> dict:
@@ -235,6 +263,14 @@ def main() -> None:
               f"{spread([x['startup_s'] for x in theirs], 1)} | "
               f"{spread([x['rss_mib'] for x in ours], 0)} / "
               f"{spread([x['rss_mib'] for x in theirs], 0)} |")
+    compiled = {label: rs for label, rs in runs.items() if "compiled" in label}
+    if compiled:  # where the compilation went: the runner's first two steps, the whole runs
+        print("\n| work | runner's steps 1 and 2 s | whole run runner / TRL s |")
+        print("| --- | --- | --- |")
+        for label, rs in compiled.items():
+            print(f"| {label} | {spread([sum(r['runner']['first_steps_s']) for r in rs], 1)} | "
+                  f"{spread([r['runner']['wall_s'] for r in rs], 1)} / "
+                  f"{spread([r['trl']['wall_s'] for r in rs], 1)} |")
     floored = {label: rs for label, rs in runs.items() if "floor" in rs[0]}
     if floored:
         print("\n| work | eager floor s/step | runner s/step | TRL s/step | floor / TRL | "

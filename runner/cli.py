@@ -262,10 +262,15 @@ def _load(args: argparse.Namespace) -> tuple[Recipe, RankContext | None, RunPlan
 def _validate(recipe: Recipe, args: argparse.Namespace, *, trackers: bool = True) -> None:
     """Import every dotted path, bind its arguments and check the models (and, for a run, that
     the trackers' libraries are there): before any rank."""
-    from runner.preflight import validate_extensions, validate_models, validate_trackers
+    from runner.preflight import (
+        validate_compiler,
+        validate_extensions,
+        validate_models,
+        validate_trackers,
+    )
 
     problems = validate_extensions(recipe, args.overrides)
-    problems += validate_trackers(recipe) if trackers else []
+    problems += validate_trackers(recipe) + validate_compiler(recipe) if trackers else []
     problems += validate_models(recipe) if not problems else []
     if problems:
         raise RecipeError(problems, source=args.recipe)

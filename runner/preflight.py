@@ -121,6 +121,26 @@ def validate_trackers(recipe: Recipe) -> list[Problem]:
     return problems
 
 
+def validate_compiler(recipe: Recipe) -> list[Problem]:
+    """``train.compile`` on a CPU: torch.compile writes C++ kernels, so a C++ compiler must be
+    there (found as torch's inductor looks for one: ``CXX``, else g++)."""
+    from runner.precision import device_type
+
+    if not recipe.train.compile or device_type(recipe) != "cpu":
+        return []
+    from torch._inductor import exc
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        return [Problem("train.compile", "torch.compile needs a C++ compiler to build CPU "
+                        "kernels and none was found (tried $CXX, then g++)", got=True,
+                        hint="install g++ (or point CXX at a C++ compiler), or set "
+                        "train.compile = false")]
+    return []
+
+
 def validate_models(recipe: Recipe) -> list[Problem]:
     """Checks that need the local file system: every model folder exists (built-in names are
     known), the output folder can be made, and OPD same_tokenizer has one vocabulary for

@@ -82,7 +82,11 @@ def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:
     activations = ("recomputed in the backward pass, one layer at a time "
                    "(train.gradient_checkpointing)" if recipe.train.gradient_checkpointing
                    else "kept for the backward pass (train.gradient_checkpointing = false)")
-    return rows + [("precision chosen because", p.why), ("activations", activations)]
+    forwards = ("compiled (train.compile): training and scoring forwards through "
+                "torch.compile, at their first call; generation eager" if recipe.train.compile
+                else "eager (train.compile = false)")
+    return rows + [("precision chosen because", p.why), ("activations", activations),
+                   ("forwards", forwards)]
 
 
 def packing_rows(recipe: Recipe, built: dict[str, Any] | None = None

@@ -368,6 +368,10 @@ def check_sharding(r: Recipe) -> list[Problem]:
     if r.train.precision == "fp16":
         problems.append(Problem("train.sharding", "fsdp has no fp16 loss scaling; use "
                                 "train.precision 'bf16' or 'no'", got="fsdp", hint=hint))
+    if r.train.compile:
+        problems.append(Problem("train.compile", "sharded models (train.sharding = 'fsdp') "
+                                "run eager: compiling them is not supported", got=True,
+                                hint="set train.compile = false (or train.sharding = 'none')"))
     return problems
 
 

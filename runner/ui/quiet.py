@@ -37,6 +37,9 @@ def quiet_libraries() -> None:
         datasets.disable_progress_bars()
         datasets.logging.set_verbosity(logging.CRITICAL)
     warnings.filterwarnings("ignore", message=".*TRANSFORMERS_VERBOSITY.*")
+    # train.compile on a machine without CUDA: torch's C++ builder warns that it found no CUDA
+    # runtime before every CPU kernel build of a run.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:

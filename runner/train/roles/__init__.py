@@ -268,13 +268,32 @@ def checkpoint_activations(model: Any) -> Any:
     return model
 
 
+def compile_forwards(model: Any, backend: str = "inductor") -> Any:
+    """``train.compile``: ``model``'s forwards that keep no key/value cache (the runner's
+    training and scoring forwards all pass ``use_cache=False``) run through
+    ``torch.compile(dynamic=True)``, compiled at their first call and again for a new kind of
+    call; generation (which keeps a cache) stays eager, its shapes change at every token.
+    ``backend``: torch.compile's (the tests trace with "eager", which runs the captured graph
+    op by op)."""
+    eager = model.forward
+    compiled = torch.compile(eager, dynamic=True, backend=backend)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return (compiled if kwargs.get("use_cache") is False else eager)(*args, **kwargs)
+
+    model.forward = forward
+    return model
+
+
 def trained_model(model: Any, train: TrainConfig) -> Any:
     """A model the run trains, as ``train`` asks: dropout off (``disable_dropout``), gradient
-    checkpointing on (``gradient_checkpointing``)."""
+    checkpointing on (``gradient_checkpointing``), forwards compiled (``compile``)."""
     if train.disable_dropout:
         disable_dropout(model)
     if train.gradient_checkpointing:
         checkpoint_activations(model)
+    if train.compile:
+        compile_forwards(model)
     return model
 
 
@@ -344,6 +363,8 @@ class Frozen:
         else:
             self.model = load_causal_lm(path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
             self.model.requires_grad_(False).eval().to(device)
+            if recipe.train.compile:
+                compile_forwards(self.model)
         self.sharded = self.lockstep = sharded  # a sharded model's forwards are collectives
         self.device_type = torch.device(device).type
         self.bf16 = bf16
