@@ -66,6 +66,11 @@ for precision in no auto; do
         "train.precision=$precision"
 done
 
+echo "   and compiled (train.compile: the forwards through torch.compile, the first steps compile)"
+"$PY" benchmarks/bench_steps.py recipes/grpo-smollm2-arith.toml --steps "$steps" \
+    "model.path=$work/smollm2-random" rollout.engine=hf "run.device=$device" \
+    train.precision=auto train.compile=true
+
 echo "== sharded (train.sharding = fsdp, world size 1) and overlapped (max_off_policy_steps = 1)"
 echo "   runs: the FSDP2 wrapping, bf16 mixed precision and sharded checkpoints on $device; the"
 echo "   producer thread beside the update (compare time/rollout with the wait in the split)"
