@@ -33,10 +33,18 @@ def _frames() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def test_forwards_without_a_cache_are_compiled_and_generation_stays_eager():
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches and counters empty before the test and after it (the worker
+    runs other test files next)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_forwards_without_a_cache_are_compiled_and_generation_stays_eager(fresh_dynamo):
     from runner.models import load_causal_lm
 
-    torch._dynamo.reset()
     plain = load_causal_lm("builtin:tiny-arith").train()
     traced = load_causal_lm("builtin:tiny-arith").train()
     compile_forwards(traced, backend="eager")
