@@ -9,6 +9,8 @@ torch's code generator (inductor), which spends over a minute compiling on a col
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -91,6 +93,8 @@ def test_the_recipe_key_compiles_the_trained_models_and_sharded_ones_are_refused
     model = load_causal_lm("builtin:tiny-arith")
     eager = model.forward
     assert trained_model(model, on).forward is not eager  # wrapped
+    # with the model's own signature: transformers reads which arguments forward takes
+    assert inspect.signature(model.forward) == inspect.signature(eager)
     other = load_causal_lm("builtin:tiny-arith")
     assert trained_model(other, off).forward == other.forward  # the class's own method
     assert "forward" not in vars(other)

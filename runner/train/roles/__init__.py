@@ -9,6 +9,7 @@ process (``RoleProvider``: the launcher's role actors) without the loops changin
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -278,6 +279,7 @@ def compile_forwards(model: Any, backend: str = "inductor") -> Any:
     eager = model.forward
     compiled = torch.compile(eager, dynamic=True, backend=backend)
 
+    @functools.wraps(eager)  # its signature: transformers reads which arguments forward takes
     def forward(*args: Any, **kwargs: Any) -> Any:
         return (compiled if kwargs.get("use_cache") is False else eager)(*args, **kwargs)
 
