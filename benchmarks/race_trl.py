@@ -21,13 +21,14 @@ last release with a PPO trainer), then
 
 TRL's GRPO, DPO and PPO trainers checkpoint gradients by default (each layer recomputed in the
 backward pass), the runner does not: ``grpo``, ``dpo``, ``ppo`` and ``smollm2`` race those
-defaults; ``grpo-nockpt``, ``dpo-nockpt``, ``ppo-nockpt`` and ``smollm2-nockpt`` race with
-neither side checkpointing, ``grpo-ckpt``, ``dpo-ckpt`` and ``smollm2-ckpt`` with both
-(``train.gradient_checkpointing = true``). ``grpo-compile``, ``dpo-compile``, ``opd-compile`` and
-``ppo-compile`` race the runner with ``train.compile = true`` against TRL eager,
-``grpo-compile-both``, ``dpo-compile-both`` and ``opd-compile-both`` against TRL's
-``torch_compile`` (neither side checkpointing); their compilation, in the first steps, is printed
-apart (the runner's first two steps, each side's whole run).
+defaults; ``grpo-nockpt``, ``dpo-nockpt``, ``ppo-nockpt``, ``smollm2-nockpt`` and
+``smollm2-fp32-nockpt`` race with neither side checkpointing, ``grpo-ckpt``, ``dpo-ckpt``,
+``smollm2-ckpt``, ``smollm2-fp32-ckpt`` and ``smollm2-auto-fp32-ckpt`` (the runner's ``auto``
+against TRL's fp32) with both (``train.gradient_checkpointing = true``). ``grpo-compile``,
+``dpo-compile``, ``opd-compile`` and ``ppo-compile`` race the runner with ``train.compile =
+true`` against TRL eager, ``grpo-compile-both``, ``dpo-compile-both`` and ``opd-compile-both``
+against TRL's ``torch_compile`` (neither side checkpointing); their compilation, in the first
+steps, is printed apart (the runner's first two steps, each side's whole run).
 
 ``--floor`` also runs, in every round, the tiny GRPO, DPO and OPD steps written as bare eager
 torch and transformers calls (``floor_step.py``: the same models and shapes, padded batches,
@@ -137,6 +138,23 @@ WORKS = {
         ("GRPO SmolLM2-135M, both fp32 (runner hf engine on the policy's model)",
          "grpo-smollm2-arith", 5, ["rollout.engine=hf", "train.precision=no"], SMOLLM2_TRL,
          "trl"),
+    ],
+    "smollm2-fp32-ckpt": [
+        ("GRPO SmolLM2-135M, both fp32, both checkpointing (runner hf engine)",
+         "grpo-smollm2-arith", 5, ["rollout.engine=hf", "train.precision=no",
+                                   "train.gradient_checkpointing=true"], SMOLLM2_TRL, "trl"),
+    ],
+    "smollm2-fp32-nockpt": [
+        ("GRPO SmolLM2-135M, both fp32, neither checkpointing (runner hf engine)",
+         "grpo-smollm2-arith", 5, ["rollout.engine=hf", "train.precision=no"],
+         [*SMOLLM2_TRL, "--no-checkpointing"], "trl"),
+    ],
+    # the precision each side's user picks on this CPU: the runner's auto (bf16 here) against
+    # TRL's default fp32, both checkpointing
+    "smollm2-auto-fp32-ckpt": [
+        ("GRPO SmolLM2-135M, runner auto (hf engine) vs TRL fp32, both checkpointing",
+         "grpo-smollm2-arith", 5, ["rollout.engine=hf", "train.gradient_checkpointing=true"],
+         SMOLLM2_TRL, "trl"),
     ],
 }
 
