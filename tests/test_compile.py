@@ -115,14 +115,16 @@ def test_the_recipe_key_compiles_the_trained_models_and_sharded_ones_are_refused
         assert shown in " ".join(out.replace("│", " ").split())
 
 
-def test_a_cpu_without_a_cpp_compiler_is_told_before_the_run(run_cli, monkeypatch, tmp_path):
+def test_a_cpu_without_a_cpp_compiler_is_told_before_the_run(run_cli, tmp_path):
     """torch.compile builds C++ kernels on a CPU: no compiler is one line before any model is
-    loaded, naming the key (the search is torch's own, given a compiler that does not exist)."""
+    loaded, naming the key (the search is torch's own, given a compiler that does not exist;
+    inductor's own patch restores its setting after, which monkeypatch would delete)."""
     from torch._inductor import config
 
-    monkeypatch.setattr(config.cpp, "cxx", ("no-such-c++-compiler",))
-    rc, out, err = run_cli("--plain", "recipes/dpo-arith.toml", "train.compile=true",
-                           f"run.output_dir={tmp_path / 'out'}")
+    with config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
+        rc, out, err = run_cli("--plain", "recipes/dpo-arith.toml", "train.compile=true",
+                               f"run.output_dir={tmp_path / 'out'}")
+    assert config.cpp.cxx != ("no-such-c++-compiler",)
     assert rc == 2, out + err
     assert err.strip().splitlines()[-1] == (
         "recipes/dpo-arith.toml: train.compile: torch.compile needs a C++ compiler to build CPU "
