@@ -261,7 +261,8 @@ def _load(args: argparse.Namespace) -> tuple[Recipe, RankContext | None, RunPlan
 
 def _validate(recipe: Recipe, args: argparse.Namespace, *, trackers: bool = True) -> None:
     """Import every dotted path, bind its arguments and check the models (and, for a run, that
-    the trackers' libraries are there): before any rank."""
+    the trackers' libraries and, for ``train.compile`` on a CPU, a C++ compiler are there):
+    before any rank."""
     from runner.preflight import (
         validate_compiler,
         validate_extensions,

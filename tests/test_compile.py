@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runner.recipe import load_recipe
-from runner.train.roles import compile_forwards, trained_model
+from runner.train.roles.model_setup import compile_forwards, trained_model
 from tests.conftest import REPO
 from tests.resume_helpers import (
     assert_same_run,

@@ -8,7 +8,7 @@ import torch
 
 from runner.errors import RecipeError
 from runner.recipe import load_recipe
-from runner.train.roles import checkpoint_activations, trained_model
+from runner.train.roles.model_setup import checkpoint_activations, trained_model
 from tests.conftest import REPO
 from tests.resume_helpers import deterministic_rows
 from tests.resume_helpers import run_cli as run_recipe

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runner.errors import RunnerError
-from runner.train.roles import disable_dropout
+from runner.train.roles.model_setup import disable_dropout
 
 
 def test_disable_dropout_zeroes_every_dropout():

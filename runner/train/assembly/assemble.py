@@ -54,7 +54,8 @@ from runner.train.loops.pipeline import (
     refuse_in_flight,
 )
 from runner.train.loops.rollouts import sample_ahead
-from runner.train.roles import RoleProvider, prepare_trainable, trained_model
+from runner.train.roles import RoleProvider, prepare_trainable
+from runner.train.roles.model_setup import trained_model
 from runner.train.roles.teacher import Teacher
 from runner.ui import MetricsLog, Reporter
 from runner.ui.trackers import Trackers, TrackerSetup

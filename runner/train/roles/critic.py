@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 
 from runner.packers.base import PolicyBatch
 from runner.recipe.schema import PPOConfig, Recipe
 from runner.state.load import LoadedCheckpoint
-from runner.train.roles import Trainable, compile_forwards, prepare_trainable, trained_model
+from runner.train.roles import Trainable, prepare_trainable
+from runner.train.roles.model_setup import trained_model
 
 CRITIC = "critic"  # its name in checkpoints
 
@@ -78,10 +78,9 @@ def build_critic(recipe: Recipe, model_path: Path, accelerator: Any,
         else model_path
     lm = load_causal_lm(path, dtype=recipe.model.dtype,
                         trust_remote_code=recipe.model.trust_remote_code)
-    trained_model(lm, attrs.evolve(recipe.train, compile=False))
-    critic = ValueModel(critic_backbone(lm), text_hidden_size(lm.config))
-    if recipe.train.compile:  # the value head reads the backbone's forward, not the LM's
-        compile_forwards(critic.backbone)
+    backbone = critic_backbone(lm)  # the value head reads its forward, not the LM's
+    trained_model(lm, recipe.train, called=backbone)
+    critic = ValueModel(backbone, text_hidden_size(lm.config))
     if ckpt is not None:
         critic.load_state_dict(ckpt.extra_state(CRITIC))
     saved = ckpt.state.extra.get(CRITIC, {}) if ckpt else {}
