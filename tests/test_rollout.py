@@ -196,3 +196,30 @@ def test_vllm_plays_token_exact_episodes(vllm_engine, packer):
                           SamplingConfig(n=2, max_new_tokens=6), [5, 6])
     check_token_exact(results, recording.calls, packer, [5, 6], 2)
     assert any(r.stats["turns"] > 1 for r in results)
+
+
+def test_row_sampler_draws_each_rows_tokens_from_its_own_generator():
+    """The sampler's uniforms, drawn up front, are the per-token draws of each row's generator:
+    its choices equal an inverse-CDF draw computed here in Python floats, one draw per row and
+    token, whatever the batch around the row."""
+    from runner.rollout.hf import RowSampler
+
+    s = SamplingConfig(n=1, max_new_tokens=5, temperature=0.8)
+    seeds = [3, 99, 2**40 + 7]
+    steps = [torch.randn(3, 11, generator=torch.Generator().manual_seed(k)) * 2 for k in range(5)]
+    sampler = RowSampler(seeds, s, steps=5)
+    got = [sampler.choose(scores).squeeze(-1).tolist() for scores in steps]
+    for row, seed in enumerate(seeds):
+        g = torch.Generator().manual_seed(seed)
+        alone = RowSampler([seed], s, steps=5)
+        for k, scores in enumerate(steps):
+            u = float(torch.rand((), generator=g, dtype=torch.float64))
+            probs = torch.softmax(scores[row].double() / s.temperature, dim=-1).tolist()
+            total, cdf = sum(probs), []
+            for p in probs:  # the running sum, as a float64 cumsum adds them
+                cdf.append(p + (cdf[-1] if cdf else 0.0))
+            target = u * cdf[-1]
+            want = next(i for i, c in enumerate(cdf) if c >= target)
+            assert got[k][row] == want, (row, k)
+            assert alone.choose(scores[row:row + 1]).item() == want
+            assert abs(total - 1.0) < 1e-12

@@ -40,27 +40,34 @@ def filtered_probs(logits_BV: torch.Tensor, temperature: float, top_k: int, top_
 
 
 class RowSampler:
-    """A logits processor that samples each row with its own generator (inverse CDF) and
-    leaves only the chosen token, so greedy decoding then emits it."""
+    """Samples each row with its own generator (inverse CDF). A row's uniforms are drawn up front,
+    ``steps`` of them in one call per generator: the same numbers, in the same order, as one draw
+    per token (the CPU generator fills a tensor element by element), without a call per row and
+    token."""
 
-    def __init__(self, seeds: Sequence[int], s: SamplingConfig) -> None:
-        self.generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+    def __init__(self, seeds: Sequence[int], s: SamplingConfig, steps: int) -> None:
+        self.uniforms = torch.stack([
+            torch.rand(steps, generator=torch.Generator().manual_seed(int(seed)),
+                       dtype=torch.float64) for seed in seeds])
+        self.step = 0
         self.s = s
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each row's next token, a column on ``scores``' device."""
         probs = filtered_probs(scores, self.s.temperature, self.s.top_k, self.s.top_p).cpu()
-        u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])
+        u = self.uniforms[:, self.step]
+        self.step += 1
         cdf = probs.cumsum(-1)
         choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp(
             max=probs.shape[-1] - 1)
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter(1, choice.to(scores.device), 0.0)
+        return choice.to(scores.device)
 
 
 class ChosenLogprobs:
-    """The last logits processor: keeps, step by step, each row's log-probability (at
-    ``temperature``, from the raw logits) of the token greedy decoding emits, so ``generate``
-    need not hold every step's full-vocabulary logits until the end."""
+    """The logits processor ``generate`` runs: picks each row's token (``inner`` samples it;
+    without one, greedy) and leaves only that token (so ``generate``'s greedy decoding emits it),
+    keeping, step by step, the token's log-probability (at ``temperature``, from the raw logits),
+    so ``generate`` need not hold every step's full-vocabulary logits until the end."""
 
     def __init__(self, inner: RowSampler | None, temperature: float) -> None:
         self.inner = inner
@@ -68,8 +75,11 @@ class ChosenLogprobs:
         self.steps: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        out = scores if self.inner is None else self.inner(input_ids, scores)
-        chosen = out.argmax(-1, keepdim=True)
+        if self.inner is None:
+            chosen, out = scores.argmax(-1, keepdim=True), scores
+        else:
+            chosen = self.inner.choose(scores)
+            out = torch.full_like(scores, float("-inf")).scatter(1, chosen, 0.0)
         lp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         self.steps.append(lp.gather(-1, chosen).squeeze(-1))  # stays on the device
         return out
@@ -182,8 +192,8 @@ class HFEngine:
         config = GenerationConfig(
             do_sample=False, max_new_tokens=s.max_new_tokens, pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_id, return_dict_in_generate=True)
-        kept = ChosenLogprobs(None if s.greedy else RowSampler([r for _, r in rows], s),
-                              1.0 if s.greedy else s.temperature)
+        sampler = None if s.greedy else RowSampler([r for _, r in rows], s, s.max_new_tokens)
+        kept = ChosenLogprobs(sampler, 1.0 if s.greedy else s.temperature)
         input_ids, attention = input_ids.to(device), attention.to(device)
         cache = None if extras else self._shared_prefill(batch, input_ids, attention)
         out = self.model.generate(input_ids=input_ids, attention_mask=attention,
