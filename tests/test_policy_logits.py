@@ -182,3 +182,28 @@ def test_flash_attention_models_fall_back_to_block_diagonal_packing():
     assert attention_mask_kind(Model()) is None
     layout = choose_layout(collate(_grouped_inputs(), 0), mask_kind=None)
     assert layout is None or layout.attention is None
+
+
+def test_first_fit_decreasing_places_each_item_in_the_first_row_with_room():
+    """The row search that skips full rows gives plain first-fit decreasing's placement (every
+    row tried from the first), on random sizes, capacities and ties."""
+    import random
+
+    from runner.train.roles.packing import _first_fit
+
+    def plain(sizes, capacity):
+        fill, where = [], [None] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+            row = next((r for r, used in enumerate(fill) if used + sizes[i] <= capacity),
+                       len(fill))
+            fill += [0] * (row == len(fill))
+            where[i] = (row, fill[row])
+            fill[row] += sizes[i]
+        return where, fill
+
+    rng = random.Random(5)
+    for _ in range(300):
+        sizes = [rng.randint(1, 40) for _ in range(rng.randint(0, 60))]
+        capacity = max(sizes, default=1) + rng.choice([0, 1, 7, 50, 200])
+        assert _first_fit(sizes, capacity) == plain(sizes, capacity)
+    assert _first_fit([5, 3, 3, 2], 8) == ([(0, 0), (0, 5), (1, 0), (1, 3)], [8, 5])

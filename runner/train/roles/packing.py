@@ -73,15 +73,21 @@ def _refuse_extras(batch: PolicyBatch) -> None:
 
 def _first_fit(sizes: list[int], capacity: int) -> tuple[list[tuple[int, int]], list[int]]:
     """First-fit decreasing of ``sizes`` into rows of ``capacity``: (row, offset) per item and
-    each row's fill."""
+    each row's fill. The search starts past the rows no item fits in any more."""
     fill: list[int] = []
     where: list[tuple[int, int]] = [(0, 0)] * len(sizes)
+    smallest = min(sizes, default=0)
+    start = 0  # rows before it hold less than ``smallest`` free positions
     for i in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
-        row = next((r for r, used in enumerate(fill) if used + sizes[i] <= capacity), len(fill))
+        row = start
+        while row < len(fill) and fill[row] + sizes[i] > capacity:
+            row += 1
         if row == len(fill):
             fill.append(0)
         where[i] = (row, fill[row])
         fill[row] += sizes[i]
+        while start < len(fill) and fill[start] + smallest > capacity:
+            start += 1
     return where, fill
 
 
@@ -142,41 +148,75 @@ def _plan_share(batch: PolicyBatch, ids_BT: np.ndarray, row_tokens: int | None) 
     return _Plan(units, where, fill, lengths, shared=True)
 
 
+def _runs(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of consecutive integers laid end to end: (each element's run, the element) for the
+    runs ``starts[i] .. starts[i] + lengths[i] - 1``."""
+    run = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    offset = np.arange(len(run), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return run, starts[run] + offset
+
+
 def _build(batch: PolicyBatch, ids_BT: np.ndarray, plan: _Plan, pad_token_id: int) -> Packed:
-    """The tensors of ``plan`` (built in numpy: a few small copies per sequence)."""
+    """The tensors of ``plan``, built in numpy from its runs of tokens (a shared prompt, a
+    sequence or a completion: where it is read from and where it goes) in a few indexed copies."""
     B, T = ids_BT.shape
     R, C = max(1, len(plan.fill)), max(plan.fill, default=1)
     lengths = plan.lengths
+    # Every unit's members in order, their unit, and their tokens after the unit's prompt.
+    i64 = np.int64
+    counts = np.array([len(members) for _, members in plan.units], dtype=i64)
+    prompt = np.array([p for p, _ in plan.units], dtype=i64)
+    u_row, u_col = np.array(plan.where, dtype=i64).reshape(-1, 2).T
+    mb = np.fromiter((b for _, members in plan.units for b in members), dtype=i64,
+                     count=int(counts.sum()))
+    mu = np.repeat(np.arange(len(counts), dtype=i64), counts)
+    tail = np.asarray(lengths, dtype=i64)[mb] - prompt[mu]
+    before = np.cumsum(tail) - tail  # tail tokens of earlier members, earlier units included
+    unit_start = np.cumsum(counts) - counts  # each unit's first member
+    tail_col = u_col[mu] + prompt[mu] + before - before[unit_start][mu]
+    shared = np.flatnonzero(prompt > 0)
+    # The runs laid into rows (a shared prompt once, then each member's tail): the sequence read,
+    # its first token, length, row, column, unit, member (-1: a shared prompt).
+    src = np.concatenate([mb[unit_start[shared]], mb])
+    first = np.concatenate([np.zeros(len(shared), dtype=i64), prompt[mu]])
+    size = np.concatenate([prompt[shared], tail])
+    row = np.concatenate([u_row[shared], u_row[mu]])
+    col = np.concatenate([u_col[shared], tail_col])
+    units = np.concatenate([shared, mu])
+    member = np.concatenate([np.full(len(shared), -1, dtype=i64), mb])
+    # Where each sequence's tokens went: its shared prompt's positions, then its tail's.
+    with_prompt = prompt[mu] > 0
+    p_seq = np.concatenate([mb[with_prompt], mb])
+    p_first = np.concatenate([np.zeros(int(with_prompt.sum()), dtype=i64), prompt[mu]])
+    p_size = np.concatenate([prompt[mu][with_prompt], tail])
+    p_at = np.concatenate([(u_row * C + u_col)[mu][with_prompt], u_row[mu] * C + tail_col])
+    run, token = _runs(first, size)  # token: the position within its sequence
+    _, column = _runs(col, size)
+    at = (row[run], column)
     ids = np.full((R, C), pad_token_id, dtype=np.int64)
     pos = np.zeros((R, C), dtype=np.int64)
     seq = np.full((R, C), -1, dtype=np.int64)
     unit_RC = -1 - np.arange(R * C, dtype=np.int64).reshape(R, C)  # padding: a unit per position
     member_RC = np.full((R, C), -1, dtype=np.int64)
+    source = src[run]
+    ids[at] = ids_BT[source, token]
+    pos[at] = token
+    seq[at] = source
+    unit_RC[at] = units[run]
+    member_RC[at] = member[run]
     place = np.full((B, T), -1, dtype=np.int64)
-    ar = np.arange(max(T, C), dtype=np.int64)
-    for u, ((p, unit), (r, o)) in enumerate(zip(plan.units, plan.where, strict=True)):
-        if p:
-            ids[r, o:o + p] = ids_BT[unit[0], :p]
-            pos[r, o:o + p] = ar[:p]
-            seq[r, o:o + p] = unit[0]
-            unit_RC[r, o:o + p] = u
-        c = o + p
-        for b in unit:
-            n = lengths[b] - p
-            ids[r, c:c + n] = ids_BT[b, p:lengths[b]]
-            pos[r, c:c + n] = ar[p:lengths[b]]
-            seq[r, c:c + n] = b
-            unit_RC[r, c:c + n] = u
-            member_RC[r, c:c + n] = b
-            place[b, :p] = r * C + o + ar[:p]
-            place[b, p:lengths[b]] = r * C + c + ar[:n]
-            c += n
+    run, token = _runs(p_first, p_size)
+    _, flat = _runs(p_at, p_size)
+    place[p_seq[run], token] = flat
+    if not plan.shared:  # a row's tail: a run of its own, attended by nothing else
+        used = np.zeros((R, 1), dtype=i64)
+        used[:len(plan.fill), 0] = plan.fill
+        beyond = np.arange(C, dtype=i64)[None, :] - used
+        pos = np.where(beyond >= 0, beyond, pos)
     device = batch.input_ids_BT.device
     t = {k: torch.from_numpy(v).to(device) for k, v in
          {"ids": ids, "pos": pos, "seq": seq, "place": place}.items()}
     if not plan.shared:
-        for r, used in enumerate(plan.fill):  # the tail: a run of its own, attended by nothing else
-            t["pos"][r, used:] = torch.arange(C - used, device=device)
         loss = torch.zeros((R, C), dtype=batch.loss_mask_BT.dtype, device=device)
         flat = t["place"].reshape(-1)
         keep = flat >= 0
