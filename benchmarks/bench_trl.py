@@ -187,20 +187,20 @@ def profiled(args: argparse.Namespace, race) -> None:
     """``profile_step.py``'s summary of TRL's step: two profiled trainings ``steps`` and
     ``2 * steps`` long, differenced so the set-up cancels; the wall time is the longer one's
     median step."""
-    from profile_step import line, summarize, totals
+    from profile_step import line, matmul_peak, summarize, totals
     from torch.profiler import ProfilerActivity, profile
 
     race(2)  # TRL's first training in a process pays one-time imports and set-up
     seen, counted = [], []
     for steps in (args.steps, 2 * args.steps):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
             per, _, _, n = race(steps)
         counted.append(n)
         seen.append(totals(prof))
     units = (counted[1] - counted[0]) / (2 if args.algo == "grpo" else 1)
     step_ms = 1e3 * statistics.median(per[1:])
     print(line(f"TRL {args.algo} {args.model}", summarize(seen[0], seen[1], units, step_ms),
-               None))
+               None, matmul_peak()))
 
 
 def held_out_kl(student: str) -> float:

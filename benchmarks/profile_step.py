@@ -53,12 +53,14 @@ def kind_of(name: str) -> str:
     return "elementwise/other"
 
 
-def totals(prof) -> tuple[int, dict[str, float], dict[str, tuple[int, float]]]:
+def totals(prof) -> tuple[int, dict[str, float], dict[str, tuple[int, float]], float]:
     """The aten operations a finished ``torch.profiler.profile`` saw, their self time in
-    milliseconds by kind, and (calls, milliseconds) by operation."""
+    milliseconds by kind, (calls, milliseconds) by operation, and the floating-point
+    operations of the matrix products (the profiler counts them with ``with_flops``)."""
     by_kind: dict[str, float] = {}
     by_op: dict[str, tuple[int, float]] = {}
     calls = 0
+    flops = 0.0
     for e in prof.key_averages():
         if not e.key.startswith("aten::"):
             continue
@@ -66,7 +68,27 @@ def totals(prof) -> tuple[int, dict[str, float], dict[str, tuple[int, float]]]:
         kind = kind_of(e.key)
         by_kind[kind] = by_kind.get(kind, 0.0) + e.self_cpu_time_total / 1e3
         by_op[e.key] = (e.count, e.self_cpu_time_total / 1e3)
-    return calls, by_kind, by_op
+        if kind == "matmul":
+            flops += float(e.flops or 0)
+    return calls, by_kind, by_op, flops
+
+
+def matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 20) -> float:
+    """This machine's matrix-product rate in GFLOP/s at the process's thread count: the best of
+    ``repeats`` products of two n x n matrices (what the hardware does when no per-call cost
+    is left to pay)."""
+    import time
+
+    import torch
+
+    a = torch.randn(n, n, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, dtype=getattr(torch, dtype))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e9
 
 
 def summarize(short: tuple, long: tuple, steps: float, step_ms: float) -> dict:
@@ -82,16 +104,24 @@ def summarize(short: tuple, long: tuple, steps: float, step_ms: float) -> dict:
             "top_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1][0])[:25]),
             "ms_per_step": {k: v / steps for k, v in sorted(by_kind.items())},
             "inside_ops_ms": inside / steps, "profiled_step_ms": step_ms,
-            "outside_ops_ms": step_ms - inside / steps}
+            "outside_ops_ms": step_ms - inside / steps,
+            "matmul_gflop_per_step": (long[3] - short[3]) / steps / 1e9}
 
 
-def line(label: str, summary: dict, unprofiled_ms: float | None) -> str:
+def line(label: str, summary: dict, unprofiled_ms: float | None, peak: float | None = None
+         ) -> str:
     kinds = ", ".join(f"{k} {v:.1f}" for k, v in summary["ms_per_step"].items())
     base = f"{unprofiled_ms:.1f} ms unprofiled; " if unprofiled_ms is not None else ""
     top = "; ".join(f"{k[6:]} {n:.0f}" for k, (n, _) in summary["top_ops"].items())
-    return (f"{label}: {base}profiled {summary['profiled_step_ms']:.1f} ms = inside "
-            f"{summary['ops_per_step']:.0f} torch operations {summary['inside_ops_ms']:.1f} "
-            f"({kinds}) + outside them {summary['outside_ops_ms']:.1f}\n  calls a step: {top}")
+    out = (f"{label}: {base}profiled {summary['profiled_step_ms']:.1f} ms = inside "
+           f"{summary['ops_per_step']:.0f} torch operations {summary['inside_ops_ms']:.1f} "
+           f"({kinds}) + outside them {summary['outside_ops_ms']:.1f}\n  calls a step: {top}")
+    gflop, mm_ms = summary["matmul_gflop_per_step"], summary["ms_per_step"].get("matmul", 0.0)
+    if peak and gflop and mm_ms:
+        out += (f"\n  matrix products: {gflop:.2f} GFLOP a step in {mm_ms:.1f} ms "
+                f"({gflop / mm_ms * 1e3:.0f} GFLOP/s; this machine's peak {peak:.0f} GFLOP/s: "
+                f"{gflop / peak * 1e3:.1f} ms at the peak)")
+    return out
 
 
 def main() -> None:
@@ -128,14 +158,14 @@ def main() -> None:
         # two profiled runs, N and 2N steps: their difference is N steps without the set-up
         seen = []
         for i, steps in enumerate((args.steps, 2 * args.steps)):
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
                 rows = run(f"{out}/profiled-{i}", steps)
             seen.append(totals(prof))
         step_ms = 1e3 * statistics.median(r["time/step"] for r in rows if r["step"] > 2)
         summary = summarize(seen[0], seen[1], args.steps, step_ms)
     print(f"torch {torch.__version__}, {os.environ['OMP_NUM_THREADS']} threads; phases (ms, "
           "unprofiled medians): " + ", ".join(f"{k[5:]} {v:.1f}" for k, v in phases.items()))
-    print(line(args.recipe, summary, unprofiled))
+    print(line(args.recipe, summary, unprofiled, matmul_peak()))
 
 
 if __name__ == "__main__":

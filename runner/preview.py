@@ -82,8 +82,9 @@ def precision_rows(recipe: Recipe) -> list[tuple[str, str]]:
     activations = ("recomputed in the backward pass, one layer at a time "
                    "(train.gradient_checkpointing)" if recipe.train.gradient_checkpointing
                    else "kept for the backward pass (train.gradient_checkpointing = false)")
-    forwards = ("compiled (train.compile): training and scoring forwards through "
-                "torch.compile, at their first call; generation eager" if recipe.train.compile
+    forwards = ("compiled (train.compile): training and scoring forwards and the hf engine's "
+                "generation (text models) through torch.compile, at their first call"
+                if recipe.train.compile
                 else "eager (train.compile = false)")
     return rows + [("precision chosen because", p.why), ("activations", activations),
                    ("forwards", forwards)]

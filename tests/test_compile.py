@@ -1,5 +1,5 @@
-"""``train.compile``: the trained and frozen models' training and scoring forwards (the ones that
-keep no key/value cache) run through torch.compile; generation stays eager.
+"""``train.compile``: the trained and frozen models' forwards run through torch.compile, a text
+model's generation too (a vision-language model's generation stays eager).
 
 The default suite traces with torch.compile's "eager" backend (the captured graph run op by op,
 so the numbers are eager's bitwise) and checks the recipe's rules; a whole compiled run with
@@ -14,8 +14,9 @@ import inspect
 import pytest
 import torch
 
+from runner.models.compiled import compile_forwards
 from runner.recipe import load_recipe
-from runner.train.roles.model_setup import compile_forwards, trained_model
+from runner.train.roles.model_setup import trained_model
 from tests.conftest import REPO
 from tests.resume_helpers import (
     assert_same_run,
@@ -44,7 +45,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_forwards_without_a_cache_are_compiled_and_generation_stays_eager(fresh_dynamo):
+def test_compiled_forwards_equal_eager_ones_and_generation_is_compiled_too(fresh_dynamo):
     from runner.models import load_causal_lm
 
     plain = load_causal_lm("builtin:tiny-arith").train()
@@ -68,8 +69,8 @@ def test_forwards_without_a_cache_are_compiled_and_generation_stays_eager(fresh_
     traced(input_ids=ids[:, 1:].contiguous(), attention_mask=mask[:, 1:].contiguous(),
            use_cache=False)
     assert _frames() == captured, "a shorter batch compiled a new graph"
-    # a scoring forward in eval mode is compiled (a graph of its own); generation, which keeps
-    # a cache, is not
+    # a scoring forward in eval mode is compiled (a graph of its own); so is generation (its
+    # prefill and decoding steps), sampling the tokens eager generation samples
     traced.eval()
     with torch.no_grad():
         scored = traced(input_ids=ids, attention_mask=mask, use_cache=False).logits
@@ -80,8 +81,56 @@ def test_forwards_without_a_cache_are_compiled_and_generation_stays_eager(fresh_
                               do_sample=False, pad_token_id=0)
         want = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
                               do_sample=False, pad_token_id=0)
+        assert _frames() > captured + 1, "generation did not go through torch.compile"
+        generated = _frames()
+        # a wider batch, padded otherwise, generating longer: the same graphs
+        ids2 = torch.tensor([[1, 40, 22, 17, 23, 35, 7, 30, 31], [0, 0, 0, 1, 41, 25, 18, 26, 27]])
+        mask2 = (torch.arange(9) >= torch.tensor([[0], [3]])).long()
+        again = traced.generate(input_ids=ids2, attention_mask=mask2, max_new_tokens=5,
+                                do_sample=False, pad_token_id=0)
+        assert torch.equal(again, plain.generate(input_ids=ids2, attention_mask=mask2,
+                                                 max_new_tokens=5, do_sample=False,
+                                                 pad_token_id=0))
     assert torch.equal(out, want)
-    assert _frames() == captured + 1, "generation went through torch.compile"
+    assert _frames() == generated, "another width and length compiled new graphs"
+
+
+def test_a_vision_language_models_generation_stays_eager(fresh_dynamo):
+    """A model with a vision config: its forwards without a cache are compiled, the ones that
+    keep a cache (generation: image inputs and position state carried between calls) are not."""
+    calls = []
+
+    class Config:
+        vision_config = object()
+
+    class Model(torch.nn.Module):
+        config = Config()
+
+        def forward(self, x, use_cache=True):
+            calls.append(torch.compiler.is_compiling())
+            return x + 1
+
+    model = compile_forwards(Model(), backend="eager")
+    x = torch.ones(2)
+    assert torch.equal(model(x, use_cache=False), x + 1)
+    assert torch.equal(model(x, use_cache=True), x + 1)
+    assert torch.equal(model(x), x + 1)
+    assert calls == [True, False, False]
+    plain = compile_forwards(type("Text", (Model,), {"config": None})(), backend="eager")
+    calls.clear()
+    plain(x), plain(x, use_cache=False)
+    assert calls == [True, True]
+
+
+def test_an_hf_engine_on_its_own_copy_is_compiled_with_the_key():
+    from runner.models import resolve_model_path
+    from runner.rollout.factory import make_engine
+
+    path = resolve_model_path("builtin:tiny-arith")
+    for flag, wrapped in (("true", True), ("false", False)):
+        recipe = load_recipe(REPO / "recipes" / "grpo-arith.toml", [f"train.compile={flag}"])
+        engine = make_engine(recipe, path, dtype="float32", max_model_len=None)
+        assert ("forward" in vars(engine.model)) == wrapped
 
 
 def test_the_recipe_key_compiles_the_trained_models_and_sharded_ones_are_refused(run_cli):
@@ -106,8 +155,9 @@ def test_the_recipe_key_compiles_the_trained_models_and_sharded_ones_are_refused
         "compiling them is not supported (got True). Set train.compile = false (or "
         "train.sharding = 'none').")
 
-    for flag, shown in (("true", "compiled (train.compile): training and scoring forwards "
-                                 "through torch.compile, at their first call; generation eager"),
+    for flag, shown in (("true", "compiled (train.compile): training and scoring forwards and "
+                                 "the hf engine's generation (text models) through torch.compile, "
+                                 "at their first call"),
                         ("false", "eager (train.compile = false)")):
         rc, out, err = run_cli("--plain", "--dry-run", "recipes/dpo-arith.toml",
                                f"train.compile={flag}")

@@ -375,8 +375,9 @@ class TrainConfig:
         "the update computes each layer's forward twice. The numbers are the same."
     )
     compile: bool = key(
-        False, "Run the trained and frozen models' training and scoring forwards through "
-        "torch.compile (dynamic shapes; generation stays eager): fewer operations per step once "
+        False, "Run the trained and frozen models' training and scoring forwards, and the hf "
+        "engine's generation (text models), through torch.compile (dynamic shapes): fewer "
+        "operations per step once "
         "compiled, for long runs; the first steps pay the compilation (tens of seconds on a CPU "
         "for a small model, minutes for a large one). Results differ from eager ones in the "
         "last float digits; a compiled run resumes bitwise."

@@ -12,7 +12,8 @@ def make_engine(recipe: Recipe, model_path: Path, *, dtype: str, max_model_len: 
                 ) -> RolloutEngine:
     """The engine of ``recipe.rollout`` on ``model_path`` with weights in ``dtype`` (the run's
     ``Precision.engine_dtype``), holding sequences of at most ``max_model_len`` tokens (the
-    run's ``runner.rollout.lengths.PromptLimit``; None: the engine's own default)."""
+    run's ``runner.rollout.lengths.PromptLimit``; None: the engine's own default). An hf engine's
+    forwards are compiled with ``train.compile``, as the policy's are."""
     r = recipe.rollout
     if r.engine == "vllm":
         from runner.rollout.vllm import VLLMEngine
@@ -26,4 +27,4 @@ def make_engine(recipe: Recipe, model_path: Path, *, dtype: str, max_model_len: 
 
     return HFEngine.from_path(str(model_path), dtype=dtype, batch_size=r.batch_size,
                               trust_remote_code=recipe.model.trust_remote_code,
-                              max_model_len=max_model_len)
+                              max_model_len=max_model_len, compiled=recipe.train.compile)

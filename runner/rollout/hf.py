@@ -130,11 +130,18 @@ class HFEngine:
 
     @classmethod
     def from_path(cls, model_path: str, *, dtype: str = "float32", batch_size: int = 128,
-                  trust_remote_code: bool = False, max_model_len: int | None = None) -> HFEngine:
+                  trust_remote_code: bool = False, max_model_len: int | None = None,
+                  compiled: bool = False) -> HFEngine:
+        """An engine on its own copy of the model in ``model_path``; ``compiled``: its forwards
+        through ``torch.compile`` (``runner.models.compiled``, ``train.compile``)."""
         from runner.models import load_causal_lm, load_tokenizer
 
-        return cls(load_causal_lm(model_path, dtype=dtype, trust_remote_code=trust_remote_code),
-                   load_tokenizer(model_path, trust_remote_code=trust_remote_code),
+        model = load_causal_lm(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        if compiled:
+            from runner.models.compiled import compile_forwards
+
+            compile_forwards(model)
+        return cls(model, load_tokenizer(model_path, trust_remote_code=trust_remote_code),
                    batch_size=batch_size, max_model_len=max_model_len)
 
     @torch.no_grad()

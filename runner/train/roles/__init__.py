@@ -20,11 +20,11 @@ import torch
 from runner.envs import EpisodePlayer
 from runner.envs.episodes import EpisodeResult
 from runner.errors import NonFiniteUpdate
+from runner.models.compiled import compile_forwards
 from runner.packers.base import DataPacker, PolicyBatch
 from runner.recipe.schema import Recipe
 from runner.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from runner.rollout.lengths import PromptLimit
-from runner.train.roles.model_setup import compile_forwards
 from runner.train.roles.policy import batch_logprobs, forward_logits, make_optimizer, make_scheduler
 from runner.types import ObsBundle
 

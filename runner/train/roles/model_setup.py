@@ -1,14 +1,15 @@
 """What the ``[train]`` table does to a model the run trains or scores with: dropout off,
-gradient checkpointing, compiled forwards (``trained_model``; ``Frozen`` compiles its own)."""
+gradient checkpointing, compiled forwards (``trained_model``; ``Frozen`` compiles its own,
+``runner.models.compiled``)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from runner.errors import Problem, RecipeError
+from runner.models.compiled import compile_forwards
 from runner.recipe.schema import TrainConfig
 
 
@@ -37,24 +38,6 @@ def checkpoint_activations(model: Any) -> Any:
             f"{type(model).__name__} does not support transformers' gradient checkpointing",
             hint="set train.gradient_checkpointing = false")])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def compile_forwards(model: Any, backend: str = "inductor") -> Any:
-    """``train.compile``: ``model``'s forwards that keep no key/value cache (the runner's
-    training and scoring forwards all pass ``use_cache=False``) run through
-    ``torch.compile(dynamic=True)``, compiled at their first call and again for a new kind of
-    call; generation (which keeps a cache) stays eager, its shapes change at every token.
-    ``backend``: torch.compile's (the tests trace with "eager", which runs the captured graph
-    op by op)."""
-    eager = model.forward
-    compiled = torch.compile(eager, dynamic=True, backend=backend)
-
-    @functools.wraps(eager)  # its signature: transformers reads which arguments forward takes
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return (compiled if kwargs.get("use_cache") is False else eager)(*args, **kwargs)
-
-    model.forward = forward
     return model
 
 
