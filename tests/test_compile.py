@@ -213,3 +213,25 @@ def test_a_compiled_run_resumes_bitwise_and_stays_within_float_error_of_eager(tm
     assert len(got) == len(want) == 4
     assert got != want  # compiled kernels: other roundings
     assert got == pytest.approx(want, rel=1e-5, abs=0)
+
+
+@pytest.mark.extended  # a minute of compilation
+def test_a_compiled_grpo_run_with_compiled_generation_resumes_bitwise(tmp_path):
+    """GRPO compiled, its generation too (the hf engine on the policy's own module): killed after
+    its second checkpoint and resumed in a new process (which compiles the graphs again), every
+    metric (the rewards and completion lengths of what was sampled included), the weights and
+    the optimizer state equal the straight run's bitwise."""
+    common = ("run.max_steps=4", "checkpoint.every_steps=2", "data.validation.enabled=false",
+              "train.compile=true")
+    straight = tmp_path / "straight"
+    done = run_recipe("recipes/grpo-arith.toml", straight, *common)
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = tmp_path / "resumed"
+    proc = start_cli("recipes/grpo-arith.toml", resumed, *common)
+    wait_for_checkpoint(proc, resumed, 2)
+    proc.kill()
+    proc.communicate()
+    done = run_recipe("recipes/grpo-arith.toml", resumed, *common)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resuming" in done.stdout
+    assert_same_run(resumed, straight, 4, ("model/model.safetensors", "optimizer.safetensors"))
