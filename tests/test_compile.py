@@ -185,6 +185,26 @@ def test_a_cpu_without_a_cpp_compiler_is_told_before_the_run(run_cli, tmp_path):
     assert rc == 0, err
 
 
+def _straight_then_killed_and_resumed(recipe: str, tmp_path, *overrides: str):
+    """``recipe`` run straight (``overrides``: 4 steps, a checkpoint every 2), and again killed
+    after its 2nd checkpoint then resumed: the resumed run equals the straight one bitwise (every
+    metric, the weights and the optimizer state of checkpoint 4). Returns the straight run's
+    folder."""
+    straight = tmp_path / "straight"
+    done = run_recipe(recipe, straight, *overrides)
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = tmp_path / "resumed"
+    proc = start_cli(recipe, resumed, *overrides)
+    wait_for_checkpoint(proc, resumed, 2)
+    proc.kill()
+    proc.communicate()
+    done = run_recipe(recipe, resumed, *overrides)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resuming" in done.stdout
+    assert_same_run(resumed, straight, 4, ("model/model.safetensors", "optimizer.safetensors"))
+    return straight
+
+
 @pytest.mark.extended  # over a minute of compilation on a cold cache
 def test_a_compiled_run_resumes_bitwise_and_stays_within_float_error_of_eager(tmp_path):
     """DPO compiled by inductor: killed after its second checkpoint and resumed, every metric
@@ -192,18 +212,8 @@ def test_a_compiled_run_resumes_bitwise_and_stays_within_float_error_of_eager(tm
     its losses equal an eager run's within float32 error (1e-5 relative; measured 1.1e-6)."""
     common = ("run.max_steps=4", "checkpoint.every_steps=2", "data.validation.enabled=false",
               "logging.sample_every=0")
-    straight = tmp_path / "straight"
-    done = run_recipe("recipes/dpo-arith.toml", straight, *common, "train.compile=true")
-    assert done.returncode == 0, done.stdout + done.stderr
-    resumed = tmp_path / "resumed"
-    proc = start_cli("recipes/dpo-arith.toml", resumed, *common, "train.compile=true")
-    wait_for_checkpoint(proc, resumed, 2)
-    proc.kill()
-    proc.communicate()
-    done = run_recipe("recipes/dpo-arith.toml", resumed, *common, "train.compile=true")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "resuming" in done.stdout
-    assert_same_run(resumed, straight, 4, ("model/model.safetensors", "optimizer.safetensors"))
+    straight = _straight_then_killed_and_resumed("recipes/dpo-arith.toml", tmp_path,
+                                                 *common, "train.compile=true")
 
     eager = tmp_path / "eager"
     done = run_recipe("recipes/dpo-arith.toml", eager, *common)
@@ -221,17 +231,6 @@ def test_a_compiled_grpo_run_with_compiled_generation_resumes_bitwise(tmp_path):
     its second checkpoint and resumed in a new process (which compiles the graphs again), every
     metric (the rewards and completion lengths of what was sampled included), the weights and
     the optimizer state equal the straight run's bitwise."""
-    common = ("run.max_steps=4", "checkpoint.every_steps=2", "data.validation.enabled=false",
-              "train.compile=true")
-    straight = tmp_path / "straight"
-    done = run_recipe("recipes/grpo-arith.toml", straight, *common)
-    assert done.returncode == 0, done.stdout + done.stderr
-    resumed = tmp_path / "resumed"
-    proc = start_cli("recipes/grpo-arith.toml", resumed, *common)
-    wait_for_checkpoint(proc, resumed, 2)
-    proc.kill()
-    proc.communicate()
-    done = run_recipe("recipes/grpo-arith.toml", resumed, *common)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "resuming" in done.stdout
-    assert_same_run(resumed, straight, 4, ("model/model.safetensors", "optimizer.safetensors"))
+    _straight_then_killed_and_resumed("recipes/grpo-arith.toml", tmp_path, "run.max_steps=4",
+                                      "checkpoint.every_steps=2", "data.validation.enabled=false",
+                                      "train.compile=true")

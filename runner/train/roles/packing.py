@@ -148,12 +148,15 @@ def _plan_share(batch: PolicyBatch, ids_BT: np.ndarray, row_tokens: int | None) 
     return _Plan(units, where, fill, lengths, shared=True)
 
 
-def _runs(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Runs of consecutive integers laid end to end: (each element's run, the element) for the
-    runs ``starts[i] .. starts[i] + lengths[i] - 1``."""
-    run = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    offset = np.arange(len(run), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return run, starts[run] + offset
+def _tokens(*runs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """Runs of tokens, each given as arrays (sequence, its first token, length, row, column),
+    laid end to end and spread to one entry per token: (the token's run, its sequence, its
+    position in the sequence, its row, its column)."""
+    seq, first, size, row, col = (np.concatenate(parts) for parts in zip(*runs, strict=True))
+    run = np.repeat(np.arange(len(size), dtype=np.int64), size)
+    run_start = np.repeat(np.cumsum(size) - size, size)  # each token's run's first entry
+    token = first[run] + np.arange(len(run), dtype=np.int64) - run_start
+    return run, seq[run], token, row[run], col[run] + token - first[run]
 
 
 def _build(batch: PolicyBatch, ids_BT: np.ndarray, plan: _Plan, pad_token_id: int) -> Packed:
@@ -173,41 +176,34 @@ def _build(batch: PolicyBatch, ids_BT: np.ndarray, plan: _Plan, pad_token_id: in
     tail = np.asarray(lengths, dtype=i64)[mb] - prompt[mu]
     before = np.cumsum(tail) - tail  # tail tokens of earlier members, earlier units included
     unit_start = np.cumsum(counts) - counts  # each unit's first member
+    # Runs of tokens as (sequence, its first token, length, row, column): each member's tail
+    # after its unit's prompt; a shared prompt laid once (read from the unit's first member),
+    # and placed once per member (where each sequence's prompt tokens are).
     tail_col = u_col[mu] + prompt[mu] + before - before[unit_start][mu]
+    tails = (mb, prompt[mu], tail, u_row[mu], tail_col)
     shared = np.flatnonzero(prompt > 0)
-    # The runs laid into rows (a shared prompt once, then each member's tail): the sequence read,
-    # its first token, length, row, column, unit, member (-1: a shared prompt).
-    src = np.concatenate([mb[unit_start[shared]], mb])
-    first = np.concatenate([np.zeros(len(shared), dtype=i64), prompt[mu]])
-    size = np.concatenate([prompt[shared], tail])
-    row = np.concatenate([u_row[shared], u_row[mu]])
-    col = np.concatenate([u_col[shared], tail_col])
-    units = np.concatenate([shared, mu])
-    member = np.concatenate([np.full(len(shared), -1, dtype=i64), mb])
-    # Where each sequence's tokens went: its shared prompt's positions, then its tail's.
+    laid_prompts = (mb[unit_start[shared]], np.zeros(len(shared), dtype=i64), prompt[shared],
+                    u_row[shared], u_col[shared])
     with_prompt = prompt[mu] > 0
-    p_seq = np.concatenate([mb[with_prompt], mb])
-    p_first = np.concatenate([np.zeros(int(with_prompt.sum()), dtype=i64), prompt[mu]])
-    p_size = np.concatenate([prompt[mu][with_prompt], tail])
-    p_at = np.concatenate([(u_row * C + u_col)[mu][with_prompt], u_row[mu] * C + tail_col])
-    run, token = _runs(first, size)  # token: the position within its sequence
-    _, column = _runs(col, size)
-    at = (row[run], column)
+    placed_prompts = (mb[with_prompt], np.zeros(int(with_prompt.sum()), dtype=i64),
+                      prompt[mu][with_prompt], u_row[mu][with_prompt], u_col[mu][with_prompt])
+    units = np.concatenate([shared, mu])
+    member = np.concatenate([np.full(len(shared), -1, dtype=i64), mb])  # -1: a shared prompt
+    run, source, token, row, column = _tokens(laid_prompts, tails)
+    at = (row, column)
     ids = np.full((R, C), pad_token_id, dtype=np.int64)
     pos = np.zeros((R, C), dtype=np.int64)
     seq = np.full((R, C), -1, dtype=np.int64)
     unit_RC = -1 - np.arange(R * C, dtype=np.int64).reshape(R, C)  # padding: a unit per position
     member_RC = np.full((R, C), -1, dtype=np.int64)
-    source = src[run]
     ids[at] = ids_BT[source, token]
     pos[at] = token
     seq[at] = source
     unit_RC[at] = units[run]
     member_RC[at] = member[run]
     place = np.full((B, T), -1, dtype=np.int64)
-    run, token = _runs(p_first, p_size)
-    _, flat = _runs(p_at, p_size)
-    place[p_seq[run], token] = flat
+    _, seq_of, token, row, column = _tokens(placed_prompts, tails)
+    place[seq_of, token] = row * C + column
     if not plan.shared:  # a row's tail: a run of its own, attended by nothing else
         used = np.zeros((R, 1), dtype=i64)
         used[:len(plan.fill), 0] = plan.fill
