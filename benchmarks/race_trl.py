@@ -34,6 +34,8 @@ steps, is printed apart (the runner's first two steps, each side's whole run).
 torch and transformers calls (``floor_step.py``: the same models and shapes, padded batches,
 nothing around them) and prints them beside both sides: a trainer that makes these calls takes
 at least that long; only less torch work (fewer positions, fewer operations) goes below it.
+Beside the runner's compiled works (``grpo-compile``, ``dpo-compile``, ``opd-compile``) the
+bare step has every forward compiled too (``floor_step.py --compile``).
 
 ``--smollm2`` adds GRPO on SmolLM2-135M-Instruct (``grpo-smollm2-arith``'s 6 prompts x 8, <= 16
 new tokens): the runner at its own precision (``train.precision = "auto"``) with the hf and the
@@ -64,10 +66,14 @@ from seed_ranges import cpu_flags, kind_name  # noqa: E402
 SMOLLM2_TRL = ["grpo", "--model", "builtin:smollm2-135m-instruct", "--prompts", "6", "--tokens",
                "16", "--lr", "1e-5", "--temperature", "0.8", "--steps", "5"]
 
-# work -> floor_step.py's arguments (the works that have a floor)
+# work -> floor_step.py's arguments (the works that have a floor; the runner's compiled works
+# against the bare step with every forward compiled, its warm-up past the compilation)
 FLOORS = {"grpo": ["grpo", "--steps", "12"], "dpo": ["dpo", "--steps", "40"],
           "opd": ["opd", "--steps", "20"], "grpo-nockpt": ["grpo", "--steps", "12"],
-          "dpo-nockpt": ["dpo", "--steps", "40"]}
+          "dpo-nockpt": ["dpo", "--steps", "40"],
+          "grpo-compile": ["grpo", "--steps", "12", "--warmup", "4", "--compile"],
+          "dpo-compile": ["dpo", "--steps", "40", "--warmup", "6", "--compile"],
+          "opd-compile": ["opd", "--steps", "20", "--warmup", "6", "--compile"]}
 
 # work -> (label, runner recipe, runner steps, runner overrides, TRL args, which TRL)
 WORKS = {
@@ -291,8 +297,8 @@ def main() -> None:
                   f"{spread([r['trl']['wall_s'] for r in rs], 1)} |")
     floored = {label: rs for label, rs in runs.items() if "floor" in rs[0]}
     if floored:
-        print("\n| work | eager floor s/step | runner s/step | TRL s/step | floor / TRL | "
-              "runner / floor |")
+        print("\n| work | bare step s/step (compiled for a compiled runner) | runner s/step | "
+              "TRL s/step | bare step / TRL | runner / bare step |")
         print("| --- | --- | --- | --- | --- | --- |")
     for label, rs in floored.items():
         med = {side: statistics.median(r[side]["s_per_step"] for r in rs)

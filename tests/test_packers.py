@@ -233,3 +233,44 @@ def test_encode_with_offsets_spans_the_text(packer):
     assert ids == packer.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert len(spans) == len(ids) and spans[0][0] == 0 and spans[-1][1] == len(text)
     assert "".join(text[a:b] for a, b in spans).replace(" ", "") == text.replace(" ", "")
+
+
+@pytest.mark.parametrize("name", ["builtin:tiny-arith", "builtin:tiny-arith-char",
+                                  "builtin:tiny-code", "builtin:tiny-arith-tools"])
+def test_plain_encoding_equals_the_tokenizers_own_call(name):
+    """The built-in packers encode through the tokenizer's Rust backend directly: the same ids
+    and spans as the tokenizer's call, special tokens in the text included, and the call
+    itself whenever the backend is set otherwise (truncation left by an earlier call, special
+    tokens split)."""
+    from runner.models import load_tokenizer
+    from runner.packers.decoder_only import _direct_backend, plain_encoding
+
+    tok = load_tokenizer(name)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"},
+                                        {"role": "assistant", "content": "7"}], tokenize=False)
+    texts = [rendered, "What is 12 + 30?", "", "  two  spaces\nand a line", "é ü 中 🙂",
+             f"{tok.eos_token}{tok.eos_token}x", "1234567890" * 8]
+
+    def called(text, **kw):
+        out = tok(text, add_special_tokens=False, return_offsets_mapping=True, **kw)
+        return list(out["input_ids"]), [tuple(o) for o in out["offset_mapping"]]
+
+    assert _direct_backend(tok) is not None  # the direct path is the one taken here
+    for text in texts:
+        assert plain_encoding(tok, text, offsets=True) == called(text)
+        assert plain_encoding(tok, text) == (called(text)[0], [])
+    assert tok.eos_token_id in plain_encoding(tok, rendered + tok.eos_token)[0]
+
+    long = texts[-1]
+    short = called(long, truncation=True, max_length=3)[0]  # leaves truncation on the backend
+    assert len(short) == 3 and _direct_backend(tok) is None
+    assert plain_encoding(tok, long)[0] == called(long)[0] and len(called(long)[0]) > 3
+
+    whole = plain_encoding(tok, rendered)[0]
+    tok.split_special_tokens = True  # the call splits special tokens: so does plain_encoding
+    try:
+        split = plain_encoding(tok, rendered)[0]
+        assert split == called(rendered)[0] == plain_encoding(tok, rendered)[0]
+        assert len(split) > len(whole)  # the template's special tokens, spelled out
+    finally:
+        tok.split_special_tokens = False

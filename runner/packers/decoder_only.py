@@ -16,6 +16,7 @@ carry more than text (images, audio) needs a packer subclass that reads them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,7 +87,7 @@ class DecoderOnlyLLMDataPacker(DataPacker):
     def encode_rollout_input(self, rollout_input: Any) -> list[int]:
         if isinstance(rollout_input, list | tuple):
             return [int(t) for t in rollout_input]
-        return list(self._tok()(rollout_input, add_special_tokens=False)["input_ids"])
+        return plain_encoding(self._tok(), rollout_input)[0]
 
     # --- policy side ----------------------------------------------------------------------
     def get_policy_input(
@@ -124,8 +125,7 @@ class DecoderOnlyLLMDataPacker(DataPacker):
         return self._tok().decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        enc = self._tok()(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+        return plain_encoding(self._tok(), text, offsets=True)
 
     @property
     def eos_token_id(self) -> int:
@@ -138,7 +138,7 @@ class DecoderOnlyLLMDataPacker(DataPacker):
     def _completion_ids(self, rollout_output: Any) -> tuple[int, ...]:
         eos = self.eos_token_id
         if isinstance(rollout_output, str):  # a text answer (DPO, SFT-style data): close with EOS
-            ids = list(self._tok()(rollout_output, add_special_tokens=False)["input_ids"])
+            ids = plain_encoding(self._tok(), rollout_output)[0]
             return tuple(ids if ids and ids[-1] == eos else [*ids, eos])
         ids = [int(t) for t in rollout_output.token_ids]
         while len(ids) >= 2 and ids[-1] == eos and ids[-2] == eos:
@@ -151,6 +151,51 @@ class DecoderOnlyLLMDataPacker(DataPacker):
         if self.tokenizer is None:
             raise RuntimeError(f"{type(self).__name__}.setup(model_path) was not called")
         return self.tokenizer
+
+
+def plain_encoding(tok: Any, text: str, offsets: bool = False
+                   ) -> tuple[list[int], list[tuple[int, int]]]:
+    """``text``'s ids without added special tokens (and, with ``offsets``, each token's span
+    of characters; else no spans), as ``tok(text, add_special_tokens=False)`` gives them.
+
+    A fast tokenizer whose own call goes straight to its Rust backend (transformers'
+    ``TokenizersBackend`` path, not overridden) is asked directly, skipping the call's
+    argument handling (about half of the time of a short text), while the backend is set as
+    that call would leave it: no truncation, no padding, special tokens read as such unless
+    the tokenizer splits them. Any other tokenizer, or a backend set otherwise, takes the call.
+    """
+    backend = _direct_backend(tok)
+    if backend is not None:
+        enc = backend.encode(text, add_special_tokens=False)
+        return list(enc.ids), [tuple(o) for o in enc.offsets] if offsets else []
+    out = tok(text, add_special_tokens=False, return_offsets_mapping=offsets)
+    return (list(out["input_ids"]),
+            [(int(a), int(b)) for a, b in out["offset_mapping"]] if offsets else [])
+
+
+def _direct_backend(tok: Any) -> Any:
+    """``tok``'s Rust backend when encoding with it directly equals ``tok``'s own call (see
+    ``plain_encoding``), else None."""
+    if not _calls_backend_directly(type(tok)):
+        return None
+    backend = getattr(tok, "_tokenizer", None)
+    if (backend is None or backend.truncation is not None or backend.padding is not None
+            or backend.encode_special_tokens != bool(getattr(tok, "split_special_tokens", False))):
+        return None
+    return backend
+
+
+@functools.cache
+def _calls_backend_directly(cls: type) -> bool:
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: always the tokenizer's own call
+        return False
+    return (issubclass(cls, TokenizersBackend)
+            and cls._encode_plus is TokenizersBackend._encode_plus
+            and cls.__call__ is PreTrainedTokenizerBase.__call__
+            and getattr(cls, "_switch_to_input_mode", None) is None)
 
 
 def answer_text(payload: Any, *, side: str, pair: str = "", packer: Any = None) -> str:
