@@ -207,3 +207,28 @@ def test_first_fit_decreasing_places_each_item_in_the_first_row_with_room():
         capacity = max(sizes, default=1) + rng.choice([0, 1, 7, 50, 200])
         assert _first_fit(sizes, capacity) == plain(sizes, capacity)
     assert _first_fit([5, 3, 3, 2], 8) == ([(0, 0), (0, 5), (1, 0), (1, 3)], [8, 5])
+
+
+def test_a_batch_chooses_its_layout_once_for_every_forward_of_it(model, monkeypatch):
+    """The reference's and the policy's forwards of one batch (DPO) share the layout chosen for
+    the first; a batch made from it (moved, selected) chooses its own."""
+    from runner.train.roles import packing
+
+    chosen = []
+    real = packing.choose_layout
+
+    def counting(batch, *args, **kwargs):
+        chosen.append(batch)
+        return real(batch, *args, **kwargs)
+
+    monkeypatch.setattr(packing, "choose_layout", counting)
+    batch = collate(_grouped_inputs(), 0)
+    with torch.no_grad():
+        first, mask = batch_logprobs(model, batch, 0.8, pad_free=True)
+    second, _ = batch_logprobs(model, batch, 0.8, pad_free=True)
+    assert chosen == [batch] and batch.layouts  # chosen once, kept on the batch
+    assert second.requires_grad and torch.equal(first, second.detach())
+    moved = batch.to("cpu")
+    assert moved is not batch and not moved.layouts
+    batch_logprobs(model, moved, 0.8, pad_free=True)
+    assert len(chosen) == 2 and chosen[1] is moved

@@ -110,10 +110,14 @@ class PolicyBatch:
     # some row holds several segments (``RLPolicyInput.segments``; ``seq_ids_BT`` tells them
     # apart): its forwards take a block-diagonal causal mask
     segmented: bool = False
+    # the padding-free layouts chosen for this very batch (``runner.train.roles.packing``), so
+    # a second forward of it (the policy's after the reference's) does not choose again; a
+    # batch made from it (``to``, ``select``) starts empty
+    layouts: dict[Any, Any] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     def to(self, device: torch.device | str) -> PolicyBatch:
         moved = {f.name: getattr(self, f.name).to(device) for f in attrs.fields(PolicyBatch)
-                 if f.name not in ("packed", "extras", "segmented")
+                 if f.init and f.name not in ("packed", "extras", "segmented")
                  and getattr(self, f.name) is not None}
         return attrs.evolve(self, **moved, extras=self.extras.to(device))
 

@@ -146,11 +146,20 @@ class ScoredPairs:
     inputs: tuple[RLPolicyInput, ...]  # [chosen_0 .. chosen_n, rejected_0 .. rejected_n]
     ref_chosen_B: torch.Tensor
     ref_rejected_B: torch.Tensor
+    # every pair's inputs collated in their order, on the device, when the reference read them
+    # in one forward: the policy's forward of the same pairs reads it too (and its layout)
+    whole: PolicyBatch | None = None
 
     def rows(self, idx: torch.Tensor) -> list[RLPolicyInput]:
         """The packed inputs of pairs ``idx``: their chosen answers, then their rejected ones."""
         n, picked = len(self.inputs) // 2, idx.tolist()
         return [self.inputs[i] for i in picked] + [self.inputs[n + i] for i in picked]
+
+    def collated(self, packer: DataPacker, idx: torch.Tensor, device: Any) -> PolicyBatch:
+        """``rows(idx)`` collated on ``device``: ``whole`` when ``idx`` is every pair in order."""
+        if self.whole is not None and idx.tolist() == list(range(len(self.inputs) // 2)):
+            return self.whole
+        return packer.collate(self.rows(idx)).to(device)
 
 
 def produce(run: DPORun) -> list[PreferencePair]:
@@ -187,27 +196,30 @@ def score(run: DPORun, pairs: Sequence[PreferencePair]) -> ScoredPairs:
     n, chosen, rejected, order = len(pairs), [], [], []
     pieces = reference_pieces(run, inputs)
     forwards = sum(cached_reference(run, [pairs[i] for i in p]) is None for p in pieces)
+    whole = None
     with lockstep(run.run.svc.comm, forwards, run.packer, run.device, run.reference):
         for piece in pieces:
             part_pairs = [pairs[i] for i in piece]
             ref = cached_reference(run, part_pairs)
             if ref is None:
                 part = [inputs[i] for i in piece] + [inputs[n + i] for i in piece]
-                ref = reference_logprobs(run, part_pairs,
-                                         run.packer.collate(part).to(run.device))
+                batch = run.packer.collate(part).to(run.device)
+                if piece == list(range(n)):
+                    whole = batch
+                ref = reference_logprobs(run, part_pairs, batch)
             chosen.append(ref[0])
             rejected.append(ref[1])
             order += piece
     back = torch.argsort(torch.tensor(order, dtype=torch.long))  # micro-batch order -> pairs'
     return ScoredPairs(tuple(pairs), tuple(inputs), torch.cat(chosen)[back.to(chosen[0].device)],
-                       torch.cat(rejected)[back.to(rejected[0].device)])
+                       torch.cat(rejected)[back.to(rejected[0].device)], whole)
 
 
 def minibatch_loss(run: DPORun, scored: ScoredPairs, idx: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The preference loss of pairs ``idx`` and its metrics."""
     inputs = scored.rows(idx)
-    batch = run.packer.collate(inputs).to(run.device)
+    batch = scored.collated(run.packer, idx, run.device)
     n = len(idx)
     lp = sequence_logprobs(run.run.policy, batch)
     return dpo_loss(DPOLossInputs(

@@ -316,7 +316,9 @@ def packed_logprobs(model: Any, batch: PolicyBatch, temperature: float, pad_toke
     The LM head runs only on the columns some loss token is predicted from. None when no layout
     computes fewer positions than the padded batch: the caller runs it padded."""
     kind = attention_mask_kind(model)
-    p = choose_layout(batch, pad_token_id, kind)
+    if (pad_token_id, kind) not in batch.layouts:
+        batch.layouts[pad_token_id, kind] = choose_layout(batch, pad_token_id, kind)
+    p = batch.layouts[pad_token_id, kind]
     if p is None:
         return None
     B, T = batch.input_ids_BT.shape
