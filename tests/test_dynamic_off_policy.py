@@ -63,16 +63,27 @@ def _groups(drawn: dynamic.Drawn) -> list[tuple]:
     return [t.items, t.completions, t.rewards, drawn.drawn.completions, drawn.drawn.rewards]
 
 
+RULE = "ties_on_multiples_of_3"
+
+
+@pytest.fixture(scope="module")
+def synchronous(tmp_path_factory):
+    """The synchronous run's steps 1-3 under ``RULE`` (what ``_steps`` returns), run once for
+    every k it is compared with."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _steps(tmp_path_factory.mktemp("sync"), monkeypatch, RULE)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_the_producer_draws_the_hand_built_items_and_the_synchronous_groups(tmp_path,
-                                                                            monkeypatch, k):
+                                                                            monkeypatch, k,
+                                                                            synchronous):
     """Groups of answers divisible by 3 are dropped. Sampling k steps ahead, every step
     consumes and trains the hand-built items (which batches were drawn, which groups kept),
     logged with the step that trains them; step 1's batch is sampled by version 0 as the
     synchronous run's is, so its drawn and kept groups and its loss are that run's."""
-    rule = "ties_on_multiples_of_3"
-    sync, sync_drawn, want = _steps(tmp_path / "sync", monkeypatch, rule)
-    rows, drawn, _ = _steps(tmp_path / f"k{k}", monkeypatch, rule,
+    sync, sync_drawn, want = synchronous
+    rows, drawn, _ = _steps(tmp_path / f"k{k}", monkeypatch, RULE,
                             f"algo.max_off_policy_steps={k}")
     for got in (rows, sync):
         assert [r["data/items_consumed"] for r in got] == [c for c, _, _ in want]
