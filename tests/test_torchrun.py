@@ -84,12 +84,6 @@ def test_uneven_batch_is_a_recipe_error(tmp_path):
     assert "algo.prompts_per_step" in done.stderr and "launch.num_processes" in done.stderr
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("two")
-    done = run_ranks(GRPO, out, 2, f"run.max_steps={N}", *SMALL)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -111,14 +105,15 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_forked_and_spawned_ranks_reproduce_bitwise(two_ranks, tmp_path, monkeypatch):
-    """The ranks start forked from one warm process (``runner.launch.zygote``) that then exits:
-    while the job runs they are the driver's own children, each in a session of its own, and
-    the zygote is gone. With ``POSTTRAIN_RANK_START=spawn`` each rank starts as a fresh
-    interpreter instead; both runs are bitwise the module's run."""
+@pytest.fixture(scope="module")
+def forked_ranks(tmp_path_factory):
+    """The module's straight run of ``N`` steps on two ranks, started as the CLI starts them
+    (forked), watched while it runs: its folder, and every pair of rank pids seen that were
+    the driver's own children from the zygote, each in a session of its own."""
     import os
 
-    proc = start_ranks(GRPO, tmp_path / "forked", 2, f"run.max_steps={N}", *SMALL)
+    out = tmp_path_factory.mktemp("two")
+    proc = start_ranks(GRPO, out, 2, f"run.max_steps={N}", *SMALL)
     seen: set[tuple[int, ...]] = set()
     while proc.poll() is None:
         ranks = tuple(sorted(c for c in _children(proc.pid)
@@ -126,14 +121,27 @@ def test_forked_and_spawned_ranks_reproduce_bitwise(two_ranks, tmp_path, monkeyp
         if len(ranks) == 2 and all(os.getsid(c) == c for c in ranks):
             seen.add(ranks)
         time.sleep(0.1)
-    proc.communicate()
-    assert proc.returncode == 0
+    output = proc.communicate()[0]
+    assert proc.returncode == 0, output
+    return out, seen
+
+
+@pytest.fixture(scope="module")
+def two_ranks(forked_ranks):
+    return forked_ranks[0]
+
+
+def test_forked_and_spawned_ranks_reproduce_bitwise(forked_ranks, tmp_path, monkeypatch):
+    """The ranks start forked from one warm process (``runner.launch.zygote``) that then exits:
+    while the module's run goes they are the driver's own children, each in a session of its
+    own, and the zygote is gone. With ``POSTTRAIN_RANK_START=spawn`` each rank starts as a
+    fresh interpreter instead; that run is bitwise the forked one."""
+    forked, seen = forked_ranks
     assert len(seen) == 1, seen  # the same two ranks all along, and no third (the zygote)
-    assert_same_run(tmp_path / "forked", two_ranks, N, FILES)
     monkeypatch.setenv("POSTTRAIN_RANK_START", "spawn")
     done = run_ranks(GRPO, tmp_path / "spawned", 2, f"run.max_steps={N}", *SMALL)
     assert done.returncode == 0, done.stderr
-    assert_same_run(tmp_path / "spawned", two_ranks, N, FILES)
+    assert_same_run(tmp_path / "spawned", forked, N, FILES)
     assert len(item_ids(tmp_path / "spawned")) == N
     assert all(len(ids) == 4 for ids in item_ids(tmp_path / "spawned"))
 
@@ -200,7 +208,7 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     import os
 
     proc = start_ranks(GRPO, tmp_path, 2, "run.max_steps=500", *SMALL,
-                       "checkpoint.every_steps=100", "launch.collective_timeout_s=10")
+                       "checkpoint.every_steps=100", "launch.collective_timeout_s=5")
     stopped = None
     try:
         wait_for_step(proc, tmp_path, 2)
@@ -221,7 +229,7 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     last = output.strip().splitlines()[-1]
     assert last.startswith(f"error: rank 1 (pid {stopped}) stopped answering (its process is "
                            "stopped, e.g. by SIGSTOP): rank 0 waited for it in a collective for "
-                           "up to launch.collective_timeout_s = 10 s"), output
+                           "up to launch.collective_timeout_s = 5 s"), output
     assert "Traceback" not in output, output
     assert (tmp_path / "logs" / "rank-0.traceback.txt").is_file()
 
