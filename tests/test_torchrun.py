@@ -208,7 +208,7 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     import os
 
     proc = start_ranks(GRPO, tmp_path, 2, "run.max_steps=500", *SMALL,
-                       "checkpoint.every_steps=100", "launch.collective_timeout_s=5")
+                       "checkpoint.every_steps=100", "launch.collective_timeout_s=10")
     stopped = None
     try:
         wait_for_step(proc, tmp_path, 2)
@@ -229,7 +229,7 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     last = output.strip().splitlines()[-1]
     assert last.startswith(f"error: rank 1 (pid {stopped}) stopped answering (its process is "
                            "stopped, e.g. by SIGSTOP): rank 0 waited for it in a collective for "
-                           "up to launch.collective_timeout_s = 5 s"), output
+                           "up to launch.collective_timeout_s = 10 s"), output
     assert "Traceback" not in output, output
     assert (tmp_path / "logs" / "rank-0.traceback.txt").is_file()
 
