@@ -22,8 +22,11 @@ teacher and the student score the sequences, the exact reverse KL over the vocab
 completion token, backward, fused AdamW. Logits are computed only from the first completion
 column on (``logits_to_keep``), as the runner does. ``--compile`` runs every model's forward
 through ``torch.compile(dynamic=True)`` (the one way below the eager floor: fewer operations);
-the warm-up steps then include the compilation. Prints the median milliseconds of the step and
-of each phase after ``--warmup`` steps, and the warm-up's seconds, as JSON on the last line.
+the warm-up steps then include the compilation. ``dpo --compile-scope loss`` compiles both
+forwards and the loss as one graph instead, ``--compile-scope step`` the whole step (its
+backward through compiled autograd, and the optimizer step): one phase, "whole step". Prints
+the median milliseconds of the step and of each phase after ``--warmup`` steps, and the
+warm-up's seconds, as JSON on the last line.
 
 Comparing this floor with TRL's and the runner's steps measured in the same sitting
 (``race_trl.py --floor``) says how much of a step a trainer around these calls could still
@@ -177,7 +180,17 @@ def dpo(args: argparse.Namespace) -> dict[str, float]:
                        logits_to_keep=ids.shape[1] - start).logits[:, :-1]
         return (_shifted(logits, ids, start) * mask).sum(-1)
 
+    def loss_of(ids: torch.Tensor, am: torch.Tensor, mask: torch.Tensor, start: int
+                ) -> torch.Tensor:
+        with torch.no_grad():
+            ref = seq_logprobs(reference, ids, am, mask, start)
+        lp = seq_logprobs(policy, ids, am, mask, start)
+        margin = beta * ((lp[:n] - ref[:n]) - (lp[n:] - ref[n:]))
+        return -F.logsigmoid(margin).mean() - (lp[:n] / mask[:n].sum(-1)).mean()
+
     clock = Clock(args.warmup)
+    if args.compile_scope != "forwards":  # more of the step in compiled graphs: one lap
+        return _dpo_compiled_further(args.compile_scope, loss_of, opt, batches, clock)
     for ids, am, mask, start in batches:
         with torch.no_grad():
             ref = seq_logprobs(reference, ids, am, mask, start)
@@ -186,6 +199,39 @@ def dpo(args: argparse.Namespace) -> dict[str, float]:
         margin = beta * ((lp[:n] - ref[:n]) - (lp[n:] - ref[n:]))
         _update(opt, -F.logsigmoid(margin).mean() - (lp[:n] / mask[:n].sum(-1)).mean(), clock,
                 "policy forward and loss", "backward")
+        clock.end()
+    return clock.ms()
+
+
+def _dpo_compiled_further(scope: str, loss_of: Any, opt: torch.optim.Optimizer,
+                          batches: list[Any], clock: Clock) -> dict[str, float]:
+    """The DPO step with more than the forwards compiled (``--compile-scope``): "loss", both
+    forwards and the loss in one graph (its backward compiled with it); "step", that graph's
+    backward traced too (compiled autograd) and the optimizer step compiled."""
+    if scope == "loss":
+        compiled = torch.compile(loss_of, dynamic=True)
+
+        def step(*batch: Any) -> None:
+            compiled(*batch).backward()
+            opt.step()
+    else:
+        torch._dynamo.config.compiled_autograd = True
+
+        @torch.compile(dynamic=True)
+        def forward_backward(*batch: Any) -> None:
+            loss_of(*batch).backward()
+
+        @torch.compile
+        def optimize() -> None:
+            opt.step()
+
+        def step(*batch: Any) -> None:
+            forward_backward(*batch)
+            optimize()
+    for batch in batches:
+        step(*batch)
+        opt.zero_grad(set_to_none=True)
+        clock.lap("whole step")
         clock.end()
     return clock.ms()
 
@@ -284,9 +330,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile", action="store_true",
                         help="compile every model's forward (torch.compile, dynamic shapes)")
+    parser.add_argument("--compile-scope", choices=["forwards", "loss", "step"],
+                        default="forwards",
+                        help="dpo: what is compiled: the forwards (with --compile), both "
+                        "forwards and the loss in one graph, or the whole step (the backward "
+                        "through compiled autograd, the optimizer step too)")
     args = parser.parse_args()
     global COMPILE
-    COMPILE = args.compile
+    COMPILE = args.compile and args.compile_scope == "forwards"
+    if args.compile_scope != "forwards" and args.algo != "dpo":
+        parser.error("--compile-scope loss/step: dpo only")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     ms = {"grpo": grpo, "dpo": dpo, "opd": opd}[args.algo](args)
     for k, v in ms.items():
