@@ -178,7 +178,7 @@ def _direct_backend(tok: Any) -> Any:
     ``plain_encoding``), else None."""
     if not _calls_backend_directly(type(tok)):
         return None
-    backend = getattr(tok, "_tokenizer", None)
+    backend = getattr(tok, "backend_tokenizer", None)
     if (backend is None or backend.truncation is not None or backend.padding is not None
             or backend.encode_special_tokens != bool(getattr(tok, "split_special_tokens", False))):
         return None
